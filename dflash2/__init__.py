@@ -1,0 +1,9 @@
+"""dflash2: an LLM inference serving engine."""
+from __future__ import annotations
+
+from dflash2.entrypoints.llm import LLM
+from dflash2.request import CompletionOutput, RequestOutput
+from dflash2.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

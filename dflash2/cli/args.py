@@ -1,0 +1,45 @@
+"""argparse helpers: every long flag answers to both spellings, `--max-tokens` and `--max_tokens`."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_flag(parser: argparse.ArgumentParser | Any, *names: str, **kwargs: Any) -> None:
+    """Register a flag under its dashed and underscored spellings (and any extra aliases given)."""
+    spellings: list[str] = []
+    for name in names:
+        for variant in (name, "--" + name[2:].replace("-", "_"), "--" + name[2:].replace("_", "-")):
+            if variant not in spellings:
+                spellings.append(variant)
+    parser.add_argument(*spellings, **kwargs)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags that choose the model and size the engine (shared by the commands that load a model)."""
+    add_flag(parser, "--model", "--model-path", "--model-dir", dest="model", default=None,
+             help="HF directory, .gguf file, or preset name with --load-format dummy (default: bundled SmolLM2-135M)")
+    add_flag(parser, "--tokenizer", default=None, help="tokenizer directory or .gguf (default: the model's)")
+    add_flag(parser, "--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy"])
+    add_flag(parser, "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    add_flag(parser, "--device", default="auto", help="auto, cpu or cuda")
+    add_flag(parser, "--seed", type=int, default=0)
+    add_flag(parser, "--max-model-len", type=int, default=None)
+    add_flag(parser, "--max-num-seqs", type=int, default=64)
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048)
+    add_flag(parser, "--prefill-chunk-size", type=int, default=512)
+    add_flag(parser, "--kv-cache-dtype", default="auto")
+    add_flag(parser, "--kv-cache-memory", default=None, help="KV page pool size, e.g. 512MiB (overrides sizing)")
+    add_flag(parser, "--gpu-memory-utilization", type=float, default=0.9)
+    add_flag(parser, "--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    add_flag(parser, "--log-level", default="warning")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The LLM(...) keyword arguments named by the engine flags."""
+    return dict(model=args.model, tokenizer=args.tokenizer, load_format=args.load_format, dtype=args.dtype,
+                device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                prefill_chunk_size=args.prefill_chunk_size, kv_cache_dtype=args.kv_cache_dtype,
+                kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                enable_prefix_caching=args.enable_prefix_caching)

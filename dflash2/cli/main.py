@@ -1,0 +1,30 @@
+"""`dflash2` command: dispatches to the subcommands."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from dflash2.cli import generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash2", description="dflash2 LLM inference engine")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    generate.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

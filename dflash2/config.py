@@ -1,0 +1,167 @@
+"""Frozen configuration objects.
+
+`ModelArchConfig` is the architecture of one Llama-family network, built from a Hugging Face config.json,
+from GGUF metadata, or from a named preset. The engine-level configs (cache, scheduler) come from the user.
+Numbers found at run time (pages that fit, tokens per page) live in objects built from these, never here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters. `rope_type` is one of SUPPORTED_ROPE_TYPES."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    # Per-frequency divisors given directly (GGUF `rope_freqs.weight`); overrides the llama3 formula.
+    freq_factors: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """The numbers that define one decoder-only Llama-family network."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on per-head q and k
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None  # the dtype the checkpoint was saved in, if it says
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.rope.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope scaling {self.rope.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @staticmethod
+    def from_hf_config(cfg: dict[str, Any]) -> "ModelArchConfig":
+        """Build from a Hugging Face config.json dict (transformers 4 or 5 spelling)."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return ModelArchConfig(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope=_rope_from_hf(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding if arch != "Qwen3ForCausalLM" or cfg.get("use_sliding_window") else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    def replace(self, **changes: Any) -> "ModelArchConfig":
+        return dataclasses.replace(self, **changes)
+
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """Bytes one token's K and V take across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+
+
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _arch_from_model_type(model_type: str | None) -> str:
+    if model_type in _MODEL_TYPE_TO_ARCH:
+        return _MODEL_TYPE_TO_ARCH[model_type]
+    raise ValueError(
+        f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(_MODEL_TYPE_TO_ARCH))}"
+    )
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` + `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV page pool. Pages are sized in bytes; each model maps how many tokens fit in one."""
+
+    page_bytes: int = 1 << 20
+    kv_cache_memory_bytes: int | None = None  # None: derived (CPU default below, GPU from utilization)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+
+    CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,0 +1,1 @@
+"""The engine: scheduling, KV bookkeeping, model execution and the step loop."""

@@ -1,0 +1,99 @@
+"""KVManager: the page table of each request of one model, on a shared PagePool.
+
+    request.token_ids:  [ t0 t1 ... | ... | ...  tN ]
+    pages:              [  page a   | page b | page c (partly filled) ]
+    hashed:             [  yes      |  yes   |  no: only full pages get a content hash ]
+
+A request owns one reference to each page in its table. Full pages are hashed (chained over the prefix)
+once their KV is computed, so a later request with the same prefix acquires them instead of recomputing.
+"""
+from __future__ import annotations
+
+from dflash2.engine.kv.page_pool import PagePool
+from dflash2.engine.kv.prefix_hash import page_hash
+from dflash2.request import Request
+
+
+class KVManager:
+    def __init__(self, pool: PagePool, tokens_per_page: int, namespace: str,
+                 enable_prefix_caching: bool = True) -> None:
+        if tokens_per_page < 1:
+            raise ValueError("a page must hold at least one token")
+        self.pool = pool
+        self.tokens_per_page = tokens_per_page
+        self.namespace = namespace
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pages: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's leading full pages
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of those, tokens found
+
+    def pages_of(self, request_id: str) -> list[int]:
+        return self._pages.get(request_id, [])
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_page)
+
+    def attach_prefix(self, request: Request) -> int:
+        """Give a request with no pages the cached pages of its longest hashed prefix; returns tokens reused.
+
+        At least one token is left to compute, since the step that computes it yields the next logits.
+        """
+        assert request.request_id not in self._pages, "prefix lookup is for requests without pages"
+        pages: list[int] = []
+        hashes: list[bytes] = []
+        usable = request.num_tokens - 1
+        if self.enable_prefix_caching and not request.wants_prompt_logprobs:
+            parent = None
+            for start in range(0, usable - self.tokens_per_page + 1, self.tokens_per_page):
+                parent = page_hash(parent, request.token_ids[start:start + self.tokens_per_page], self.namespace)
+                page = self.pool.lookup(parent)
+                if page is None:
+                    break
+                pages.append(page)
+                hashes.append(parent)
+            self.num_prefix_queries += request.num_tokens
+            self.num_prefix_hits += len(pages) * self.tokens_per_page
+        for page in pages:
+            self.pool.acquire(page)
+        self._pages[request.request_id] = pages
+        self._hashes[request.request_id] = hashes
+        return len(pages) * self.tokens_per_page
+
+    def can_grow(self, request: Request, num_tokens: int) -> bool:
+        missing = self.num_pages_for(num_tokens) - len(self.pages_of(request.request_id))
+        return missing <= self.pool.num_available
+
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Make the request's table cover `num_tokens` tokens; False (nothing changed) if pages ran out."""
+        pages = self._pages.setdefault(request.request_id, [])
+        self._hashes.setdefault(request.request_id, [])
+        missing = self.num_pages_for(num_tokens) - len(pages)
+        if missing <= 0:
+            return True
+        new_pages = self.pool.allocate(missing)
+        if new_pages is None:
+            return False
+        pages.extend(new_pages)
+        return True
+
+    def commit(self, request: Request) -> None:
+        """Hash the pages that became full of computed KV (call after num_computed_tokens moved)."""
+        if not self.enable_prefix_caching:
+            return
+        pages = self._pages[request.request_id]
+        hashes = self._hashes[request.request_id]
+        num_full = min(request.num_computed_tokens // self.tokens_per_page, len(pages))
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            tokens = request.token_ids[i * self.tokens_per_page:(i + 1) * self.tokens_per_page]
+            content_hash = page_hash(parent, tokens, self.namespace)
+            self.pool.register(pages[i], content_hash)
+            hashes.append(content_hash)
+
+    def free(self, request: Request) -> None:
+        """Drop the request's pages; the tail goes first so that LRU eviction takes it before the prefix."""
+        pages = self._pages.pop(request.request_id, [])
+        self._hashes.pop(request.request_id, None)
+        self.pool.release(list(reversed(pages)))

@@ -1,0 +1,42 @@
+"""StepPlan: the only thing that crosses from scheduling into execution (plain data, no tensors)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute KV for tokens [start, start + len(token_ids)) of one request.
+
+    `page_ids` is the request's whole page table after this step's allocation. `sample` is True when the
+    chunk ends at the request's last known token, so its last position yields the next token.
+    `all_logits` asks for logits at every position (prompt logprobs).
+    """
+
+    request_id: str
+    start: int
+    token_ids: tuple[int, ...]
+    page_ids: tuple[int, ...]
+    sample: bool
+    all_logits: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.start > 0
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids sent back to waiting this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)

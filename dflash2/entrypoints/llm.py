@@ -1,0 +1,98 @@
+"""LLM: the offline API in vLLM's shape.
+
+    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    outs[0].outputs[0].text
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dflash2.config import CacheConfig, SchedulerConfig
+from dflash2.engine.engine import Engine, EngineConfig, PromptInput
+from dflash2.request import RequestOutput
+from dflash2.sampling_params import SamplingParams
+from dflash2.units import parse_bytes
+
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto",
+                 dtype: str = "auto", device: str = "auto", seed: int = 0, max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, prefill_chunk_size: int = 512,
+                 kv_cache_dtype: str = "auto", kv_cache_memory: int | str | None = None,
+                 gpu_memory_utilization: float = 0.9, page_bytes: int = 1 << 20,
+                 enable_prefix_caching: bool = True, attention_backend: str = "auto") -> None:
+        config = EngineConfig(
+            model=model, tokenizer=tokenizer, load_format=load_format, dtype=dtype, device=device, seed=seed,
+            attention_backend=attention_backend,
+            cache=CacheConfig(page_bytes=page_bytes, kv_cache_dtype=kv_cache_dtype,
+                              kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      prefill_chunk_size=prefill_chunk_size, max_model_len=max_model_len),
+        )
+        self.engine = Engine(config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        All prompts are validated before any runs, so a bad one raises ValueError and nothing is queued.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), SamplingParams(), "sampling_params")
+        priorities = _per_prompt(priority, len(prompts), 0, "priority")
+        request_ids = []
+        try:
+            for prompt, param, prio in zip(prompts, params, priorities):
+                request_ids.append(self.engine.add_request(prompt, param, prio).request_id)
+        except ValueError:
+            for request_id in request_ids:
+                self.engine.abort(request_id)
+            raise
+        return self._run(request_ids)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params)
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        while len(final) < len(wanted) and self.engine.has_unfinished():
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    final[output.request_id] = output
+        return [final[r] for r in request_ids]
+
+
+def _per_prompt(value: Any, count: int, default: Any, name: str) -> list[Any]:
+    if value is None:
+        return [default] * count
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count

@@ -1,0 +1,1 @@
+"""Compute kernels: plain-torch references (`torch_ref/`, the CPU path) and device kernels, behind dispatch."""

@@ -1,0 +1,1 @@
+"""Plain PyTorch kernels: the CPU path and the reference that device kernels are tested against."""

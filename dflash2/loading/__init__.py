@@ -1,0 +1,1 @@
+"""Reading checkpoints (GGUF, Hugging Face) and their tokenizers."""

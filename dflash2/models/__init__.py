@@ -1,0 +1,1 @@
+"""Model families (one file each) and the registry that maps an architecture name to its class."""
