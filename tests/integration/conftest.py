@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dflash2 import LLM
+from dflash2.loading.tokenizer import bundled_model_path
+
+
+@pytest.fixture(scope="session")
+def bundled_llm() -> LLM:
+    return LLM(max_num_seqs=16)
+
+
+@pytest.fixture(scope="session")
+def hf_bundled():
+    """transformers' own load of the same GGUF in float32: the reference (about 20 s, once a session)."""
+    from transformers import AutoModelForCausalLM
+
+    path = bundled_model_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    return model.eval()

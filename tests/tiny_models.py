@@ -1,0 +1,61 @@
+"""Tiny random Hugging Face models written to disk, for comparing our engine with transformers."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+ARCHS = ("llama", "llama3-rope", "qwen2", "qwen3", "mistral")
+
+
+def hf_config(arch: str):
+    import transformers as tf
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.3, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        return tf.LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "llama3-rope":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return tf.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=True)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    if arch == "mistral":
+        return tf.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+def build_tiny_model(arch: str, directory: str, seed: int = 0):
+    """Save a random model of this family to `directory`; returns the transformers model (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():  # random norm weights and biases too, so a wrong mapping cannot hide behind ones/zeros
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, max_shard_size="200KB")  # several shards
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0, attention_mask=torch.ones_like(ids))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of the logits at every position of the sequence: [len, vocab]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)

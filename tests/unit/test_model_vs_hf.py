@@ -1,0 +1,107 @@
+"""Tiny random models of each family: our engine against Hugging Face transformers (float32, CPU).
+
+Pages hold 4 tokens and prefill chunks are 5 tokens, so every case crosses page and chunk boundaries.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash2 import LLM, SamplingParams
+from tests.tiny_models import ARCHS, build_tiny_model, hf_greedy, hf_logprobs
+
+PAGE_BYTES = 2048  # 2 layers * 2 (K,V) * 2 kv heads * 16 dims * 4 bytes = 512 bytes/token -> 4 tokens a page
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp(request.param))
+    return request.param, build_tiny_model(request.param, directory), directory
+
+
+def make_llm(directory: str, arch: str, **kwargs) -> LLM:
+    page_bytes = PAGE_BYTES * (2 if arch == "qwen3" else 1)  # qwen3's head_dim is 32: same 4 tokens a page
+    options = dict(page_bytes=page_bytes, prefill_chunk_size=5, max_num_batched_tokens=16,
+                   kv_cache_memory=256 * page_bytes)
+    options.update(kwargs)
+    return LLM(directory, **options)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 23))] for _ in range(count)]
+
+
+GREEDY = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)  # as HF min_new_tokens: EOS masked
+
+
+def test_greedy_tokens_equal_hf_across_chunks_and_pages(tiny):
+    arch, hf_model, directory = tiny
+    llm = make_llm(directory, arch)
+    assert llm.engine.kv.tokens_per_page == 4
+    batch = prompts(6)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY)
+    for prompt, output in zip(batch, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 12)
+        assert output.outputs[0].finish_reason == "length"
+    assert llm.engine.pool.num_used == 0
+
+
+def test_logprobs_equal_hf(tiny):
+    arch, hf_model, directory = tiny
+    llm = make_llm(directory, arch)
+    prompt = prompts(1, seed=3)[0] + [7, 8, 9, 10, 11]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    output = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    full = prompt + output.outputs[0].token_ids
+    reference = hf_logprobs(hf_model, full)
+    assert output.prompt_logprobs[0] is None
+    assert len(output.prompt_logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry = output.prompt_logprobs[position]
+        assert prompt[position] in entry
+        for token_id, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(reference[position - 1, token_id].item(), abs=1e-4)
+    for step, entry in enumerate(output.outputs[0].logprobs):
+        position = len(prompt) - 1 + step
+        top = reference[position].topk(3).indices.tolist()
+        assert set(top) <= set(entry)
+        for token_id, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(reference[position, token_id].item(), abs=1e-4)
+
+
+def test_prefix_cache_hits_give_the_same_tokens(tiny):
+    arch, hf_model, directory = tiny
+    llm = make_llm(directory, arch)
+    shared = prompts(1, seed=5)[0][:3] + list(range(40, 54))  # 17 tokens: 4 full pages
+    first = llm.generate({"prompt_token_ids": shared + [60]}, GREEDY)[0]
+    second = llm.generate([{"prompt_token_ids": shared + [61]}, {"prompt_token_ids": shared + [60]}], GREEDY)
+    assert second[0].num_cached_tokens == 16 and second[1].num_cached_tokens == 16
+    assert second[1].outputs[0].token_ids == first.outputs[0].token_ids == hf_greedy(hf_model, shared + [60], 12)
+    assert second[0].outputs[0].token_ids == hf_greedy(hf_model, shared + [61], 12)
+
+
+def test_preemption_gives_the_same_tokens(tiny):
+    arch, hf_model, directory = tiny
+    page_bytes = PAGE_BYTES * (2 if arch == "qwen3" else 1)
+    llm = make_llm(directory, arch, kv_cache_memory=14 * page_bytes, max_num_batched_tokens=64)
+    batch = prompts(6, seed=11)
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, output in zip(batch, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 16)
+    assert llm.engine.pool.num_used == 0
+    llm.engine.pool.check()
+
+
+def test_architecture_specific_weights_are_used(tiny):
+    arch, hf_model, directory = tiny
+    llm = make_llm(directory, arch)
+    layer = llm.engine.model.module.layers[0].self_attn
+    hf_layer = hf_model.model.layers[0].self_attn
+    assert (layer.qkv_bias is not None) == (arch == "qwen2")
+    assert (layer.q_norm is not None) == (arch == "qwen3")
+    assert torch.equal(layer.qkv_weight[: hf_layer.q_proj.weight.shape[0]], hf_layer.q_proj.weight)
