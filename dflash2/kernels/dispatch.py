@@ -16,3 +16,31 @@ def attention_backend(name: str) -> Any:
     if name not in _ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(_ATTENTION_BACKENDS))}")
     return _ATTENTION_BACKENDS[name]()
+
+
+# -- quantized matmul (see kernels/torch_ref/quant_matmul.py for the interface) ----------------------------
+def _quant_matmul_factories() -> dict[str, Callable[[], Any]]:
+    from dflash2.kernels.torch_ref.quant_matmul import CPUPackedMatmul, TorchQuantMatmul
+
+    return {"torch": TorchQuantMatmul, "torch_cpu": CPUPackedMatmul}
+
+
+_QUANT_MATMUL_BACKENDS: dict[str, Callable[[], Any]] = {}
+# device type -> backend name chosen by "auto"; the GPU work registers "triton" and sets "cuda" to it
+_DEFAULT_QUANT_MATMUL = {"cpu": "torch_cpu"}
+
+
+def register_quant_matmul_backend(name: str, factory: Callable[[], Any], default_for: str | None = None) -> None:
+    _QUANT_MATMUL_BACKENDS[name] = factory
+    if default_for is not None:
+        _DEFAULT_QUANT_MATMUL[default_for] = name
+
+
+def quant_matmul_backend(name: str, device_type: str = "cpu") -> Any:
+    """A quantized-matmul backend by name; "auto" picks the device's default ("torch" where none is set)."""
+    backends = {**_quant_matmul_factories(), **_QUANT_MATMUL_BACKENDS}
+    if name == "auto":
+        name = _DEFAULT_QUANT_MATMUL.get(device_type, "torch")
+    if name not in backends:
+        raise ValueError(f"unknown quantized matmul backend {name!r}; available: {', '.join(sorted(backends))}")
+    return backends[name]()

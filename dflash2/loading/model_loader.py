@@ -20,6 +20,7 @@ from dflash2.config import ModelArchConfig
 from dflash2.loading import dummy_loader, hf_loader
 from dflash2.loading.tokenizer import bundled_model_path, load_tokenizer
 from dflash2.models import registry
+from dflash2.quantization.config import QuantConfig
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -35,6 +36,7 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer, or None when the checkpoint ships none
     dtype: torch.dtype
     device: torch.device
+    quant: QuantConfig | None = None  # a converted checkpoint's quantization section
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -48,8 +50,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, device: torch.device,
-               max_positions: int | None, seed: int = 0, tokenizer: str | None = None) -> LoadedModel:
-    """Load weights and tokenizer. `max_positions` bounds the rotary table (None: the model's own limit)."""
+               max_positions: int | None, seed: int = 0, tokenizer: str | None = None,
+               quant_backend: str = "auto") -> LoadedModel:
+    """Load weights and tokenizer. `max_positions` bounds the rotary table (None: the model's own limit).
+
+    A converted directory (config.json with a `quantization` section) builds quantized layers, and
+    `quant_backend` (kernels/dispatch.py; "auto" picks by device) prepares their runtime form.
+    """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; supported: {', '.join(LOAD_FORMATS)}")
     path = model or bundled_model_path()
@@ -61,11 +68,25 @@ def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, de
         tok = load_tokenizer(tokenizer) if tokenizer else None
         return LoadedModel(path, path, arch, module, tok, torch_dtype, device)
     arch, weights = _open_checkpoint(path, load_format)
-    module = _build(arch, torch_dtype, device, max_positions)
+    quant = hf_loader.read_quant_config(path) if os.path.isdir(path) else None
+    module = _build(arch, torch_dtype, device, max_positions, quant)
     module.load_weights(weights)
+    if quant is not None:
+        prepare_quantized(module, quant_backend, torch_dtype, device)
     tok = load_tokenizer(tokenizer or path)
     name = os.path.basename(os.path.normpath(path)) if model else "SmolLM2-135M-Instruct"
-    return LoadedModel(name, path, arch, module, tok, torch_dtype, device)
+    return LoadedModel(name, path, arch, module, tok, torch_dtype, device, quant)
+
+
+def prepare_quantized(module: nn.Module, backend_name: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every quantized layer its runtime form from the chosen quantized-matmul backend."""
+    from dflash2.kernels.dispatch import quant_matmul_backend
+    from dflash2.layers.quant_linear import QuantLinear
+
+    backend = quant_matmul_backend(backend_name, device.type)
+    for layer in module.modules():
+        if isinstance(layer, QuantLinear):
+            layer.prepare(backend, dtype)
 
 
 def _open_checkpoint(path: str, load_format: str) -> tuple[ModelArchConfig, Iterator[tuple[str, torch.Tensor]]]:
@@ -95,8 +116,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _build(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None) -> nn.Module:
+def _build(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device, max_positions: int | None,
+           quant: QuantConfig | None = None) -> nn.Module:
     cls = registry.model_class(arch.architecture)
     with torch.device(device), _default_dtype(dtype):
-        module = cls(arch, max_positions or arch.max_position_embeddings)
+        module = cls(arch, max_positions or arch.max_position_embeddings, quant)
     return module.eval()

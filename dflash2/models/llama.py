@@ -14,8 +14,12 @@ from torch import nn
 
 from dflash2.config import ModelArchConfig
 from dflash2.kernels.attention_metadata import AttentionMetadata
+from dflash2.layers.embedding import make_embedding
+from dflash2.layers.linear import make_linear
 from dflash2.layers.norm import RMSNorm
 from dflash2.layers.rotary import RotaryEmbedding
+from dflash2.quantization.config import QuantConfig
+from dflash2.quantization.formats import WeightFormat
 
 
 @dataclass
@@ -28,27 +32,28 @@ class ForwardContext:
     attention_backend: object
 
 
-def _empty(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+def _format(quant: QuantConfig | None, group: str, in_features: int, layer: int | None = None) -> WeightFormat | None:
+    """The weight format of one layer's tensor group; None (float, the model dtype) for a plain checkpoint."""
+    return None if quant is None else quant.format_for(group, in_features, layer)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_index: int) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_index: int, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_weight = _empty(self.q_size + 2 * self.kv_size, arch.hidden_size)
-        self.qkv_bias = _empty(self.q_size + 2 * self.kv_size) if arch.attention_bias else None
-        self.o_weight = _empty(arch.hidden_size, self.q_size)
+        self.qkv_proj = make_linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
+                                    _format(quant, "qkv", arch.hidden_size, layer_index), bias=arch.attention_bias)
+        self.o_proj = make_linear(self.q_size, arch.hidden_size, _format(quant, "o_proj", self.q_size, layer_index))
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -58,28 +63,37 @@ class LlamaAttention(nn.Module):
         q, k = rotary(ctx.positions, q, k)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         out = ctx.attention_backend.forward(q, k, v, k_cache, v_cache, ctx.attention, self.scale)
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    @property
+    def qkv_weight(self) -> torch.Tensor:  # the fused float weight of a plain checkpoint (tests read it)
+        return self.qkv_proj.weight
+
+    @property
+    def qkv_bias(self) -> torch.Tensor | None:
+        return self.qkv_proj.bias
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_index: int, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_weight = _empty(2 * arch.intermediate_size, arch.hidden_size)
-        self.down_weight = _empty(arch.hidden_size, arch.intermediate_size)
+        hidden, inter = arch.hidden_size, arch.intermediate_size
+        self.gate_up_proj = make_linear(hidden, 2 * inter, _format(quant, "ffn", hidden, layer_index))
+        self.down_proj = make_linear(inter, hidden, _format(quant, "ffn", inter, layer_index))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_index: int) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_index: int, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, layer_index)
+        self.self_attn = LlamaAttention(arch, layer_index, quant)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = LlamaMLP(arch, layer_index, quant)
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotary, ctx)
@@ -87,42 +101,55 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArchConfig, max_positions: int) -> None:
+    """`quant` None: float weights in the model dtype. Otherwise each layer's tensors in their own format;
+    a tied output projection shares the embedding unless the two formats differ."""
+
+    def __init__(self, arch: ModelArchConfig, max_positions: int, quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.arch = arch
-        self.embed_weight = _empty(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head_weight = None if arch.tie_word_embeddings else _empty(arch.vocab_size, arch.hidden_size)
+        self.arch, self.quant = arch, quant
+        hidden, vocab = arch.hidden_size, arch.vocab_size
+        embed_format = _format(quant, "embed", hidden)
+        head_format = _format(quant, "lm_head", hidden)
+        self.embed_tokens = make_embedding(vocab, hidden, embed_format)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, quant) for i in range(arch.num_layers))
+        self.norm = RMSNorm(hidden, arch.rms_norm_eps)
+        tied = arch.tie_word_embeddings and head_format == embed_format
+        self.lm_head = None if tied else make_linear(hidden, vocab, head_format)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_positions)
 
     def forward(self, token_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """token_ids [T] -> final hidden states [T, hidden]."""
-        x = F.embedding(token_ids, self.embed_weight)
+        x = self.embed_tokens(token_ids)
         for layer in self.layers:
             x = layer(x, self.rotary, ctx)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        return F.linear(hidden, weight).float()
+        head = self.embed_tokens.project if self.lm_head is None else self.lm_head
+        return head(hidden).float()
 
     # -- weights -----------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the fused parameters; every parameter must be filled."""
-        rows_filled = {name: 0 for name, _ in self.named_parameters()}
-        for hf_name, tensor in weights:
-            target = self._locate(hf_name)
-            if target is None:
+        """Fill every parameter and buffer from (name, tensor) pairs; each must be filled exactly once.
+
+        A name may be our own (a converted checkpoint: `layers.0.self_attn.qkv_proj.qweight`, packed
+        tensors copied as they are) or a Hugging Face name, whose rows go into the fused float layers.
+        """
+        targets = self.state_dict(keep_vars=True)
+        rows_filled = dict.fromkeys(targets, 0)
+        for name, tensor in weights:
+            located = (name, None) if name in targets else self._locate(name)
+            if located is None:
                 continue
-            name, rows = target
-            param = self.get_parameter(name)
-            dest = param.data if rows is None else param.data[rows[0]:rows[1]]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"weight {hf_name}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}")
+            target, rows = located
+            if target not in targets:
+                raise ValueError(f"weight {name}: this model has no {target} (a float weight for a quantized "
+                                 f"layer? convert the checkpoint with `dflash2 convert`)")
+            dest = targets[target].data if rows is None else targets[target].data[rows[0]:rows[1]]
+            _check_tensor(name, dest, tensor)
             dest.copy_(tensor)
-            rows_filled[name] += dest.shape[0]
-        missing = [name for name, _ in self.named_parameters() if rows_filled[name] != self.get_parameter(name).shape[0]]
+            rows_filled[target] += dest.shape[0] if dest.dim() else 1
+        missing = [n for n, t in targets.items() if rows_filled[n] != (t.shape[0] if t.dim() else 1)]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
 
@@ -131,28 +158,28 @@ class LlamaForCausalLM(nn.Module):
         a = self.arch
         q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
         if hf_name == "model.embed_tokens.weight":
-            return "embed_weight", None
+            return "embed_tokens.weight", None
         if hf_name == "model.norm.weight":
             return "norm.weight", None
         if hf_name == "lm_head.weight":
-            return (None if a.tie_word_embeddings else ("lm_head_weight", None))
+            return None if self.lm_head is None else ("lm_head.weight", None)
         if not hf_name.startswith("model.layers."):
             return None
         index, rest = hf_name[len("model.layers."):].split(".", 1)
         prefix = f"layers.{index}."
         fused = {
-            "self_attn.q_proj.weight": ("self_attn.qkv_weight", (0, q)),
-            "self_attn.k_proj.weight": ("self_attn.qkv_weight", (q, q + kv)),
-            "self_attn.v_proj.weight": ("self_attn.qkv_weight", (q + kv, q + 2 * kv)),
-            "self_attn.q_proj.bias": ("self_attn.qkv_bias", (0, q)),
-            "self_attn.k_proj.bias": ("self_attn.qkv_bias", (q, q + kv)),
-            "self_attn.v_proj.bias": ("self_attn.qkv_bias", (q + kv, q + 2 * kv)),
-            "self_attn.o_proj.weight": ("self_attn.o_weight", None),
+            "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", (0, q)),
+            "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", (q, q + kv)),
+            "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", (q + kv, q + 2 * kv)),
+            "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", (0, q)),
+            "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", (q, q + kv)),
+            "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", (q + kv, q + 2 * kv)),
+            "self_attn.o_proj.weight": ("self_attn.o_proj.weight", None),
             "self_attn.q_norm.weight": ("self_attn.q_norm.weight", None),
             "self_attn.k_norm.weight": ("self_attn.k_norm.weight", None),
-            "mlp.gate_proj.weight": ("mlp.gate_up_weight", (0, inter)),
-            "mlp.up_proj.weight": ("mlp.gate_up_weight", (inter, 2 * inter)),
-            "mlp.down_proj.weight": ("mlp.down_weight", None),
+            "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", (0, inter)),
+            "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", (inter, 2 * inter)),
+            "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
             "input_layernorm.weight": ("input_layernorm.weight", None),
             "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
         }
@@ -160,3 +187,10 @@ class LlamaForCausalLM(nn.Module):
             return None
         name, rows = fused[rest]
         return prefix + name, rows
+
+
+def _check_tensor(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
+    if dest.shape != tensor.shape:
+        raise ValueError(f"weight {name}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}")
+    if not dest.is_floating_point() and tensor.dtype != dest.dtype:
+        raise ValueError(f"weight {name}: expected dtype {dest.dtype}, got {tensor.dtype}")

@@ -1,0 +1,142 @@
+"""Quantized matmul backends in plain PyTorch.
+
+A backend turns a layer's packed tensors (formats.py, the on-disk layout) into a runtime form once, after
+loading, and the runtime form computes  y = x @ W^T  for activations x [M, K]:
+
+    TorchQuantMatmul   ("torch")      dequantize once to the activation dtype; F.linear. The reference.
+    CPUPackedMatmul    ("torch_cpu")  PyTorch's CPU weight-only kernels on bfloat16 activations:
+        int8   torch._weight_int8pack_mm (int8 [N, K] + per-row scales, used as stored); for M >= 64 rows
+               the weight is dequantized to bfloat16 on the fly and F.linear runs (faster for prefill)
+        int4   torch._weight_int4pack_mm_for_cpu on the weight repacked by
+               torch._convert_weight_to_int4pack_for_cpu; its dequant is (q - 8) * scale + zero, so our
+               integer zero point z becomes the float zero (8 - z) * scale
+        int6   no 6-bit kernel exists: q = 4 * hi + lo with hi = q >> 2 (0..15) and lo = q & 3, and
+               W = W_hi + W_lo exactly, each an int4 weight (scales 4s and s): two int4 kernel calls
+               (8 bits a weight in memory at run time, 6 on disk)
+        16     bfloat16 F.linear
+        The int4 kernel needs N % 16 == 0 and a group size of 32/64/128/256; other shapes fall back to a
+        bfloat16 weight dequantized at load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from dflash2.quantization.formats import WeightFormat, dequantize, unpack
+
+COMPUTE_DTYPE = torch.bfloat16
+DEQUANT_MIN_ROWS = 64  # int8: from this many rows on, dequantize + F.linear beats the weight-only kernel
+
+
+@dataclass
+class PackedWeight:
+    """One weight matrix in its on-disk layout."""
+
+    fmt: WeightFormat
+    out_features: int
+    in_features: int
+    tensors: dict[str, torch.Tensor]
+
+
+class RuntimeWeight(Protocol):
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...  # x [M, K] -> [M, N] in x's dtype
+
+
+class DenseWeight:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return F.linear(x, self.weight)
+        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+
+
+class Int8Weight:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        self.qweight = qweight.contiguous()
+        self.scales = scales.to(COMPUTE_DTYPE).contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(COMPUTE_DTYPE)
+        if x.shape[0] >= DEQUANT_MIN_ROWS:
+            y = F.linear(xc, self.qweight.to(COMPUTE_DTYPE) * self.scales[:, None])
+        else:
+            y = torch._weight_int8pack_mm(xc, self.qweight, self.scales)
+        return y.to(x.dtype)
+
+
+class Int4Weight:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, float_zeros: torch.Tensor, group_size: int) -> None:
+        """codes [N, K] in 0..15; scales and float_zeros [N, K/G]: w = (code - 8) * scale + zero."""
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        self.scales_and_zeros = torch.stack((scales.t(), float_zeros.t()), dim=-1).to(COMPUTE_DTYPE).contiguous()
+        self.group_size = group_size
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x.to(COMPUTE_DTYPE).contiguous(), self.packed, self.group_size,
+                                              self.scales_and_zeros)
+        return y.to(x.dtype)
+
+
+class Int6Weight:
+    def __init__(self, high: Int4Weight, low: Int4Weight) -> None:
+        self.high, self.low = high, low
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(COMPUTE_DTYPE).contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(xc, self.high.packed, self.high.group_size, self.high.scales_and_zeros)
+        y = y.float() + torch._weight_int4pack_mm_for_cpu(xc, self.low.packed, self.low.group_size,
+                                                          self.low.scales_and_zeros).float()
+        return y.to(x.dtype)
+
+
+class QuantMatmulBackend(Protocol):
+    name: str
+
+    def prepare(self, weight: PackedWeight, dtype: torch.dtype) -> RuntimeWeight: ...
+
+
+class TorchQuantMatmul:
+    """The reference: the weight dequantized once, to the model's dtype."""
+
+    name = "torch"
+
+    def prepare(self, weight: PackedWeight, dtype: torch.dtype) -> RuntimeWeight:
+        return DenseWeight(dequantize(weight.fmt, weight.tensors, dtype).contiguous())
+
+
+class CPUPackedMatmul:
+    """PyTorch's CPU weight-only int8/int4 kernels (see the module docstring)."""
+
+    name = "torch_cpu"
+
+    def prepare(self, weight: PackedWeight, dtype: torch.dtype) -> RuntimeWeight:
+        fmt, tensors = weight.fmt, weight.tensors
+        if fmt.bits == 16:
+            return DenseWeight(tensors["weight"].to(COMPUTE_DTYPE).contiguous())
+        if fmt.bits == 8:
+            return Int8Weight(tensors["qweight"], tensors["scales"])
+        if not int4_kernel_fits(weight):
+            return DenseWeight(dequantize(fmt, tensors, COMPUTE_DTYPE).contiguous())
+        return _grouped_runtime(weight)
+
+
+def int4_kernel_fits(weight: PackedWeight) -> bool:
+    return (weight.out_features % 16 == 0 and weight.fmt.group_size in (32, 64, 128, 256)
+            and weight.in_features % weight.fmt.group_size == 0)
+
+
+def _grouped_runtime(weight: PackedWeight) -> RuntimeWeight:
+    fmt, tensors = weight.fmt, weight.tensors
+    codes = unpack(tensors["qweight"], fmt.bits).to(torch.int32)
+    scales = tensors["scales"].float()
+    zeros = tensors["zeros"].float()
+    if fmt.bits == 4:
+        return Int4Weight(codes, scales, (8 - zeros) * scales, fmt.group_size)
+    high = Int4Weight(codes >> 2, 4 * scales, (32 - zeros) * scales, fmt.group_size)
+    low = Int4Weight(codes & 3, scales, 8 * scales, fmt.group_size)
+    return Int6Weight(high, low)

@@ -1,0 +1,62 @@
+"""QuantLinear: a linear layer whose weight is stored in a WeightFormat (16, 8, 6 or 4 bits).
+
+    load:     buffers named as on disk (weight | qweight, scales, zeros) are filled from safetensors
+    prepare:  a quantized-matmul backend turns them into its runtime form (kernels/dispatch.py)
+    forward:  runtime.matmul(x) (+ bias, kept in the model dtype)
+
+Until `prepare` runs, forward dequantizes on every call (correct, slow): the loader always prepares.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash2.kernels.torch_ref.quant_matmul import PackedWeight, RuntimeWeight
+from dflash2.quantization.formats import WeightFormat, dequantize
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, fmt: WeightFormat, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        for suffix, (shape, dtype) in fmt.tensor_shapes(out_features, in_features).items():
+            self.register_buffer(suffix, torch.zeros(shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.runtime: RuntimeWeight | None = None
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(self.fmt.tensor_shapes(self.out_features, self.in_features))
+
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.fmt, self.out_features, self.in_features,
+                            {name: getattr(self, name) for name in self.tensor_names})
+
+    def set_packed(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy a format's tensors in (shapes and dtypes must match exactly)."""
+        for name in self.tensor_names:
+            dest = getattr(self, name)
+            src = tensors[name]
+            if src.shape != dest.shape or src.dtype != dest.dtype:
+                raise ValueError(f"{self.fmt.name} {name}: expected {tuple(dest.shape)} {dest.dtype}, "
+                                 f"got {tuple(src.shape)} {src.dtype}")
+            dest.copy_(src)
+        self.runtime = None
+
+    def prepare(self, backend: Any, dtype: torch.dtype) -> None:
+        self.runtime = backend.prepare(self.packed(), dtype)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.fmt, self.packed().tensors, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.runtime is None:
+            y = torch.nn.functional.linear(x, self.dequantized(x.dtype))
+        else:
+            y = self.runtime.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.fmt.name}, bias={self.bias is not None}"
