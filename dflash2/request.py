@@ -45,10 +45,13 @@ class Request:
         self.sampling_params = sampling_params
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None  # time.monotonic() of the first step that ran it
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
+        # Set when the host knows the request will finish once in-flight steps land (overlapped steps).
+        self.finish_pending = False
         self.stop_reason: int | str | None = None
         self.generator: Any = None  # torch.Generator when sampling_params.seed is set
         self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None

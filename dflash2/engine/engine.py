@@ -1,14 +1,25 @@
-"""Engine: owns the requests and runs the step loop   plan -> execute -> commit.
+"""Engine: owns the requests and runs the step loop   plan -> launch -> commit.
 
     add_request() ─► Scheduler.waiting
-    step():  Scheduler.plan() ─► StepPlan ─► ModelRunner.execute() ─► StepResult ─► _commit()
-             _commit appends tokens, checks stop conditions, frees finished requests' pages and
-             returns one RequestOutput per request that produced something this step.
+    step():  Scheduler.plan() ─► StepPlan ─► ModelRunner.launch() ─► PendingStep ─► collect ─► _commit()
+             _commit writes the sampled tokens, checks stop conditions, frees finished requests' pages and
+             returns one RequestOutput per request that produced something.
+
+Overlapped (the default on GPU): step N+1 is planned and launched before step N is committed.
+
+    host:    plan N+1 | launch N+1 | collect+commit N | plan N+2 | launch N+2 | collect+commit N+1 ...
+    device:  ...... step N ......  | ............ step N+1 ...........| ......... step N+2 ....
+
+Step N's sampled tokens are not known on the host when N+1 is planned, so each request gets a
+placeholder token (resolved on the device from the runner's future-token buffer, and on the host at
+commit). A request that hits max_tokens is marked finish_pending so it is not scheduled again; one that
+stops on EOS or a stop string costs one wasted row in the next step.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,12 +32,19 @@ from dflash2.engine.kv.layout import KVLayout, resolve_kv_dtype
 from dflash2.engine.kv.manager import KVManager
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.engine.plan import StepPlan
-from dflash2.engine.runner import ModelRunner, StepResult
+from dflash2.engine.graphs import graph_batch_sizes
+from dflash2.engine.memory import gpu_pool_bytes
+from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepResult
 from dflash2.engine.sampler import make_generator
 from dflash2.engine.scheduler import Scheduler
 from dflash2.loading.model_loader import load_model
 from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from dflash2.sampling_params import SamplingParams
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
 
 logger = logging.getLogger("dflash2")
 
@@ -42,6 +60,8 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # never capture CUDA graphs
+    overlap: bool | None = None  # overlapped scheduling; None: on for CUDA, off on the CPU
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -62,17 +82,28 @@ class Engine:
         self.max_model_len = self._max_model_len()
         layout = KVLayout.for_model(self.model.arch, resolve_kv_dtype(config.cache.kv_cache_dtype, self.model.dtype),
                                     config.cache.page_bytes)
-        num_pages = self._num_pages(layout, device)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        options = RunnerOptions(attention_backend=backend, seed=config.seed,
+                                max_slots=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+                                enforce_eager=config.enforce_eager)
+        num_pages = self._num_pages(layout, device, options)
         self.pool = PagePool(num_pages, layout.page_bytes)
-        self.kv = KVManager(self.pool, layout.tokens_per_page, self.model.name, config.cache.enable_prefix_caching)
+        self.kv = KVManager(self.pool, layout.tokens_per_page, self.model.name, config.cache.enable_prefix_caching,
+                            max_slots=config.scheduler.max_num_seqs)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        backend = "torch" if config.attention_backend == "auto" else config.attention_backend
         self.eos_token_ids = set(self._eos_token_ids())
-        self.runner = ModelRunner(self.model, layout, num_pages, backend, config.seed)
+        self.runner = ModelRunner(self.model, layout, num_pages, options)
         self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))
+        if device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_graphs(graph_batch_sizes(config.scheduler.max_num_seqs))
+        self.overlap = config.overlap if config.overlap is not None else device.type == "cuda"
+        self._in_flight: tuple[StepPlan, PendingStep] | None = None
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.last_plan_seconds = 0.0  # how long the latest Scheduler.plan() took (server metrics read it)
         logger.info("model %s: %d layers, KV %s, %d pages of %d tokens (%d tokens), max_model_len %d",
                     self.model.name, self.model.arch.num_layers, layout.dtype, num_pages, layout.tokens_per_page,
                     num_pages * layout.tokens_per_page, self.max_model_len)
@@ -103,38 +134,95 @@ class Engine:
         self._detokenizers.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration: plan and launch a step, and commit the previous one (overlapped) or this one."""
+        started = time.perf_counter()
         plan = self.scheduler.plan()
-        if not plan:
-            return []
-        result = self.runner.execute(plan, self.requests)
-        self.scheduler.on_step_done(plan)
-        return self._commit(plan, result)
+        self.last_plan_seconds = time.perf_counter() - started
+        outputs: list[RequestOutput] = []
+        if plan and self._in_flight is not None and self._needs_token_values(plan):
+            outputs += self._finish_in_flight()  # penalties read the real tokens, not placeholders
+        launched = None
+        if plan:
+            self._mark_scheduled(plan)
+            pending = self.runner.launch(plan, self.requests)
+            if not self.overlap:
+                return outputs + self._commit(plan, self.runner.collect(pending), None)
+            self._add_placeholders(pending)
+            launched = (plan, pending)
+        if self._in_flight is not None:
+            outputs += self._finish_in_flight()
+        self._in_flight = launched
+        return outputs
 
-    def _commit(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+    def _mark_scheduled(self, plan: StepPlan) -> None:
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is not None and request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+
+    def _needs_token_values(self, plan: StepPlan) -> bool:
+        for chunk in plan.chunks:
+            request = self.requests.get(chunk.request_id)
+            if chunk.sample and request is not None and _has_penalty(request.sampling_params):
+                return True
+        return False
+
+    def _add_placeholders(self, pending: PendingStep) -> None:
+        for request_id, placeholder in zip(pending.sample_ids, pending.placeholders):
+            request = self.requests[request_id]
+            request.token_ids.append(placeholder)
+            max_tokens = request.sampling_params.max_tokens
+            if (max_tokens is not None and request.num_output_tokens >= max_tokens) \
+                    or request.num_tokens >= self.max_model_len:
+                request.finish_pending = True
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        plan, pending = self._in_flight
+        self._in_flight = None
+        return self._commit(plan, self.runner.collect(pending), pending.placeholders)
+
+    def _commit(self, plan: StepPlan, result: StepResult, placeholders: list[int] | None) -> list[RequestOutput]:
         outputs = []
         for request_id, (start, entries) in result.prompt_logprobs.items():
-            self._record_prompt_logprobs(self.requests[request_id], start, entries)
-        for request_id, token_id in result.sampled.items():
-            request = self.requests[request_id]
-            request.token_ids.append(token_id)
+            if request_id in self.requests:
+                self._record_prompt_logprobs(self.requests[request_id], start, entries)
+        for index, (request_id, token_id) in enumerate(result.sampled.items()):
+            request = self.requests.get(request_id)
+            if request is None or request.status.finished:
+                continue  # finished or aborted while this step was in flight
+            num_outputs = self._place_token(request, token_id, placeholders[index] if placeholders else None)
             self._record_logprobs(request, token_id, result.logprobs.get(request_id))
-            status = self._check_stop(request, token_id)
+            status = self._check_stop(request, token_id, num_outputs)
             if status is not None:
                 self.scheduler.finish(request, status)
-            outputs.append(self._output(request, [token_id]))
+            outputs.append(self._output(request, [token_id], num_outputs))
             if status is not None:
                 del self.requests[request_id]
                 del self._detokenizers[request_id]
+        self.scheduler.on_step_done(plan)
         return outputs
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+    @staticmethod
+    def _place_token(request: Request, token_id: int, placeholder: int | None) -> int:
+        """Put the sampled token in place (replacing its placeholder); returns the output count up to it."""
+        if placeholder is None:
+            request.token_ids.append(token_id)
+            return request.num_output_tokens
+        index = len(request.token_ids) - 1
+        while request.token_ids[index] != placeholder:
+            index -= 1
+        request.token_ids[index] = token_id
+        return index + 1 - request.num_prompt_tokens
+
+    def _check_stop(self, request: Request, token_id: int, num_outputs: int) -> RequestStatus | None:
         params = request.sampling_params
         detok = self._detokenizers[request.request_id]
-        past_min = request.num_output_tokens >= params.min_tokens
+        past_min = num_outputs >= params.min_tokens
         stop_string = detok.add_token(token_id, check_stop=past_min)
         if past_min:
             if token_id in self.eos_token_ids and not params.ignore_eos:
@@ -145,17 +233,18 @@ class Engine:
             if stop_string is not None:
                 request.stop_reason = stop_string
                 return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_outputs >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if request.num_prompt_tokens + num_outputs >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+    def _output(self, request: Request, new_token_ids: list[int], num_outputs: int) -> RequestOutput:
         finished = request.status.finished
         detok = self._detokenizers[request.request_id]
+        first = request.num_prompt_tokens
         completion = CompletionOutput(
-            index=0, text=detok.text, token_ids=request.output_token_ids,
+            index=0, text=detok.text, token_ids=request.token_ids[first:first + num_outputs],
             cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
             logprobs=request.logprobs, finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason)
@@ -235,19 +324,23 @@ class Engine:
             limit = arch.sliding_window
         return limit
 
-    def _num_pages(self, layout: KVLayout, device: torch.device) -> int:
-        budget = self.config.cache.kv_cache_memory_bytes
+    def _num_pages(self, layout: KVLayout, device: torch.device, options: RunnerOptions) -> int:
+        cache, sched = self.config.cache, self.config.scheduler
+        budget = cache.kv_cache_memory_bytes
         if budget is None:
             if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * self.config.cache.gpu_memory_utilization)
+                budget = gpu_pool_bytes(self.model, layout, options, cache.gpu_memory_utilization,
+                                        sched.max_num_batched_tokens, sched.max_num_seqs)
             else:
-                needed = self.max_model_len * self.config.scheduler.max_num_seqs * layout.bytes_per_token
+                needed = self.max_model_len * sched.max_num_seqs * layout.bytes_per_token
                 budget = min(CacheConfig.CPU_DEFAULT_KV_BYTES, needed)
         num_pages = budget // layout.page_bytes
-        if num_pages * layout.tokens_per_page < min(self.max_model_len, 1):
-            raise ValueError("the KV cache budget is too small for a single token")
-        return max(num_pages, 1)
+        capacity = num_pages * layout.tokens_per_page
+        if capacity < self.max_model_len:
+            raise ValueError(f"max_model_len {self.max_model_len} does not fit: the KV cache holds {capacity} "
+                             f"tokens ({num_pages} pages of {layout.tokens_per_page}); lower max_model_len or "
+                             f"give the cache more memory")
+        return num_pages
 
     def _eos_token_ids(self) -> list[int]:
         ids = list(self.model.arch.eos_token_ids)

@@ -8,15 +8,19 @@ from dataclasses import dataclass, field
 class ScheduledChunk:
     """Compute KV for tokens [start, start + len(token_ids)) of one request.
 
-    `page_ids` is the request's whole page table after this step's allocation. `sample` is True when the
-    chunk ends at the request's last known token, so its last position yields the next token.
-    `all_logits` asks for logits at every position (prompt logprobs).
+    The request's page table is row `slot` of the runner's page table; `new_page_ids` are the pages to write
+    into that row from index `new_pages_start` on (pages allocated since the request's previous chunk).
+    `sample` is True when the chunk ends at the request's last known token, so its last position yields the
+    next token. `all_logits` asks for logits at every position (prompt logprobs). A negative token id is a
+    placeholder for a token still being sampled on the device (overlapped steps).
     """
 
     request_id: str
     start: int
     token_ids: tuple[int, ...]
-    page_ids: tuple[int, ...]
+    slot: int
+    new_pages_start: int
+    new_page_ids: tuple[int, ...]
     sample: bool
     all_logits: bool = False
 

@@ -1,26 +1,44 @@
-"""ModelRunner: StepPlan -> device tensors -> model forward -> sampled tokens (a StepResult).
+"""ModelRunner: StepPlan -> device tensors -> model forward -> sampled tokens.
 
-Owns the device side of the KV cache: one byte buffer for the page pool and each layer's typed view of it.
-The flat batch puts single-token (decode) chunks first, then prefill chunks:
+Owns the device side of the KV cache: one byte buffer for the page pool (plus one scratch page that padded
+graph rows write into), each layer's typed view of it, and the page table: one row per request slot,
+updated in place from the pages each chunk adds. The flat batch puts decode chunks (one token) first:
 
     tokens:   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]      decode rows attend over their pages in one batch;
     samples:    ^  ^  ^              ^        ^       each prefill chunk attends causally over its pages.
+
+`launch()` queues the step on the device and returns at once; `collect()` waits for the sampled tokens
+(copied to pinned host memory as the step ends). Sampled tokens also land in a device buffer, so the next
+step can feed them back as inputs before the host has seen them: a negative input id -(i + 1) means
+"the token in future slot i" (overlapped scheduling).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from dflash2.engine.graphs import DecodeGraphs
 from dflash2.engine.kv.layout import KVLayout
 from dflash2.engine.plan import ScheduledChunk, StepPlan
-from dflash2.engine.sampler import Logprob, Sampler, SamplingRow, prompt_logprobs
+from dflash2.engine.sampler import Logprob, Sampler, SamplingRow, prompt_logprobs, sampled_logprobs
+from dflash2.engine.transfer import to_device
 from dflash2.kernels.attention_metadata import AttentionMetadata, PrefillSegment
 from dflash2.kernels.dispatch import attention_backend
 from dflash2.loading.model_loader import LoadedModel
 from dflash2.models.llama import ForwardContext
 from dflash2.request import Request
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    attention_backend: str
+    seed: int
+    max_slots: int
+    max_model_len: int
+    enforce_eager: bool = False
 
 
 @dataclass
@@ -32,113 +50,216 @@ class StepResult:
 
 
 @dataclass
-class _Batch:
-    token_ids: torch.Tensor
-    context: ForwardContext
-    sample_rows: list[int]  # flat-batch index of each sampled chunk's last token
-    sample_chunks: list[ScheduledChunk]
-    logit_chunks: list[tuple[ScheduledChunk, int]]  # chunks wanting all logits, with their first row
+class PendingStep:
+    """A step queued on the device; `placeholders[i]` stands for the token sampled for `sample_ids[i]`."""
+
+    sample_ids: list[str]
+    placeholders: list[int]
+    tokens_host: torch.Tensor | None
+    done: torch.cuda.Event | None
+    logprob_job: tuple | None = None
+    prompt_logprob_jobs: list[tuple] = field(default_factory=list)
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, layout: KVLayout, num_pages: int, backend: str, seed: int) -> None:
+    def __init__(self, model: LoadedModel, layout: KVLayout, num_pages: int, options: RunnerOptions) -> None:
         self.model = model
         self.layout = layout
+        self.options = options
         self.device = model.device
         self.num_pages = num_pages
-        self.pool_bytes = torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8, device=self.device)
+        self.scratch_page = num_pages
+        self.pool_bytes = torch.zeros((num_pages + 1) * layout.page_bytes, dtype=torch.uint8, device=self.device)
         self.kv_caches = layout.layer_views(self.pool_bytes)
-        self.attention = attention_backend(backend)
-        default_generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.sampler = Sampler(default_generator)
-        self.eos_token_ids = model.arch.eos_token_ids
+        self.max_pages_per_slot = -(-options.max_model_len // layout.tokens_per_page)
+        self.pad_slot = options.max_slots  # an extra row whose pages are all the scratch page
+        self.page_table = torch.full((options.max_slots + 1, self.max_pages_per_slot), self.scratch_page,
+                                     dtype=torch.int32, device=self.device)
+        self.attention = attention_backend(options.attention_backend)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(options.seed))
+        self.future_tokens = torch.zeros(2 * options.max_slots, dtype=torch.long, device=self.device)
+        self._future_base = 0
+        self.eos_token_ids: tuple[int, ...] = model.arch.eos_token_ids
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, batch_sizes: list[int]) -> None:
+        """Capture decode CUDA graphs for these padded batch sizes (GPU with a graph-capable backend)."""
+        if self.device.type == "cuda" and getattr(self.attention, "supports_graphs", False):
+            self.graphs = DecodeGraphs(self, batch_sizes)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan, requests: Mapping[str, Request]) -> StepResult:
+        return self.collect(self.launch(plan, requests))
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, requests: Mapping[str, Request]) -> StepResult:
-        batch = self._prepare(plan)
-        hidden = self.model.module(batch.token_ids, batch.context)
-        result = StepResult()
-        if batch.sample_rows:
-            logits = self.model.module.compute_logits(hidden[batch.sample_rows])
-            rows = [self._sampling_row(requests[c.request_id]) for c in batch.sample_chunks]
-            out = self.sampler.sample(logits, rows)
-            for chunk, token, logprobs in zip(batch.sample_chunks, out.token_ids, out.logprobs):
-                result.sampled[chunk.request_id] = token
-                if logprobs is not None:
-                    result.logprobs[chunk.request_id] = logprobs
-        for chunk, first_row in batch.logit_chunks:
-            self._prompt_logprobs(chunk, hidden, first_row, requests[chunk.request_id], result)
-        return result
-
-    # -- batch construction ------------------------------------------------------------------------
-    def _prepare(self, plan: StepPlan) -> _Batch:
+    def launch(self, plan: StepPlan, requests: Mapping[str, Request]) -> PendingStep:
+        self._update_page_table(plan.chunks)
         decodes = [c for c in plan.chunks if c.num_tokens == 1 and c.start > 0]
         prefills = [c for c in plan.chunks if not (c.num_tokens == 1 and c.start > 0)]
-        tpp = self.layout.tokens_per_page
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_pages: list[int] = []
-        slot_offsets: list[int] = []
-        sample_rows, sample_chunks, logit_chunks = [], [], []
-        segments: list[PrefillSegment] = []
-        for chunk in decodes + prefills:
-            first_row = len(token_ids)
-            token_ids.extend(chunk.token_ids)
-            span = range(chunk.start, chunk.start + chunk.num_tokens)
-            positions.extend(span)
-            slot_pages.extend(chunk.page_ids[p // tpp] for p in span)
-            slot_offsets.extend(p % tpp for p in span)
-            if chunk.sample:
-                sample_rows.append(len(token_ids) - 1)
-                sample_chunks.append(chunk)
-            if chunk.all_logits:
-                logit_chunks.append((chunk, first_row))
-            if first_row >= len(decodes):
-                segments.append(self._segment(chunk, first_row))
+        ordered = decodes + prefills
+        host = _HostBatch.build(ordered, len(decodes))
+        token_ids = self._resolve(to_device(host.token_ids, torch.long, self.device), host.has_placeholders)
+        meta = self._metadata(host, len(decodes))
+        if not prefills and self.graphs is not None and self.graphs.fits(len(decodes)):
+            logits = self.graphs.run(token_ids, meta)
+            hidden = None
+        else:
+            context = ForwardContext(positions=meta.positions, attention=meta, kv_caches=self.kv_caches,
+                                     attention_backend=self.attention)
+            hidden = self.model.module(token_ids, context)
+            logits = self.model.module.compute_logits(hidden[host.sample_rows]) if host.sample_rows else None
+        pending = self._sample(logits, [ordered[i] for i in host.sample_chunks], requests)
+        for chunk_index, first_row in host.logit_chunks:
+            chunk = ordered[chunk_index]
+            job = self._prompt_logprob_job(chunk, hidden, first_row, requests[chunk.request_id])
+            if job is not None:
+                pending.prompt_logprob_jobs.append(job)
+        return pending
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        result = StepResult()
+        if pending.done is not None:
+            pending.done.synchronize()
+        if pending.tokens_host is not None:
+            result.sampled = dict(zip(pending.sample_ids, pending.tokens_host.tolist()))
+        if pending.logprob_job is not None:
+            logits, token_ids, rows = pending.logprob_job
+            for request_id, entries in zip(pending.sample_ids, sampled_logprobs(logits, token_ids, rows)):
+                if entries is not None:
+                    result.logprobs[request_id] = entries
+        for request_id, start, logits, targets, num_top in pending.prompt_logprob_jobs:
+            result.prompt_logprobs[request_id] = (start, prompt_logprobs(logits, targets, num_top))
+        return result
+
+    # -- inputs ------------------------------------------------------------------------------------
+    def _update_page_table(self, chunks: list[ScheduledChunk]) -> None:
+        rows, cols, pages = [], [], []
+        for chunk in chunks:
+            for i, page in enumerate(chunk.new_page_ids):
+                rows.append(chunk.slot)
+                cols.append(chunk.new_pages_start + i)
+                pages.append(page)
+        if not pages:
+            return
+        if self.device.type == "cpu":
+            self.page_table.numpy()[rows, cols] = pages
+            return
+        packed = to_device([rows, cols, pages], torch.int32, self.device)
+        self.page_table[packed[0].long(), packed[1].long()] = packed[2]
+
+    def _resolve(self, token_ids: torch.Tensor, has_placeholders: bool) -> torch.Tensor:
+        """Replace placeholder ids (-(i + 1)) by the tokens the previous step left in future slot i."""
+        if not has_placeholders:
+            return token_ids
+        future = self.future_tokens[(-token_ids - 1).clamp(min=0)]
+        return torch.where(token_ids < 0, future, token_ids)
+
+    def _metadata(self, host: "_HostBatch", num_decodes: int) -> AttentionMetadata:
         device = self.device
         meta = AttentionMetadata(
-            slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=device),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
-            num_decode_tokens=len(decodes),
-            prefills=segments,
+            page_table=self.page_table,
+            token_slots=to_device(host.token_slots, torch.int32, device),
+            positions=to_device(host.positions, torch.long, device),
+            num_decode_tokens=num_decodes,
+            prefills=host.segments,
         )
-        if decodes:
-            self._add_decode_tables(meta, decodes)
-        context = ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            attention=meta, kv_caches=self.kv_caches, attention_backend=self.attention)
-        return _Batch(torch.tensor(token_ids, dtype=torch.long, device=device), context,
-                      sample_rows, sample_chunks, logit_chunks)
+        if num_decodes:
+            meta.decode_lengths = to_device(host.decode_lengths, torch.int32, device)
+            meta.max_decode_length = max(host.decode_lengths)
+        block_m = getattr(self.attention, "prefill_block_m", None)
+        if host.segments and block_m:
+            self._add_prefill_blocks(meta, host.segments, num_decodes, block_m)
+        return meta
 
-    def _segment(self, chunk: ScheduledChunk, first_row: int) -> PrefillSegment:
-        context_len = chunk.start + chunk.num_tokens
-        num_pages = -(-context_len // self.layout.tokens_per_page)
-        table = torch.tensor(chunk.page_ids[:num_pages], dtype=torch.long, device=self.device)
-        return PrefillSegment(first_row, chunk.num_tokens, context_len, table)
-
-    def _add_decode_tables(self, meta: AttentionMetadata, decodes: list[ScheduledChunk]) -> None:
-        lengths = [c.start + 1 for c in decodes]
-        max_length = max(lengths)
-        width = -(-max_length // self.layout.tokens_per_page)
-        table = [list(c.page_ids[:width]) + [0] * (width - min(width, len(c.page_ids))) for c in decodes]
-        meta.decode_page_table = torch.tensor(table, dtype=torch.long, device=self.device)
-        meta.decode_lengths = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        meta.decode_max_length = max_length
+    def _add_prefill_blocks(self, meta: AttentionMetadata, segments: list[PrefillSegment], num_decodes: int,
+                            block_m: int) -> None:
+        starts = [s.query_start - num_decodes for s in segments]
+        starts.append(starts[-1] + segments[-1].query_len)
+        blocks = [(i, m) for i, s in enumerate(segments) for m in range(0, s.query_len, block_m)]
+        packed = to_device([starts[:-1] + [starts[-1]], [s.context_len for s in segments] + [0],
+                            [s.slot for s in segments] + [0]], torch.int32, self.device)
+        meta.prefill_query_starts = packed[0]
+        meta.prefill_context_lens = packed[1, :-1]
+        meta.prefill_slots = packed[2, :-1]
+        block_info = to_device([[b[0] for b in blocks], [b[1] for b in blocks]], torch.int32, self.device)
+        meta.prefill_block_segments = block_info[0]
+        meta.prefill_block_starts = block_info[1]
 
     # -- sampling ----------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor | None, chunks: list[ScheduledChunk],
+                requests: Mapping[str, Request]) -> PendingStep:
+        sample_ids = [c.request_id for c in chunks]
+        if logits is None or not chunks:
+            return PendingStep(sample_ids, [], None, None)
+        rows = [self._sampling_row(requests[c.request_id]) for c in chunks]
+        token_ids = self.sampler.sample_device(logits, rows)
+        base = self._future_base
+        self._future_base = self.options.max_slots - base  # alternate halves: 0, max_slots, 0, ...
+        self.future_tokens[base:base + len(chunks)] = token_ids
+        placeholders = [-(base + i + 1) for i in range(len(chunks))]
+        wants_logprobs = any(r.params.logprobs is not None for r in rows)
+        logprob_job = (logits.clone(), token_ids, rows) if wants_logprobs else None  # graph logits get reused
+        if self.device.type != "cuda":
+            return PendingStep(sample_ids, placeholders, token_ids, None, logprob_job)
+        tokens_host = torch.empty(len(chunks), dtype=torch.long, pin_memory=True)
+        tokens_host.copy_(token_ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return PendingStep(sample_ids, placeholders, tokens_host, done, logprob_job)
+
     def _sampling_row(self, request: Request) -> SamplingRow:
         return SamplingRow(params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
                            output_token_ids=request.output_token_ids, generator=request.generator,
                            eos_token_ids=self.eos_token_ids)
 
-    def _prompt_logprobs(self, chunk: ScheduledChunk, hidden: torch.Tensor, first_row: int,
-                         request: Request, result: StepResult) -> None:
-        """Logprobs of prompt tokens start+1 .. (predicted by positions start .. ) within the prompt."""
+    def _prompt_logprob_job(self, chunk: ScheduledChunk, hidden: torch.Tensor, first_row: int,
+                            request: Request) -> tuple | None:
+        """Logits predicting prompt tokens start+1 .. within the prompt, for collect() to turn into logprobs."""
         last_position = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens - 1)
         count = last_position - chunk.start
         if count <= 0:
-            return
+            return None
         logits = self.model.module.compute_logits(hidden[first_row:first_row + count])
         targets = request.prompt_token_ids[chunk.start + 1:chunk.start + 1 + count]
-        entries = prompt_logprobs(logits, targets, request.sampling_params.prompt_logprobs or 0)
-        result.prompt_logprobs[chunk.request_id] = (chunk.start + 1, entries)
+        return (chunk.request_id, chunk.start + 1, logits, targets, request.sampling_params.prompt_logprobs or 0)
+
+
+@dataclass
+class _HostBatch:
+    """The step's inputs as host lists, in flat-batch order."""
+
+    token_ids: list[int]
+    positions: list[int]
+    token_slots: list[int]
+    decode_lengths: list[int]
+    segments: list[PrefillSegment]
+    sample_rows: list[int]
+    sample_chunks: list[int]  # index into the ordered chunks
+    logit_chunks: list[tuple[int, int]]  # (chunk index, first row) of chunks wanting every logit
+    has_placeholders: bool
+
+    @staticmethod
+    def build(chunks: list[ScheduledChunk], num_decodes: int) -> "_HostBatch":
+        token_ids: list[int] = []
+        positions: list[int] = []
+        token_slots: list[int] = []
+        segments: list[PrefillSegment] = []
+        sample_rows: list[int] = []
+        sample_chunks: list[int] = []
+        logit_chunks: list[tuple[int, int]] = []
+        for index, chunk in enumerate(chunks):
+            first_row = len(token_ids)
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
+            token_slots.extend([chunk.slot] * chunk.num_tokens)
+            if chunk.sample:
+                sample_rows.append(len(token_ids) - 1)
+                sample_chunks.append(index)
+            if chunk.all_logits:
+                logit_chunks.append((index, first_row))
+            if index >= num_decodes:
+                segments.append(PrefillSegment(first_row, chunk.num_tokens, chunk.start + chunk.num_tokens, chunk.slot))
+        decode_lengths = [c.start + 1 for c in chunks[:num_decodes]]
+        has_placeholders = bool(token_ids) and min(token_ids) < 0
+        return _HostBatch(token_ids, positions, token_slots, decode_lengths, segments, sample_rows, sample_chunks,
+                          logit_chunks, has_placeholders)

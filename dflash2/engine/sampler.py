@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from dflash2.engine.transfer import host_to_device, to_device
+
 from dflash2.sampling_params import SamplingParams
 
 
@@ -65,14 +67,17 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
         """Sample one token per row of `logits` ([num_rows, vocab]); `logits` itself is not modified."""
+        token_ids_dev = self.sample_device(logits, rows)
+        logprobs = sampled_logprobs(logits, token_ids_dev, rows)
+        return SampleOutput(token_ids=token_ids_dev.tolist(), logprobs=logprobs)
+
+    def sample_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The sampled token ids as a tensor on logits.device, without waiting for the device."""
         processed = apply_min_tokens(apply_penalties(logits, rows), rows)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not random_rows:
-            token_ids_dev = processed.argmax(dim=-1)
-        else:
-            token_ids_dev = self._sample_mixed(processed, rows, random_rows)
-        logprobs = _sampled_logprobs(logits, token_ids_dev, rows)
-        return SampleOutput(token_ids=token_ids_dev.tolist(), logprobs=logprobs)
+            return processed.argmax(dim=-1)
+        return self._sample_mixed(processed, rows, random_rows)
 
     def _sample_mixed(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                       random_rows: list[int]) -> torch.Tensor:
@@ -80,7 +85,7 @@ class Sampler:
         if len(random_rows) == len(rows):
             return self._sample_random(logits, rows)
         token_ids = logits.argmax(dim=-1)
-        index = torch.tensor(random_rows, device=logits.device)
+        index = to_device(random_rows, torch.long, logits.device)
         token_ids[index] = self._sample_random(logits[index], [rows[i] for i in random_rows])
         return token_ids
 
@@ -102,7 +107,7 @@ class Sampler:
         else:
             unseeded = [i for i, row in enumerate(rows) if row.generator is None]
             if unseeded:
-                index = torch.tensor(unseeded, device=like.device)
+                index = to_device(unseeded, torch.long, like.device)
                 draws = torch.empty((len(unseeded), like.shape[1]), dtype=like.dtype, device=like.device)
                 noise[index] = draws.exponential_(generator=self.default_generator)
             for i in seeded:
@@ -120,7 +125,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     if not penalized:
         return logits
     sub_rows = [rows[i] for i in penalized]
-    index = torch.tensor(penalized, device=logits.device)
+    index = to_device(penalized, torch.long, logits.device)
     sub = logits[index]
     vocab = logits.shape[1]
     output_counts = _token_counts([row.output_token_ids for row in sub_rows], vocab, logits.device)
@@ -154,8 +159,8 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     if not row_index:
         return logits
     result = logits.clone()
-    rows_dev = torch.tensor(row_index, device=logits.device)
-    tokens_dev = torch.tensor(token_index, device=logits.device)
+    rows_dev = to_device(row_index, torch.long, logits.device)
+    tokens_dev = to_device(token_index, torch.long, logits.device)
     result[rows_dev, tokens_dev] = float("-inf")
     return result
 
@@ -175,7 +180,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequenc
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if use_top_k:
         positions = torch.arange(vocab, device=logits.device)
-        limits = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+        limits = to_device([k if k > 0 else vocab for k in top_k], torch.long, logits.device)
         drop |= positions >= limits.unsqueeze(1)
     if use_top_p:
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
@@ -196,11 +201,11 @@ def apply_min_p(probs: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
 
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], num_top: int) -> list[dict[int, Logprob]]:
     """For each i, the top-`num_top` logprobs of logits[i] plus the entry of next_token_ids[i]."""
-    token_ids = torch.tensor(list(next_token_ids), dtype=torch.long, device=logits.device)
+    token_ids = to_device(list(next_token_ids), torch.long, logits.device)
     return _logprob_dicts(logits, token_ids, [num_top] * len(next_token_ids))
 
 
-def _sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                       rows: Sequence[SamplingRow]) -> list[dict[int, Logprob] | None]:
     """Raw-logit logprobs for the rows that asked for them; None for the others."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
@@ -209,7 +214,7 @@ def _sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
         return result
     num_tops = [rows[i].params.logprobs for i in wanted]
     if len(wanted) < len(rows):
-        index = torch.tensor(wanted, device=logits.device)
+        index = to_device(wanted, torch.long, logits.device)
         logits, token_ids = logits[index], token_ids[index]
     for i, entries in zip(wanted, _logprob_dicts(logits, token_ids, num_tops)):
         result[i] = entries
@@ -249,7 +254,7 @@ def _token_counts(sequences: Sequence[Sequence[int]], vocab: int, device: torch.
     """[len(sequences), vocab] float counts of each token id in each sequence."""
     width = max((len(seq) for seq in sequences), default=0)
     padded = [list(seq) + [vocab] * (width - len(seq)) for seq in sequences]  # id `vocab` = padding
-    ids = torch.tensor(padded, dtype=torch.long).reshape(len(sequences), width).to(device)
+    ids = host_to_device(torch.tensor(padded, dtype=torch.long).reshape(len(sequences), width), device)
     counts = torch.zeros((len(sequences), vocab + 1), dtype=torch.float32, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab]
@@ -257,4 +262,4 @@ def _token_counts(sequences: Sequence[Sequence[int]], vocab: int, device: torch.
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     """Per-row scalars as a [num_rows, 1] tensor matching `like`'s dtype and device."""
-    return torch.tensor(list(values), dtype=like.dtype, device=like.device).unsqueeze(1)
+    return to_device(list(values), like.dtype, like.device).unsqueeze(1)

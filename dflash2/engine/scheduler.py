@@ -52,61 +52,73 @@ class Scheduler:
 
     # -- planning ----------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
+        """Choose this step's chunks; each scheduled request's computed mark moves past its chunk at once
+        (the KV is in flight on the device), so the next plan can be made before this step has run."""
         plan = StepPlan()
-        budget = self.config.max_num_batched_tokens
-        scheduled: set[str] = set()
-        ranked = sorted(self.running.values(), key=self._urgency)
+        self._budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+        ranked = sorted((r for r in self.running.values() if not r.finish_pending), key=self._urgency)
         decodes = [r for r in ranked if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in ranked if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
-            if budget == 0:
+            if self._budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size,
+                          self._budget)
             if self._make_room(request, num_new, scheduled, plan):
-                plan.chunks.append(self._chunk(request, num_new))
-                scheduled.add(request.request_id)
-                budget -= num_new
+                chunk = self._chunk(request, num_new)
+                scheduled[request.request_id] = chunk
+                plan.chunks.append(chunk)
+                self._budget -= num_new
         if not plan.preempted:
-            budget = self._admit(plan, budget)
+            self._admit(plan)
+        for chunk in plan.chunks:
+            self.running[chunk.request_id].num_computed_tokens = chunk.start + chunk.num_tokens
         return plan
 
     def on_step_done(self, plan: StepPlan) -> None:
-        """Advance each scheduled request's computed mark and hash the pages it filled."""
+        """Hash the pages the step filled (call once the step's input tokens are all known)."""
         for chunk in plan.chunks:
             request = self.running.get(chunk.request_id)
-            if request is None:
-                continue  # finished or aborted during the step
-            request.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.kv.commit(request)
+            if request is not None:  # else finished or aborted meanwhile
+                self.kv.commit(request)
 
     # -- internals ---------------------------------------------------------------------------------
-    def _admit(self, plan: StepPlan, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit(self, plan: StepPlan) -> None:
+        while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            cached = 0
             if not self.kv.pages_of(request.request_id):
                 cached = self.kv.attach_prefix(request)
                 request.num_computed_tokens = cached
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = cached
-            num_new = min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size,
+                          self._budget)
             if not self.kv.grow(request, request.num_computed_tokens + num_new):
                 self.kv.free(request)
                 request.num_computed_tokens = 0
                 break
+            self.kv.record_prefix_lookup(request.num_tokens, cached)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running[request.request_id] = request
             plan.chunks.append(self._chunk(request, num_new))
-            budget -= num_new
-        return budget
+            self._budget -= num_new
 
-    def _make_room(self, request: Request, num_new: int, scheduled: set[str], plan: StepPlan) -> bool:
-        """Grow the request's pages, preempting less urgent requests as needed; False if it was preempted."""
+    def _make_room(self, request: Request, num_new: int, scheduled: dict[str, ScheduledChunk],
+                   plan: StepPlan) -> bool:
+        """Grow the request's pages, preempting the least urgent running requests (itself included, and
+        ones already given a chunk this step) until they fit; False if the request itself was preempted."""
         while not self.kv.grow(request, request.num_computed_tokens + num_new):
-            candidates = [r for r in self.running.values() if r.request_id not in scheduled]
-            victim = max(candidates, key=self._urgency)
+            rank = self._urgency(request)
+            victim = max((r for r in self.running.values() if self._urgency(r) >= rank), key=self._urgency)
+            dropped = scheduled.pop(victim.request_id, None)
+            if dropped is not None:
+                plan.chunks.remove(dropped)
+                self._budget += dropped.num_tokens
             self._preempt(victim)
             plan.preempted.append(victim.request_id)
             if victim is request:
@@ -125,11 +137,14 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
+        new_pages_start, new_page_ids = self.kv.take_new_pages(request.request_id)
         return ScheduledChunk(
             request_id=request.request_id,
             start=start,
             token_ids=tuple(request.token_ids[start:end]),
-            page_ids=tuple(self.kv.pages_of(request.request_id)),
+            slot=self.kv.slot_of(request.request_id),
+            new_pages_start=new_pages_start,
+            new_page_ids=new_page_ids,
             sample=end == request.num_tokens,
             all_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens,
         )

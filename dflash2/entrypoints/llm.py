@@ -24,10 +24,11 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, prefill_chunk_size: int = 512,
                  kv_cache_dtype: str = "auto", kv_cache_memory: int | str | None = None,
                  gpu_memory_utilization: float = 0.9, page_bytes: int = 1 << 20,
-                 enable_prefix_caching: bool = True, attention_backend: str = "auto") -> None:
+                 enable_prefix_caching: bool = True, attention_backend: str = "auto", enforce_eager: bool = False,
+                 overlap: bool | None = None) -> None:
         config = EngineConfig(
             model=model, tokenizer=tokenizer, load_format=load_format, dtype=dtype, device=device, seed=seed,
-            attention_backend=attention_backend,
+            attention_backend=attention_backend, enforce_eager=enforce_eager, overlap=overlap,
             cache=CacheConfig(page_bytes=page_bytes, kv_cache_dtype=kv_cache_dtype,
                               kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
                               gpu_memory_utilization=gpu_memory_utilization,
@@ -81,7 +82,7 @@ class LLM:
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
-        while len(final) < len(wanted) and self.engine.has_unfinished():
+        while self.engine.has_unfinished():  # past the last output too: an overlapped step may be in flight
             for output in self.engine.step():
                 if output.finished and output.request_id in wanted:
                     final[output.request_id] = output

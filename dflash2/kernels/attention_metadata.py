@@ -1,4 +1,12 @@
-"""AttentionMetadata: where a step's new K/V go and what each query attends to (device tensors)."""
+"""AttentionMetadata: where a step's new K/V go and what each query attends to.
+
+    page_table [num_slots, max_pages]   persistent, on the device; row = a request's slot, updated in place
+    flat batch  [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]   decode rows (one token per request) first, then
+                                                     prefill chunks; token t belongs to slot token_slots[t]
+                                                     and sits at position positions[t]
+A token's K/V go to page page_table[slot, pos // tokens_per_page], offset pos % tokens_per_page. Queries
+attend causally to every earlier position of their request (the new K/V are written first).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,26 +16,31 @@ import torch
 
 @dataclass
 class PrefillSegment:
-    """One request's prefill chunk: queries [query_start, query_start + query_len) of the flat batch.
+    """One request's prefill chunk, as host integers (for the torch path and for sizing kernel grids)."""
 
-    The chunk's queries sit at positions [context_len - query_len, context_len); they attend causally to
-    all `context_len` tokens, whose KV is in `page_table` (the new ones are written before attention).
-    """
-
-    query_start: int
+    query_start: int  # first row in the flat batch
     query_len: int
-    context_len: int
-    page_table: torch.Tensor  # [num_pages] long
+    context_len: int  # positions attended by the chunk's last query, the chunk included
+    slot: int
 
 
 @dataclass
 class AttentionMetadata:
-    """The flat batch holds `num_decode_tokens` decode rows (one per request) first, then prefill chunks."""
-
-    slot_pages: torch.Tensor  # [num_tokens] long: page receiving each new token's K/V
-    slot_offsets: torch.Tensor  # [num_tokens] long: its position inside that page
+    page_table: torch.Tensor  # [num_slots, max_pages] int32
+    token_slots: torch.Tensor  # [num_tokens] int32
+    positions: torch.Tensor  # [num_tokens] int64
     num_decode_tokens: int = 0
-    decode_page_table: torch.Tensor | None = None  # [num_decode, max_pages] long, padded with page 0
-    decode_lengths: torch.Tensor | None = None  # [num_decode] long: tokens attended, the new one included
-    decode_max_length: int = 0
+    decode_lengths: torch.Tensor | None = None  # [num_decode] int32: positions attended, the new one included
+    max_decode_length: int = 0  # host bound on decode_lengths (torch path); graphs use the model's limit
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # Device copies of the prefill segments for kernels: [num_prefills + 1] starts, [num_prefills] the rest.
+    prefill_query_starts: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+    prefill_slots: torch.Tensor | None = None
+    # Prefill query blocks for the Triton kernel: for each block, its segment and first query row in it.
+    prefill_block_segments: torch.Tensor | None = None
+    prefill_block_starts: torch.Tensor | None = None
+
+    @property
+    def decode_slots(self) -> torch.Tensor:
+        return self.token_slots[: self.num_decode_tokens]

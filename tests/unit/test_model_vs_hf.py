@@ -86,7 +86,7 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny):
 def test_preemption_gives_the_same_tokens(tiny):
     arch, hf_model, directory = tiny
     page_bytes = PAGE_BYTES * (2 if arch == "qwen3" else 1)
-    llm = make_llm(directory, arch, kv_cache_memory=14 * page_bytes, max_num_batched_tokens=64)
+    llm = make_llm(directory, arch, kv_cache_memory=14 * page_bytes, max_num_batched_tokens=64, max_model_len=56)
     batch = prompts(6, seed=11)
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
@@ -105,3 +105,23 @@ def test_architecture_specific_weights_are_used(tiny):
     assert (layer.qkv_bias is not None) == (arch == "qwen2")
     assert (layer.q_norm is not None) == (arch == "qwen3")
     assert torch.equal(layer.qkv_weight[: hf_layer.q_proj.weight.shape[0]], hf_layer.q_proj.weight)
+
+
+def test_overlapped_steps_give_the_same_tokens(tiny):
+    """Overlapped scheduling (placeholders resolved a step later) on the CPU: same tokens, same stops."""
+    arch, hf_model, directory = tiny
+    page_bytes = PAGE_BYTES * (2 if arch == "qwen3" else 1)
+    llm = make_llm(directory, arch, overlap=True, kv_cache_memory=14 * page_bytes, max_num_batched_tokens=64,
+                   max_model_len=56)
+    batch = prompts(6, seed=13)
+    lengths = [16, 5, 9, 16, 1, 12]
+    params = [SamplingParams(max_tokens=n, min_tokens=n, temperature=0) for n in lengths]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+    for prompt, n, output in zip(batch, lengths, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, n)
+    stop_at = outputs[0].outputs[0].token_ids[3]
+    stopped = llm.generate({"prompt_token_ids": batch[0]},
+                           SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert stopped.outputs[0].token_ids == outputs[0].outputs[0].token_ids[:4]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == stop_at
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0

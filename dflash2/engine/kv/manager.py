@@ -6,6 +6,10 @@
 
 A request owns one reference to each page in its table. Full pages are hashed (chained over the prefix)
 once their KV is computed, so a later request with the same prefix acquires them instead of recomputing.
+
+Each request holding pages also holds a slot: the row of the runner's device page table that mirrors its
+page list. `take_new_pages()` hands out the pages added since the last call, so the runner updates that row
+in place instead of receiving the whole table every step.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from dflash2.request import Request
 
 class KVManager:
     def __init__(self, pool: PagePool, tokens_per_page: int, namespace: str,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, max_slots: int = 1024) -> None:
         if tokens_per_page < 1:
             raise ValueError("a page must hold at least one token")
         self.pool = pool
@@ -25,11 +29,36 @@ class KVManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._pages: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's leading full pages
+        self.max_slots = max_slots
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._slot: dict[str, int] = {}
+        self._num_synced: dict[str, int] = {}  # pages already handed to the runner
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found
 
     def pages_of(self, request_id: str) -> list[int]:
         return self._pages.get(request_id, [])
+
+    def slot_of(self, request_id: str) -> int:
+        return self._slot[request_id]
+
+    def take_new_pages(self, request_id: str) -> tuple[int, tuple[int, ...]]:
+        """(index of the first page not yet handed out, those pages), and mark them handed out."""
+        pages = self._pages[request_id]
+        start = self._num_synced[request_id]
+        self._num_synced[request_id] = len(pages)
+        return start, tuple(pages[start:])
+
+    def _open(self, request_id: str) -> list[int]:
+        """The request's page list, giving it a slot first if it has none."""
+        if request_id not in self._pages:
+            if not self._free_slots:
+                raise RuntimeError(f"all {self.max_slots} page-table slots are taken")
+            self._slot[request_id] = self._free_slots.pop()
+            self._num_synced[request_id] = 0
+            self._pages[request_id] = []
+            self._hashes[request_id] = []
+        return self._pages[request_id]
 
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_page)
@@ -52,13 +81,16 @@ class KVManager:
                     break
                 pages.append(page)
                 hashes.append(parent)
-            self.num_prefix_queries += request.num_tokens
-            self.num_prefix_hits += len(pages) * self.tokens_per_page
         for page in pages:
             self.pool.acquire(page)
-        self._pages[request.request_id] = pages
+        self._open(request.request_id).extend(pages)
         self._hashes[request.request_id] = hashes
         return len(pages) * self.tokens_per_page
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix lookup (for the hit ratio)."""
+        self.num_prefix_queries += num_tokens
+        self.num_prefix_hits += num_hit_tokens
 
     def can_grow(self, request: Request, num_tokens: int) -> bool:
         missing = self.num_pages_for(num_tokens) - len(self.pages_of(request.request_id))
@@ -66,8 +98,7 @@ class KVManager:
 
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Make the request's table cover `num_tokens` tokens; False (nothing changed) if pages ran out."""
-        pages = self._pages.setdefault(request.request_id, [])
-        self._hashes.setdefault(request.request_id, [])
+        pages = self._open(request.request_id)
         missing = self.num_pages_for(num_tokens) - len(pages)
         if missing <= 0:
             return True
@@ -96,4 +127,8 @@ class KVManager:
         """Drop the request's pages; the tail goes first so that LRU eviction takes it before the prefix."""
         pages = self._pages.pop(request.request_id, [])
         self._hashes.pop(request.request_id, None)
+        self._num_synced.pop(request.request_id, None)
+        slot = self._slot.pop(request.request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
         self.pool.release(list(reversed(pages)))

@@ -9,36 +9,41 @@ from dflash2.kernels.attention_metadata import AttentionMetadata
 
 class TorchAttention:
     name = "torch"
+    supports_graphs = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D]; caches [num_pages, tokens_per_page, KVH, D]. Returns [T, H, D]."""
-        write_kv(k, v, k_cache, v_cache, meta.slot_pages, meta.slot_offsets)
+        write_kv(k, v, k_cache, v_cache, meta.page_table, meta.token_slots, meta.positions)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.decode_page_table, meta.decode_lengths,
-                                        meta.decode_max_length, scale)
+            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.page_table, meta.decode_slots,
+                                        meta.decode_lengths, meta.max_decode_length, scale)
         for seg in meta.prefills:
             rows = slice(seg.query_start, seg.query_start + seg.query_len)
             if seg.context_len == seg.query_len:  # nothing cached before this chunk: use the new K/V as is
                 keys, values = k[rows], v[rows]
             else:
-                keys = gather_pages(k_cache, seg.page_table, seg.context_len)
-                values = gather_pages(v_cache, seg.page_table, seg.context_len)
+                keys = gather_pages(k_cache, meta.page_table[seg.slot], seg.context_len)
+                values = gather_pages(v_cache, meta.page_table[seg.slot], seg.context_len)
             out[rows] = prefill_attention(q[rows], keys, values, scale)
         return out
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> None:
-    k_cache[slot_pages, slot_offsets] = k.to(k_cache.dtype)
-    v_cache[slot_pages, slot_offsets] = v.to(v_cache.dtype)
+             page_table: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor) -> None:
+    tokens_per_page = k_cache.shape[1]
+    pages = page_table[token_slots.long(), positions // tokens_per_page].long()
+    offsets = positions % tokens_per_page
+    k_cache[pages, offsets] = k.to(k_cache.dtype)
+    v_cache[pages, offsets] = v.to(v_cache.dtype)
 
 
-def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def gather_pages(cache: torch.Tensor, page_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The first `num_tokens` tokens of one request's pages, as [num_tokens, KVH, D]."""
-    return cache[page_table].flatten(0, 1)[:num_tokens]
+    num_pages = -(-num_tokens // cache.shape[1])
+    return cache[page_row[:num_pages].long()].flatten(0, 1)[:num_tokens]
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -56,13 +61,13 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                     lengths: torch.Tensor, max_length: int, scale: float) -> torch.Tensor:
+                     slots: torch.Tensor, lengths: torch.Tensor, max_length: int, scale: float) -> torch.Tensor:
     """One query per request over its pages. q [B, H, D] -> [B, H, D]."""
     batch, num_heads, dim = q.shape
     num_kv_heads = k_cache.shape[2]
     tokens_per_page = k_cache.shape[1]
     num_pages = -(-max_length // tokens_per_page)
-    table = page_table[:, :num_pages]
+    table = page_table[slots.long(), :num_pages].long()
     keys = k_cache[table].view(batch, num_pages * tokens_per_page, num_kv_heads, dim).to(q.dtype)
     values = v_cache[table].view(batch, num_pages * tokens_per_page, num_kv_heads, dim).to(q.dtype)
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, dim)

@@ -1,0 +1,58 @@
+"""Size the GPU page pool: what `gpu_memory_utilization` allows, minus what the model needs to run.
+
+    total * utilization  =  peak of a profiling step (weights + activations of the largest batch)
+                         +  reserve (CUDA graphs, logits of a full decode batch, allocator slack)
+                         +  page pool   <- the rest
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from dflash2.engine.plan import ScheduledChunk, StepPlan
+from dflash2.request import Request
+from dflash2.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dflash2.engine.kv.layout import KVLayout
+    from dflash2.engine.runner import RunnerOptions
+    from dflash2.loading.model_loader import LoadedModel
+
+logger = logging.getLogger("dflash2")
+
+GRAPH_RESERVE_BYTES = 1 << 30
+
+
+def gpu_pool_bytes(model: "LoadedModel", layout: "KVLayout", options: "RunnerOptions", utilization: float,
+                   max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Bytes left for the page pool after a profiling step of `max_num_batched_tokens` tokens."""
+    from dflash2.engine.runner import ModelRunner, RunnerOptions
+
+    device = model.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens = max_num_batched_tokens
+    num_pages = -(-num_tokens // layout.tokens_per_page)
+    profile_options = RunnerOptions(options.attention_backend, options.seed, max_slots=1, max_model_len=num_tokens)
+    runner = ModelRunner(model, layout, num_pages, profile_options)
+    chunk = ScheduledChunk("profile", 0, tuple([0] * num_tokens), slot=0, new_pages_start=0,
+                           new_page_ids=tuple(range(num_pages)), sample=True)
+    request = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
+    runner.execute(StepPlan([chunk]), {"profile": request})
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del runner
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    logits_bytes = 3 * max_num_seqs * model.arch.vocab_size * 4
+    budget = int(total * utilization) - peak - GRAPH_RESERVE_BYTES - logits_bytes
+    logger.info("GPU memory: %.2f GiB total, utilization %.2f, profiling peak %.2f GiB, pool %.2f GiB",
+                total / 2**30, utilization, peak / 2**30, budget / 2**30)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {utilization} leaves no memory for the KV cache: the model "
+                         f"needs {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB; raise it or lower "
+                         f"max_num_batched_tokens")
+    return budget
