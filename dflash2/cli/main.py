@@ -5,13 +5,15 @@ import argparse
 import logging
 import sys
 
-from dflash2.cli import generate
+from dflash2.cli import bench, generate, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash2", description="dflash2 LLM inference engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(subparsers)
+    serve.add_parser(subparsers)
+    bench.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""`dflash2 bench`: an async load generator against a running server, and its report."""

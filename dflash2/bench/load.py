@@ -1,0 +1,145 @@
+"""The load generator: keep `concurrency` requests in flight (optionally paced at `request_rate`),
+for `num_prompts` requests or `duration_s` seconds, while a side task scrapes the server's /metrics.
+
+    dataset (cycled) ─► pacer (Poisson at request_rate, or as fast as slots free up)
+                        └─► semaphore(concurrency) ─► client.send() ─► RequestResult ─► report
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dflash2.bench.client import RequestResult, send
+from dflash2.bench.dataset import BenchItem
+
+_SCRAPE_INTERVAL_S = 1.0
+GPU_UTILIZATION_METRIC = "dflash2_gpu_utilization_perc"
+GPU_MEMORY_METRIC = "dflash2_gpu_memory_utilization"
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    url: str
+    endpoint: str = "/v1/completions"
+    concurrency: int = 8
+    request_rate: float = float("inf")  # requests per second; inf: send as soon as a slot is free
+    num_prompts: int | None = None
+    duration_s: float | None = None
+    timeout_s: float = 60.0
+    model: str | None = None
+    api_key: str | None = None
+    ignore_eos: bool = False
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if not self.request_rate > 0:
+            raise ValueError(f"--request-rate must be > 0, got {self.request_rate}")
+        if (self.num_prompts is None) == (self.duration_s is None):
+            raise ValueError("give exactly one of --num-prompts and --duration")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be >= 1, got {self.num_prompts}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError(f"--duration must be > 0, got {self.duration_s}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout must be > 0, got {self.timeout_s}")
+
+
+@dataclass
+class LoadResult:
+    results: list[RequestResult]
+    duration_s: float
+    gpu_utilization_samples: list[float]
+    gpu_memory_samples: list[float]
+
+
+async def run_load(config: LoadConfig, items: list[BenchItem]) -> LoadResult:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=config.concurrency + 1, max_keepalive_connections=config.concurrency + 1)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits) as client:
+        scraper = _Scraper(client, config.url)
+        scrape_task = asyncio.create_task(scraper.run())
+        started = time.perf_counter()
+        try:
+            results = await _drive(client, config, items, headers)
+        finally:
+            scrape_task.cancel()
+        duration = time.perf_counter() - started
+    return LoadResult(results, duration, scraper.gpu_utilization, scraper.gpu_memory)
+
+
+async def _drive(client: Any, config: LoadConfig, items: list[BenchItem],
+                 headers: dict[str, str]) -> list[RequestResult]:
+    from tqdm import tqdm
+
+    rng = random.Random(config.seed)
+    slots = asyncio.Semaphore(config.concurrency)
+    tasks: list[asyncio.Task] = []
+    deadline = time.perf_counter() + config.duration_s if config.duration_s is not None else None
+    bar = tqdm(total=config.num_prompts, unit="req", disable=not config.progress, leave=False)
+
+    async def one(item: BenchItem) -> RequestResult:
+        try:
+            return await asyncio.wait_for(
+                send(client, config.url.rstrip("/"), config.endpoint, item, config.model, config.ignore_eos, headers),
+                config.timeout_s)
+        except asyncio.TimeoutError:
+            return RequestResult(item.priority, error=f"timed out after {config.timeout_s:g} s")
+        finally:
+            slots.release()
+            bar.update(1)
+
+    for count, item in enumerate(itertools.cycle(items)):
+        if config.num_prompts is not None and count >= config.num_prompts:
+            break
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
+        if config.request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(config.request_rate))
+        await slots.acquire()
+        if deadline is not None and time.perf_counter() >= deadline:
+            slots.release()
+            break
+        tasks.append(asyncio.create_task(one(item)))
+    results = list(await asyncio.gather(*tasks))
+    bar.close()
+    return results
+
+
+class _Scraper:
+    """Samples the server's GPU gauges once a second; leaves the lists empty when it has none (CPU)."""
+
+    def __init__(self, client: Any, url: str) -> None:
+        self.client = client
+        self.url = url.rstrip("/") + "/metrics"
+        self.gpu_utilization: list[float] = []
+        self.gpu_memory: list[float] = []
+
+    async def run(self) -> None:
+        while True:
+            await self.scrape()
+            await asyncio.sleep(_SCRAPE_INTERVAL_S)
+
+    async def scrape(self) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            response = await self.client.get(self.url)
+            if response.status_code != 200:
+                return
+            for family in text_string_to_metric_families(response.text):
+                for sample in family.samples:
+                    if sample.name == GPU_UTILIZATION_METRIC:
+                        self.gpu_utilization.append(sample.value)
+                    elif sample.name == GPU_MEMORY_METRIC:
+                        self.gpu_memory.append(sample.value)
+        except Exception:  # noqa: BLE001 - metrics are best effort; the load run goes on without them
+            return

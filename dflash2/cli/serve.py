@@ -1,0 +1,114 @@
+"""`dflash2 serve` (also `dflash2-server`): the OpenAI-compatible HTTP server on one model.
+
+A flag for a feature that is not built yet (tensor parallelism, Ray, host swap, the L3 disk cache) is an
+error at startup that names the flag, never a silent no-op.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from typing import Any
+
+from dflash2.cli.args import add_engine_flags, add_flag, engine_kwargs
+from dflash2.server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+
+DEFAULT_MAX_NUM_SEQS = 64
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API)")
+    add_server_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    add_engine_flags(parser)
+    add_flag(parser, "--host", default="127.0.0.1", help="bind address (0.0.0.0 to expose the server)")
+    add_flag(parser, "--port", type=int, default=8000)
+    add_flag(parser, "--served-model-name", default=None, help="the model's name in the API (default: its file name)")
+    add_flag(parser, "--api-key", default=None, help="require Authorization: Bearer KEY (health and metrics stay open)")
+    add_flag(parser, "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+             help="larger request bodies get 413")
+    add_flag(parser, "--streaming-timeout-ms", type=int, default=None,
+             help="end a stream that produced no token for this long (error event, request aborted)")
+    add_flag(parser, "--metrics-port", type=int, default=None, help="also serve /metrics on this port")
+    add_flag(parser, "--disable-log-requests", action="store_true", help="no JSON line per finished request")
+    add_flag(parser, "--log-tokens", action="store_true", help="a JSON line per generated token")
+    add_flag(parser, "--disable-log-stats", action="store_true", help="no periodic throughput line")
+    add_flag(parser, "--max-batch-size", type=int, default=None, help="alias of --max-num-seqs")
+    add_flag(parser, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    # Accepted so that they fail loudly: these features are not built yet.
+    add_flag(parser, "--tensor-parallel-size", "--tp", type=int, default=1)
+    add_flag(parser, "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
+    add_flag(parser, "--ray-address", default=None)
+    add_flag(parser, "--swap-space", type=float, default=0.0, help="GiB of host memory for swapped KV (not built)")
+    add_flag(parser, "--enable-l3-cache", action="store_true", help="spill KV pages to disk (not built)")
+    add_flag(parser, "--l3-cache-path", default=None)
+    parser.set_defaults(log_level="info", max_num_seqs=None)  # None: see llm_kwargs
+
+
+def check_unbuilt(args: argparse.Namespace) -> None:
+    """ValueError naming the first flag whose feature this build does not have."""
+    not_built = [
+        (args.tensor_parallel_size != 1, f"--tensor-parallel-size {args.tensor_parallel_size}",
+         "tensor parallelism is not built yet; only 1 is supported"),
+        (args.distributed_executor_backend == "ray", "--distributed-executor-backend ray",
+         "the Ray executor is not built yet"),
+        (args.ray_address is not None, "--ray-address", "the Ray executor is not built yet"),
+        (args.swap_space != 0, f"--swap-space {args.swap_space:g}",
+         "swapping KV pages to host memory is not built yet; only 0 is supported"),
+        (args.enable_l3_cache, "--enable-l3-cache", "the disk (L3) KV cache is not built yet"),
+        (args.l3_cache_path is not None, "--l3-cache-path", "the disk (L3) KV cache is not built yet"),
+    ]
+    for failed, flag, why in not_built:
+        if failed:
+            raise ValueError(f"{flag}: {why}")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM(...) keyword arguments: the engine flags plus the server's spellings of them."""
+    from dflash2 import LLM
+
+    kwargs = engine_kwargs(args)
+    if None not in (args.max_batch_size, args.max_num_seqs) and args.max_batch_size != args.max_num_seqs:
+        raise ValueError(f"--max-batch-size {args.max_batch_size} contradicts --max-num-seqs {args.max_num_seqs}")
+    kwargs["max_num_seqs"] = args.max_batch_size or args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    if args.enforce_eager:
+        if "enforce_eager" in inspect.signature(LLM).parameters:
+            kwargs["enforce_eager"] = True
+        # else: this build never captures CUDA graphs, so every step already runs eagerly
+    return kwargs
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    aliases = tuple(name for name in (args.model,) if name)
+    return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                        model_aliases=aliases, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                        streaming_timeout_ms=args.streaming_timeout_ms, metrics_port=args.metrics_port,
+                        disable_log_requests=args.disable_log_requests, disable_log_stats=args.disable_log_stats,
+                        log_tokens=args.log_tokens, log_level=args.log_level)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_unbuilt(args)
+    config = server_config(args)
+    kwargs = llm_kwargs(args)
+
+    def build_engine() -> Any:
+        from dflash2 import LLM
+
+        return LLM(**kwargs).engine  # the same construction as the offline API, so both give the same text
+
+    from dflash2.server.launch import serve
+
+    return serve(config, build_engine)
+
+
+def main() -> None:
+    """The `dflash2-server` console script: `dflash2 serve` with the same flags."""
+    from dflash2.cli.main import main as dflash2_main
+
+    sys.exit(dflash2_main(["serve", *sys.argv[1:]]))

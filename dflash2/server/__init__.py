@@ -1,0 +1,5 @@
+"""The HTTP server: OpenAI-compatible API, /generate, SSE streaming, /health, /metrics.
+
+It turns HTTP into engine requests and streams tokens back; it never touches a tensor. The engine runs on
+a thread of its own (engine_thread.py); the HTTP work stays on the asyncio event loop.
+"""

@@ -1,0 +1,193 @@
+"""The FastAPI app: routes, the API-key and body-size guard, and OpenAI-style errors.
+
+Every client error is a JSON body {"error": {"message", "type", "param", "code"}}: 400 for bad input,
+401 for a missing or wrong API key, 413 for a body over --max-request-bytes, 503 while the model loads.
+/health, /metrics and /version stay open without the key.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import dflash2
+from dflash2.server.engine_thread import EngineError
+from dflash2.server.generate_api import generate
+from dflash2.server.generation import ClientGone
+from dflash2.server.metrics import CONTENT_TYPE
+from dflash2.server.openai_api import create_chat_completion, create_completion, error_body
+from dflash2.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     GenerateRequest, TokenizeRequest, parse_body)
+from dflash2.server.state import NotReady, ServerState
+
+logger = logging.getLogger("dflash2.server")
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+def build_app(state: ServerState, on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):  # type: ignore[no-untyped-def]
+        import asyncio
+
+        state.engine.start(asyncio.get_running_loop(), on_load_error or _log_load_error)
+        yield
+        state.engine.stop()
+
+    app = FastAPI(title="dflash2", version=dflash2.__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.add_middleware(GuardMiddleware, api_key=state.config.api_key, max_request_bytes=state.config.max_request_bytes)
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    limit = state.config.max_request_bytes
+
+    def endpoint(model: type, handler: Callable[..., Awaitable[Response]]) -> Callable[[HTTPRequest], Any]:
+        async def run(http_request: HTTPRequest) -> Response:
+            state.require_ready()
+            body = parse_body(model, await read_json(http_request, limit))
+            return await handler(http_request, body, state)
+        return run
+
+    app.add_api_route("/v1/completions", endpoint(CompletionRequest, create_completion), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", endpoint(ChatCompletionRequest, create_chat_completion),
+                      methods=["POST"])
+    app.add_api_route("/generate", endpoint(GenerateRequest, generate), methods=["POST"])
+    app.add_api_route("/tokenize", endpoint(TokenizeRequest, tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", endpoint(DetokenizeRequest, detokenize), methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.ready:
+            return JSONResponse({"status": "ok"})
+        status = "failed" if state.engine.load_error is not None else "loading"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": dflash2.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client.exposition import generate_latest
+
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        engine = state.require_ready()
+        card = {"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "dflash2",
+                "root": engine.model.name, "max_model_len": engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+
+async def tokenize(_http_request: HTTPRequest, body: TokenizeRequest, state: ServerState) -> Response:
+    state.check_model(body.model)
+    if body.messages is not None:
+        token_ids = state.encode_chat(body.messages, body.add_generation_prompt)["prompt_token_ids"]
+    else:
+        token_ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return JSONResponse({"count": len(token_ids), "max_model_len": state.require_ready().max_model_len,
+                         "tokens": token_ids})
+
+
+async def detokenize(_http_request: HTTPRequest, body: DetokenizeRequest, state: ServerState) -> Response:
+    state.check_model(body.model)
+    vocab_size = state.require_ready().model.arch.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"token id {bad[0]} is not in [0, {vocab_size})", param="tokens")
+    return JSONResponse({"prompt": state.decode(body.tokens)})
+
+
+async def read_json(http_request: HTTPRequest, limit: int) -> Any:
+    """The body as JSON; 413 past `limit` bytes (also for chunked bodies), 400 if it is not JSON."""
+    chunks, size = [], 0
+    async for chunk in http_request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"the request body is over {limit} bytes", code="request_too_large", status_code=413)
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+
+
+class GuardMiddleware:
+    """API key check and an early 413 from Content-Length, before any route runs (plain ASGI, so
+    streaming responses and client-disconnect detection pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+            response = JSONResponse(error_body("missing or invalid API key (send Authorization: Bearer <key>)",
+                                               "authentication_error", "invalid_api_key"), status_code=401)
+            await response(scope, receive, send)
+            return
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_request_bytes:
+            response = JSONResponse(error_body(f"the request body is over {self.max_request_bytes} bytes",
+                                               "invalid_request_error", "request_too_large"), status_code=413)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        assert self.api_key is not None
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(BadRequest)
+    async def bad_request(_request: HTTPRequest, e: BadRequest) -> Response:
+        return JSONResponse(error_body(str(e), "invalid_request_error", e.code, e.param), status_code=e.status_code)
+
+    @app.exception_handler(NotReady)
+    async def not_ready(_request: HTTPRequest, e: NotReady) -> Response:
+        return JSONResponse(error_body(str(e), "service_unavailable", "model_loading"), status_code=503)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_request: HTTPRequest, _e: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the request was aborted
+
+    @app.exception_handler(EngineError)
+    async def engine_error(_request: HTTPRequest, e: EngineError) -> Response:
+        return JSONResponse(error_body(str(e), "internal_server_error", "engine_error"), status_code=500)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: HTTPRequest, e: HTTPException) -> Response:
+        error_type = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), error_type, None), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: HTTPRequest, e: Exception) -> Response:
+        logger.exception("unexpected error")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error", None),
+                            status_code=500)
+
+
+def _log_load_error(error: BaseException) -> None:
+    logger.error("the model failed to load: %s", error)

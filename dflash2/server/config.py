@@ -1,0 +1,35 @@
+"""ServerConfig: what the HTTP layer needs to know (the engine has its own EngineConfig)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the engine's model name
+    model_aliases: tuple[str, ...] = ()  # other names a request may use for the model (e.g. the --model path)
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    streaming_timeout_ms: int | None = None  # None: streams never time out
+    metrics_port: int | None = None
+    disable_log_requests: bool = False
+    disable_log_stats: bool = False
+    log_tokens: bool = False
+    log_level: str = "info"
+    stats_interval_s: float = 10.0  # how often the engine thread logs a stats line
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in [1, 65535], got {self.metrics_port}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if self.streaming_timeout_ms is not None and self.streaming_timeout_ms < 1:
+            raise ValueError(f"--streaming-timeout-ms must be >= 1, got {self.streaming_timeout_ms}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")

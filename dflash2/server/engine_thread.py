@@ -1,0 +1,207 @@
+"""EngineThread: the Engine on a thread of its own, fed from the asyncio event loop.
+
+    event loop (HTTP, SSE)                          thread "dflash2-engine" (owns the Engine)
+    ─────────────────────                           ─────────────────────────────────────────
+    await submit(...)  ──► commands (SimpleQueue) ──► engine.add_request()   (ValueError -> the future)
+    abort(request_id)  ──►                        ──► engine.abort()         (pages freed at once)
+    asyncio.Queue per HTTP request ◄── loop.call_soon_threadsafe ◄── RequestOutputs of engine.step()
+
+The Engine is not thread-safe, so nothing but this thread touches it after loading; the event loop only
+reads what never changes once loaded (tokenizer, model name, max_model_len). A thread, not a process:
+the step's heavy work (torch kernels on the CPU, kernel launches and waits on the GPU) runs with the GIL
+released, so the event loop keeps serving HTTP while a step runs; a process would add a serialization hop
+per token and a second copy of the tokenizer for no gain at this scale.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash2.request import Request, RequestOutput
+from dflash2.sampling_params import SamplingParams
+from dflash2.server.observer import RequestObserver, Tracked
+
+logger = logging.getLogger("dflash2.server")
+
+_IDLE_WAIT_S = 0.5  # how long the idle thread blocks on the command queue before a stats tick
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (a bug, or the device failed); the request is lost."""
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt: dict[str, Any]
+    params: SamplingParams
+    priority: int
+    outputs: asyncio.Queue
+    accepted: asyncio.Future
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class EngineThread:
+    def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver]) -> None:
+        self._engine_factory = engine_factory
+        self._observer_factory = observer_factory
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tracked: dict[str, Tracked] = {}
+        self.engine: Any = None
+        self.observer: RequestObserver | None = None
+        self.load_error: BaseException | None = None
+        self.loaded = threading.Event()
+
+    # -- event-loop side -----------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop, on_load_error: Callable[[BaseException], None]) -> None:
+        self._loop = loop
+        self._on_load_error = on_load_error
+        self._thread = threading.Thread(target=self._run, name="dflash2-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._commands.put(_Stop())
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded.is_set() and self.load_error is None
+
+    async def submit(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int,
+                     outputs: asyncio.Queue) -> None:
+        """Queue one request; returns once the engine took it, raises ValueError if it refused it.
+
+        Its RequestOutputs (or an EngineError) then arrive on `outputs`, the last one with finished=True.
+        """
+        assert self._loop is not None
+        accepted = self._loop.create_future()
+        self._commands.put(_Submit(request_id, prompt, params, priority, outputs, accepted))
+        await accepted
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages (a no-op for one already finished)."""
+        self._commands.put(_Abort(request_id))
+
+    # -- engine-thread side --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._engine_factory()
+            self.observer = self._observer_factory(self.engine)
+        except BaseException as e:  # noqa: BLE001 - any load failure ends the server with its message
+            self.load_error = e
+            self.loaded.set()
+            self._call_soon(self._on_load_error, e)
+            return
+        self.loaded.set()
+        logger.info("engine ready: model %s", self.engine.model.name)
+        while True:
+            if not self._drain_commands(block=not self.engine.has_unfinished()):
+                break
+            if self.engine.has_unfinished():
+                self._step()
+            self.observer.tick(time.monotonic())
+        for request_id in list(self._tracked):
+            self._abort(request_id)
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply every queued command; False once told to stop."""
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Submit):
+                self._add(command)
+            else:
+                self._abort(command.request_id)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, command: _Submit) -> None:
+        try:
+            request: Request = self.engine.add_request(command.prompt, command.params, command.priority,
+                                                       command.request_id)
+        except ValueError as e:
+            self._call_soon(_settle, command.accepted, e)
+            return
+        self._tracked[command.request_id] = Tracked(request, command.outputs, command.submitted_at)
+        self._call_soon(_settle, command.accepted, None)
+
+    def _abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return  # finished already, or never accepted
+        self.engine.abort(request_id)
+        self.observer.on_finished(tracked, "abort", time.monotonic())
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving the next ones
+            logger.exception("engine step failed; aborting %d requests", len(self._tracked))
+            self._fail_all(EngineError(f"the engine failed: {e}"))
+            return
+        now = time.monotonic()
+        self.observer.on_step(self.engine, now)
+        deliveries: list[tuple[asyncio.Queue, RequestOutput]] = []
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            self.observer.on_output(tracked, output, now)
+            deliveries.append((tracked.outputs, output))
+            if output.finished:
+                del self._tracked[output.request_id]
+                self.observer.on_finished(tracked, output.outputs[0].finish_reason or "stop", now)
+        if deliveries:
+            self._call_soon(_deliver, deliveries)
+
+    def _fail_all(self, error: EngineError) -> None:
+        deliveries = []
+        for request_id, tracked in list(self._tracked.items()):
+            deliveries.append((tracked.outputs, error))
+            self._abort(request_id)
+        self._call_soon(_deliver, deliveries)
+
+    def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            pass  # the event loop is closed: the server is shutting down
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return  # the HTTP handler was cancelled (client gone) meanwhile; its abort follows in the queue
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
+    for outputs, item in deliveries:
+        outputs.put_nowait(item)

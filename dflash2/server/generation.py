@@ -1,0 +1,108 @@
+"""Generation: the engine requests behind one HTTP request, and how the handler reads their outputs.
+
+    handler ── Generation.start() ──► EngineThread.submit() per prompt (all or none accepted)
+            ◄─ stream(timeout)     ◄── one asyncio.Queue shared by the prompts' outputs
+            ◄─ collect(request)        (waits for all to finish; a client that hangs up aborts them)
+            ── abort_unfinished()     (finally: client gone, stream timed out, or error)
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+
+from dflash2.request import RequestOutput
+from dflash2.sampling_params import SamplingParams
+from dflash2.server.engine_thread import EngineError, EngineThread
+from dflash2.server.protocol import BadRequest
+
+
+class StreamTimeout(Exception):
+    """No token arrived within --streaming-timeout-ms."""
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+class Generation:
+    def __init__(self, engine: EngineThread, request_id: str, request_ids: list[str]) -> None:
+        self.engine = engine
+        self.id = request_id
+        self.request_ids = request_ids
+        self.index_of = {request_id: i for i, request_id in enumerate(request_ids)}
+        self.outputs: asyncio.Queue = asyncio.Queue()
+        self.created = int(time.time())
+        self._unfinished = set(request_ids)
+
+    @classmethod
+    async def start(cls, engine: EngineThread, request_id: str, prompts: list[dict[str, Any]],
+                    params: SamplingParams, priority: int) -> Generation:
+        """Submit every prompt; if the engine refuses one, abort the others and raise BadRequest."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        generation = cls(engine, request_id, ids)
+        try:
+            for sub_id, prompt in zip(ids, prompts):
+                await engine.submit(sub_id, prompt, params, priority, generation.outputs)
+        except ValueError as e:
+            generation.abort_unfinished()
+            raise BadRequest(str(e)) from None
+        except BaseException:
+            generation.abort_unfinished()
+            raise
+        return generation
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    async def stream(self, timeout_s: float | None) -> AsyncIterator[RequestOutput]:
+        """Outputs as they come, until every request finished; StreamTimeout after timeout_s without one."""
+        while self._unfinished:
+            try:
+                item = await asyncio.wait_for(self.outputs.get(), timeout_s)
+            except asyncio.TimeoutError:
+                raise StreamTimeout(f"no token for {1000 * timeout_s:.0f} ms") from None
+            yield self._take(item)
+
+    async def collect(self, http_request: HTTPRequest) -> list[RequestOutput]:
+        """Every request's final output, in prompt order; ClientGone if the client hangs up first."""
+        finals: dict[str, RequestOutput] = {}
+        watcher = asyncio.ensure_future(_wait_for_disconnect(http_request))
+        try:
+            while self._unfinished:
+                getter = asyncio.ensure_future(self.outputs.get())
+                done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    raise ClientGone()
+                output = self._take(getter.result())
+                if output.finished:
+                    finals[output.request_id] = output
+        finally:
+            watcher.cancel()
+        return [finals[request_id] for request_id in self.request_ids]
+
+    def abort_unfinished(self) -> None:
+        for request_id in self._unfinished:
+            self.engine.abort(request_id)
+        self._unfinished.clear()
+
+    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item if isinstance(item, EngineError) else EngineError(str(item))
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return item
+
+
+async def _wait_for_disconnect(http_request: HTTPRequest) -> None:
+    """Return when the client disconnects (the body has been read, so receive() waits for that alone)."""
+    while True:
+        message = await http_request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,94 @@
+"""Prometheus metrics, labelled with `model_name`: vLLM's set under the `dflash2_` prefix, plus our own.
+
+Every metric lives in the server's own CollectorRegistry (so two servers in one process do not collide).
+The engine thread writes them (prometheus_client is thread-safe); /metrics and --metrics-port read them.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+disable_created_metrics()
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_REQUEST_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0)
+_SCHEDULER_BUCKETS_US = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000)
+
+
+class ServerMetrics:
+    """The metric objects, each already bound to this server's model name."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.num_requests_running = gauge("dflash2_num_requests_running", "Requests in the running set")
+        self.num_requests_waiting = gauge("dflash2_num_requests_waiting", "Requests waiting (incl. preempted)")
+        self.kv_cache_usage_perc = gauge("dflash2_kv_cache_usage_perc", "Fraction of KV pages owned by requests")
+        self.kv_cache_used_pages = gauge("dflash2_kv_cache_used_pages", "KV pages owned by requests")
+        self.kv_cache_total_pages = gauge("dflash2_kv_cache_total_pages", "KV pages in the pool")
+        self.kv_cache_hit_ratio = gauge("dflash2_kv_cache_hit_ratio",
+                                        "Prompt tokens served from the prefix cache / prompt tokens (cumulative)")
+        self.cache_eviction_rate = gauge("dflash2_cache_eviction_rate",
+                                         "Cached pages evicted per second over the last stats interval")
+        # No child until a value is known, so that on the CPU these have no sample at all.
+        self._gpu_memory_utilization = Gauge("dflash2_gpu_memory_utilization",
+                                             "Fraction of the GPU's memory in use (absent on CPU)", labels,
+                                             registry=self.registry)
+        self._gpu_utilization_perc = Gauge("dflash2_gpu_utilization_perc",
+                                           "GPU busy percentage from NVML (absent on CPU or without NVML)", labels,
+                                           registry=self.registry)
+        self.prompt_tokens = counter("dflash2_prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = counter("dflash2_generation_tokens", "Generated tokens")
+        self.num_preemptions = counter("dflash2_num_preemptions", "Requests preempted")
+        self.cache_evictions = counter("dflash2_cache_evictions", "Cached pages evicted")
+        self.prefix_cache_queries = counter("dflash2_prefix_cache_queries", "Prompt tokens looked up in the cache")
+        self.prefix_cache_hits = counter("dflash2_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.streaming_success = counter("dflash2_streaming_success", "Streams that ended normally")
+        self.streaming_timeout = counter("dflash2_streaming_timeout",
+                                         "Streams ended because no token came within --streaming-timeout-ms")
+        self._request_success = Counter("dflash2_request_success", "Finished requests by finish reason",
+                                        ["model_name", "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):
+            self._request_success.labels(model_name, reason)
+        self.time_to_first_token = histogram("dflash2_time_to_first_token_seconds", "Time to first token",
+                                             _TTFT_BUCKETS)
+        self.inter_token_latency = histogram("dflash2_inter_token_latency_seconds", "Time between tokens",
+                                             _ITL_BUCKETS)
+        self.e2e_request_latency = histogram("dflash2_e2e_request_latency_seconds", "Arrival to last token",
+                                             _REQUEST_BUCKETS)
+        self.request_queue_time = histogram("dflash2_request_queue_time_seconds", "Arrival to first scheduled",
+                                            _REQUEST_BUCKETS)
+        self.request_prefill_time = histogram("dflash2_request_prefill_time_seconds",
+                                              "First scheduled to first token", _REQUEST_BUCKETS)
+        self.request_decode_time = histogram("dflash2_request_decode_time_seconds", "First token to last token",
+                                             _REQUEST_BUCKETS)
+        self.scheduler_latency = histogram("dflash2_scheduler_latency_microseconds",
+                                           "Time Scheduler.plan() takes per step", _SCHEDULER_BUCKETS_US)
+
+    def request_success(self, finished_reason: str) -> Counter:
+        return self._request_success.labels(self.model_name, finished_reason)
+
+    def set_gpu(self, memory_fraction: float | None, utilization_perc: float | None) -> None:
+        if memory_fraction is not None:
+            self._gpu_memory_utilization.labels(self.model_name).set(memory_fraction)
+        if utilization_perc is not None:
+            self._gpu_utilization_perc.labels(self.model_name).set(utilization_perc)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

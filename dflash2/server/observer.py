@@ -1,0 +1,199 @@
+"""RequestObserver: per-request timings, Prometheus metrics and JSON logs, fed by the engine thread.
+
+One request's clock (time.monotonic):
+
+    submitted ──queue── first scheduled ──prefill── first token ──decode── last token (finished)
+    |<─────────────── TTFT ──────────────────────────>|
+    |<──────────────────────────────── e2e ─────────────────────────────────────────>|
+
+Everything here runs on the engine thread, right after the step that produced the outputs.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dflash2.request import Request, RequestOutput
+from dflash2.server.metrics import ServerMetrics
+
+request_logger = logging.getLogger("dflash2.requests")  # one JSON object per line, set up by the launcher
+logger = logging.getLogger("dflash2.server")
+
+_GAUGE_INTERVAL_S = 1.0
+
+
+@dataclass
+class Tracked:
+    """A request the engine thread has accepted and not yet finished."""
+
+    request: Request
+    outputs: asyncio.Queue
+    submitted_at: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+@dataclass(frozen=True)
+class ObserverConfig:
+    log_requests: bool = True
+    log_tokens: bool = False
+    log_stats: bool = True
+    stats_interval_s: float = 10.0
+
+
+class RequestObserver:
+    def __init__(self, engine: Any, metrics: ServerMetrics, config: ObserverConfig) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.config = config
+        self.model_name = metrics.model_name
+        self._page_bytes = engine.pool.page_bytes
+        self._tokens_per_page = engine.kv.tokens_per_page
+        self._seen_preemptions = 0
+        self._seen_evictions = 0
+        self._seen_prefix = (0, 0)
+        self._gauge_tick = (time.monotonic(), 0)  # (when, evictions then)
+        self._stats_tick = (time.monotonic(), 0, 0)  # (when, prompt tokens then, generation tokens then)
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        metrics.kv_cache_total_pages.set(engine.pool.num_pages)
+        self._update_gauges()
+
+    # -- per request ---------------------------------------------------------------------------------
+    def on_output(self, tracked: Tracked, output: RequestOutput, now: float) -> None:
+        num_new = len(output.delta_token_ids)
+        if num_new == 0:
+            return
+        m = self.metrics
+        if tracked.first_token_at is None:
+            tracked.first_token_at = now
+            m.time_to_first_token.observe(now - tracked.submitted_at)
+            self._num_prompt_tokens += tracked.request.num_prompt_tokens
+            m.prompt_tokens.inc(tracked.request.num_prompt_tokens)
+        else:
+            m.inter_token_latency.observe(now - (tracked.last_token_at or now))
+        latency_ms = 1000.0 * (now - (tracked.last_token_at or tracked.submitted_at))
+        tracked.last_token_at = now
+        self._num_generation_tokens += num_new
+        m.generation_tokens.inc(num_new)
+        if self.config.log_tokens:
+            for token_id in output.delta_token_ids:
+                self._log_token(tracked.request, token_id, latency_ms)
+
+    def on_finished(self, tracked: Tracked, finish_reason: str, now: float) -> None:
+        m = self.metrics
+        request = tracked.request
+        m.request_success(finish_reason).inc()
+        m.e2e_request_latency.observe(now - tracked.submitted_at)
+        scheduled = _first_scheduled(request)
+        if scheduled is not None:
+            m.request_queue_time.observe(max(0.0, scheduled - tracked.submitted_at))
+            if tracked.first_token_at is not None:
+                m.request_prefill_time.observe(max(0.0, tracked.first_token_at - scheduled))
+        if tracked.first_token_at is not None:
+            m.request_decode_time.observe(now - tracked.first_token_at)
+        if self.config.log_requests:
+            request_logger.info(json.dumps(self._request_record(tracked, finish_reason, now)))
+
+    def _request_record(self, tracked: Tracked, finish_reason: str, now: float) -> dict[str, Any]:
+        request = tracked.request
+        first_token = tracked.first_token_at
+        scheduled = _first_scheduled(request)
+        num_output = request.num_output_tokens
+        return {
+            "event": "request_finished", "time": round(time.time(), 3), "request_id": request.request_id,
+            "model": self.model_name, "priority": request.priority, "finish_reason": finish_reason,
+            "prompt_tokens": request.num_prompt_tokens, "completion_tokens": num_output,
+            "cached_tokens": request.num_cached_tokens, "num_preemptions": request.num_preemptions,
+            "queue_time_ms": _ms(scheduled - tracked.submitted_at) if scheduled is not None else None,
+            "ttft_ms": _ms(first_token - tracked.submitted_at) if first_token is not None else None,
+            "tpot_ms": _ms((now - first_token) / (num_output - 1)) if first_token and num_output > 1 else None,
+            "e2e_ms": _ms(now - tracked.submitted_at),
+        }
+
+    def _log_token(self, request: Request, token_id: int, latency_ms: float) -> None:
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.decode([token_id]) if tokenizer is not None else None
+        num_pages = -(-request.num_tokens // self._tokens_per_page)
+        request_logger.info(json.dumps({
+            "event": "token", "req_id": request.request_id, "token_id": token_id, "token_text": text,
+            "latency_ms": round(latency_ms, 3), "kv_cache_size_bytes": num_pages * self._page_bytes,
+            "priority": request.priority, "model": self.model_name}, ensure_ascii=False))
+
+    # -- per step and per tick -----------------------------------------------------------------------
+    def on_step(self, engine: Any, now: float) -> None:
+        self.metrics.scheduler_latency.observe(getattr(engine, "last_plan_seconds", 0.0) * 1e6)
+        self._update_gauges()
+
+    def tick(self, now: float) -> None:
+        """Called on every turn of the engine loop (at least every half second when idle)."""
+        self._update_gauges()
+        when, evictions = self._gauge_tick
+        if now - when >= _GAUGE_INTERVAL_S:
+            self.metrics.cache_eviction_rate.set((self._seen_evictions - evictions) / (now - when))
+            self.metrics.set_gpu(*_gpu_readings(self.engine))
+            self._gauge_tick = (now, self._seen_evictions)
+        if self.config.log_stats and now - self._stats_tick[0] >= self.config.stats_interval_s:
+            self._log_stats(now)
+
+    def _update_gauges(self) -> None:
+        engine, m = self.engine, self.metrics
+        pool, scheduler = engine.pool, engine.scheduler
+        m.num_requests_running.set(len(scheduler.running))
+        m.num_requests_waiting.set(len(scheduler.waiting))
+        m.kv_cache_used_pages.set(pool.num_used)
+        m.kv_cache_usage_perc.set(pool.num_used / pool.num_pages)
+        _inc_by_delta(m.num_preemptions, scheduler.num_preemptions - self._seen_preemptions)
+        self._seen_preemptions = scheduler.num_preemptions
+        _inc_by_delta(m.cache_evictions, pool.num_evictions - self._seen_evictions)
+        self._seen_evictions = pool.num_evictions
+        queries, hits = engine.kv.num_prefix_queries, engine.kv.num_prefix_hits
+        _inc_by_delta(m.prefix_cache_queries, queries - self._seen_prefix[0])
+        _inc_by_delta(m.prefix_cache_hits, hits - self._seen_prefix[1])
+        self._seen_prefix = (queries, hits)
+        if queries:
+            m.kv_cache_hit_ratio.set(hits / queries)
+
+    def _log_stats(self, now: float) -> None:
+        when, prompt, generation = self._stats_tick
+        elapsed = max(now - when, 1e-9)
+        prompt_rate = (self._num_prompt_tokens - prompt) / elapsed
+        generation_rate = (self._num_generation_tokens - generation) / elapsed
+        self._stats_tick = (now, self._num_prompt_tokens, self._num_generation_tokens)
+        scheduler = self.engine.scheduler
+        if prompt_rate or generation_rate or scheduler.running or scheduler.waiting:
+            logger.info("stats: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV pages %.1f%%",
+                        prompt_rate, generation_rate, len(scheduler.running), len(scheduler.waiting),
+                        100.0 * self.engine.pool.num_used / self.engine.pool.num_pages)
+
+
+def _first_scheduled(request: Request) -> float | None:
+    return getattr(request, "first_scheduled_time", None)  # set by Engine.step on the first step that ran it
+
+
+def _inc_by_delta(counter: Any, delta: int) -> None:
+    if delta > 0:
+        counter.inc(delta)
+
+
+def _ms(seconds: float) -> float:
+    return round(1000.0 * seconds, 3)
+
+
+def _gpu_readings(engine: Any) -> tuple[float | None, float | None]:
+    """(fraction of device memory in use, NVML busy percent) for a CUDA engine; (None, None) on the CPU."""
+    device = getattr(engine.model, "device", None)
+    if device is None or getattr(device, "type", "cpu") != "cuda":
+        return None, None
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    try:
+        utilization = float(torch.cuda.utilization(device))
+    except Exception:  # noqa: BLE001 - NVML (pynvml) is optional
+        utilization = None
+    return 1.0 - free / total, utilization

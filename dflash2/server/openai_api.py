@@ -1,0 +1,223 @@
+"""/v1/completions and /v1/chat/completions: OpenAI's request and response shapes, streamed or whole.
+
+A stream is server-sent events, one JSON chunk per `data:` line, closed by `data: [DONE]`:
+
+    completions: {"object": "text_completion", "choices": [{"index", "text", "logprobs", "finish_reason"}]}
+    chat:        {"object": "chat.completion.chunk", "choices": [{"index", "delta", "logprobs", "finish_reason"}]}
+                 first delta {"role": "assistant", "content": ""}, then {"content": ...}, last {} + finish_reason
+    with stream_options.include_usage: every chunk has "usage": null and one last chunk has "choices": [] and
+    the usage totals. A stream that fails (timeout, engine error) sends {"error": {...}} before [DONE].
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from dflash2.request import RequestOutput
+from dflash2.server.generation import Generation, StreamTimeout
+from dflash2.server.engine_thread import EngineError
+from dflash2.server.protocol import ChatCompletionRequest, CompletionRequest
+from dflash2.server.state import ServerState
+
+TRUNCATION_HEADER = {"X-Warning": "prompt_truncated"}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def error_body(message: str, error_type: str, code: int | str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+    cached = sum(o.num_cached_tokens for o in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# -- /v1/completions ---------------------------------------------------------------------------------
+async def create_completion(http_request: HTTPRequest, body: CompletionRequest, state: ServerState) -> Response:
+    model = state.check_model(body.model)
+    prompts = [state.encode(p) for p in body.prompts()]
+    truncated = state.truncate(prompts, body.truncate_prompt_tokens)
+    params = body.sampling_params(body.max_tokens, body.logprobs)
+    generation = await Generation.start(state.engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, body.priority)
+    headers = TRUNCATION_HEADER if truncated else None
+    echo = [state.decode(p["prompt_token_ids"]) if p["prompt"] is None else p["prompt"] for p in prompts] \
+        if body.echo else None
+    formatter = _CompletionFormat(state, generation, model, body.logprobs, echo)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream_events(state, generation, formatter, include_usage),
+                                 media_type="text/event-stream", headers=headers)
+    finals = await collect(http_request, generation)
+    return JSONResponse(formatter.whole(finals), headers=headers)
+
+
+class _CompletionFormat:
+    object_name = "text_completion"
+
+    def __init__(self, state: ServerState, generation: Generation, model: str, num_logprobs: int | None,
+                 echo: list[str] | None) -> None:
+        self.state = state
+        self.generation = generation
+        self.model = model
+        self.num_logprobs = num_logprobs
+        self.echo = echo
+        self._text_offset = [0] * len(generation.request_ids)
+
+    def header(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.generation.id, "object": self.object_name,
+                "created": self.generation.created, "model": self.model, "choices": choices}
+
+    def opening(self) -> list[dict[str, Any]]:
+        if self.echo is None:
+            return []
+        return [self.header([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
+                for i, text in enumerate(self.echo)]
+
+    def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
+        index = self.generation.index_of[output.request_id]
+        completion = output.outputs[0]
+        if not output.delta_text and not output.finished:
+            return []
+        logprobs = self._logprobs(index, completion.logprobs, output.delta_token_ids)
+        return [self.header([{"index": index, "text": output.delta_text, "logprobs": logprobs,
+                              "finish_reason": completion.finish_reason if output.finished else None}])]
+
+    def whole(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for index, output in enumerate(finals):
+            completion = output.outputs[0]
+            prefix = self.echo[index] if self.echo else ""
+            self._text_offset[index] = len(prefix)
+            choices.append({"index": index, "text": prefix + completion.text, "finish_reason":
+                            completion.finish_reason, "stop_reason": completion.stop_reason,
+                            "logprobs": self._logprobs(index, completion.logprobs, completion.token_ids)})
+        return {**self.header(choices), "usage": usage(finals)}
+
+    def _logprobs(self, index: int, entries: list[dict] | None, token_ids: list[int]) -> dict[str, Any] | None:
+        if self.num_logprobs is None or entries is None or not token_ids:
+            return None
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries[-len(token_ids):]):
+            text = self.state.decode([token_id])
+            tokens.append(text)
+            token_logprobs.append(entry[token_id].logprob)
+            top.append({self.state.decode([t]): lp.logprob for t, lp in _top(entry, self.num_logprobs)})
+            offsets.append(self._text_offset[index])
+            self._text_offset[index] += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+# -- /v1/chat/completions ----------------------------------------------------------------------------
+async def create_chat_completion(http_request: HTTPRequest, body: ChatCompletionRequest,
+                                 state: ServerState) -> Response:
+    model = state.check_model(body.model)
+    prompts = [state.encode_chat(body.messages, body.add_generation_prompt)]
+    truncated = state.truncate(prompts, body.truncate_prompt_tokens)
+    params = body.sampling_params(body.requested_max_tokens, body.num_logprobs)
+    generation = await Generation.start(state.engine, f"chatcmpl-{uuid.uuid4().hex}", prompts, params,
+                                        body.priority)
+    headers = TRUNCATION_HEADER if truncated else None
+    formatter = _ChatFormat(state, generation, model, body.num_logprobs)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream_events(state, generation, formatter, include_usage),
+                                 media_type="text/event-stream", headers=headers)
+    finals = await collect(http_request, generation)
+    return JSONResponse(formatter.whole(finals), headers=headers)
+
+
+class _ChatFormat(_CompletionFormat):
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, state: ServerState, generation: Generation, model: str, num_logprobs: int | None) -> None:
+        super().__init__(state, generation, model, num_logprobs, None)
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self.header([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(len(self.generation.request_ids))]
+
+    def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
+        index = self.generation.index_of[output.request_id]
+        completion = output.outputs[0]
+        chunks = []
+        if output.delta_text:
+            logprobs = self._chat_logprobs(completion.logprobs, output.delta_token_ids)
+            chunks.append(self.header([{"index": index, "delta": {"content": output.delta_text},
+                                        "logprobs": logprobs, "finish_reason": None}]))
+        if output.finished:
+            chunks.append(self.header([{"index": index, "delta": {}, "logprobs": None,
+                                        "finish_reason": completion.finish_reason}]))
+        return chunks
+
+    def whole(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = [{"index": index, "message": {"role": "assistant", "content": output.outputs[0].text},
+                    "logprobs": self._chat_logprobs(output.outputs[0].logprobs, output.outputs[0].token_ids),
+                    "finish_reason": output.outputs[0].finish_reason, "stop_reason": output.outputs[0].stop_reason}
+                   for index, output in enumerate(finals)]
+        return {**self.header(choices), "object": "chat.completion", "usage": usage(finals)}
+
+    def _chat_logprobs(self, entries: list[dict] | None, token_ids: list[int]) -> dict[str, Any] | None:
+        if self.num_logprobs is None or entries is None or not token_ids:
+            return None
+        content = []
+        for token_id, entry in zip(token_ids, entries[-len(token_ids):]):
+            content.append({**self._token(token_id, entry[token_id].logprob),
+                            "top_logprobs": [self._token(t, lp.logprob) for t, lp in _top(entry, self.num_logprobs)]})
+        return {"content": content}
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.state.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _top(entry: dict, k: int) -> list[tuple[int, Any]]:
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda item: item[1].rank)
+
+
+# -- shared ------------------------------------------------------------------------------------------
+async def collect(http_request: HTTPRequest, generation: Generation) -> list[RequestOutput]:
+    try:
+        return await generation.collect(http_request)
+    finally:
+        generation.abort_unfinished()
+
+
+async def stream_events(state: ServerState, generation: Generation, formatter: Any,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body of one streamed generation; aborts what is left when it ends for any reason."""
+    timeout_ms = state.config.streaming_timeout_ms
+    metrics = state.metrics
+    finals: list[RequestOutput] = []
+    extra = {"usage": None} if include_usage else {}
+    try:
+        for chunk in formatter.opening():
+            yield sse({**chunk, **extra})
+        async for output in generation.stream(timeout_ms / 1000.0 if timeout_ms else None):
+            for chunk in formatter.chunks(output):
+                yield sse({**chunk, **extra})
+            if output.finished:
+                finals.append(output)
+        if include_usage:
+            yield sse({**formatter.header([]), "usage": usage(finals)})
+        if metrics is not None:
+            metrics.streaming_success.inc()
+    except StreamTimeout as e:
+        if metrics is not None:
+            metrics.streaming_timeout.inc()
+        yield sse(error_body(str(e), "timeout_error", 504))
+    except EngineError as e:
+        yield sse(error_body(str(e), "internal_server_error", 500))
+    finally:
+        generation.abort_unfinished()
+    yield sse("[DONE]")
