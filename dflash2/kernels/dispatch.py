@@ -5,7 +5,13 @@ from typing import Any, Callable
 
 from dflash2.kernels.torch_ref.attention import TorchAttention
 
-_ATTENTION_BACKENDS: dict[str, Callable[[], Any]] = {"torch": TorchAttention}
+def _triton_attention() -> Any:
+    from dflash2.kernels.triton.attention import TritonAttention  # imports triton only when asked for
+
+    return TritonAttention()
+
+
+_ATTENTION_BACKENDS: dict[str, Callable[[], Any]] = {"torch": TorchAttention, "triton": _triton_attention}
 
 
 def register_attention_backend(name: str, factory: Callable[[], Any]) -> None:

@@ -9,7 +9,8 @@ import torch
 
 os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter logs log(0) = -inf
+# the interpreter warns about log(0) = -inf and numpy scalar conversions
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 from dflash2.kernels.attention_metadata import AttentionMetadata, PrefillSegment  # noqa: E402
 from dflash2.kernels.torch_ref import attention as ref  # noqa: E402
@@ -105,3 +106,22 @@ def test_mixed_batch_matches_reference(group):
     got = tri.TritonAttention(num_sms=4).forward(q, k, v, k_cache, v_cache, meta, 0.3)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_tiny_model_with_triton_backend_matches_torch_backend(tmp_path):
+    """The whole engine on the Triton backend (interpreted): chunked prefill, prefix hits, decode."""
+    from dflash2 import LLM, SamplingParams
+    from tests.tiny_models import build_tiny_model
+
+    build_tiny_model("qwen2", str(tmp_path))
+    prompts = [{"prompt_token_ids": [5 + i for i in range(n)]} for n in (3, 11, 12)]
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0)
+    options = dict(page_bytes=2048, prefill_chunk_size=5, max_num_batched_tokens=16, kv_cache_memory=64 * 2048,
+                   max_model_len=64)
+    expected = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **options).generate(prompts, params)]
+    llm = LLM(str(tmp_path), attention_backend="triton", **options)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # now from cached prefixes
+    assert again == expected
+    assert llm.engine.kv.num_prefix_hits > 0
