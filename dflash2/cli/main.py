@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from dflash2.cli import bench, generate, serve
+from dflash2.cli import bench, convert, generate, serve, validate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(subparsers)
     serve.add_parser(subparsers)
     bench.add_parser(subparsers)
+    convert.add_parser(subparsers)
+    validate.add_parser(subparsers)
     return parser
 
 
