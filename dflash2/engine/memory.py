@@ -34,14 +34,23 @@ def gpu_pool_bytes(model: "LoadedModel", layout: "KVLayout", options: "RunnerOpt
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    num_tokens = max_num_batched_tokens
-    num_pages = -(-num_tokens // layout.tokens_per_page)
-    profile_options = RunnerOptions(options.attention_backend, options.seed, max_slots=1, max_model_len=num_tokens)
-    runner = ModelRunner(model, layout, num_pages, profile_options)
-    chunk = ScheduledChunk("profile", 0, tuple([0] * num_tokens), slot=0, new_pages_start=0,
-                           new_page_ids=tuple(range(num_pages)), sample=True)
-    request = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
-    runner.execute(StepPlan([chunk]), {"profile": request})
+    # the largest prefill step: max_num_batched_tokens tokens in chunks no longer than a sequence may be
+    per_chunk = max(1, min(max_num_batched_tokens, options.max_model_len - 1))
+    sizes = [per_chunk] * (max_num_batched_tokens // per_chunk)
+    if max_num_batched_tokens % per_chunk:
+        sizes.append(max_num_batched_tokens % per_chunk)
+    pages_each = -(-per_chunk // layout.tokens_per_page)
+    profile_options = RunnerOptions(options.attention_backend, options.seed, max_slots=len(sizes),
+                                    max_model_len=per_chunk)
+    runner = ModelRunner(model, layout, pages_each * len(sizes), profile_options)
+    chunks, requests = [], {}
+    for slot, size in enumerate(sizes):
+        request_id = f"profile-{slot}"
+        pages = tuple(range(slot * pages_each, (slot + 1) * pages_each))
+        chunks.append(ScheduledChunk(request_id, 0, tuple([0] * size), slot=slot, new_pages_start=0,
+                                     new_page_ids=pages, sample=True))
+        requests[request_id] = Request(request_id, [0] * size, SamplingParams(max_tokens=1))
+    runner.execute(StepPlan(chunks), requests)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     del runner

@@ -40,7 +40,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, page_table, slots, lengths, ou
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                          scale, tokens_per_page,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -66,13 +66,13 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, page_table, slots, lengths, ou
             + kv_head * stride_cache_head
         k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
         s = tl.where(token_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
     empty = start >= length
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -106,7 +106,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, page_table, out_ptr, query_starts, 
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cache_page, stride_cache_token, stride_cache_head, stride_pt,
                     scale, tokens_per_page, row_offset,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr):
     block = tl.program_id(0)
     head = tl.program_id(1)
     seg = tl.load(block_segments + block)
@@ -135,7 +136,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, page_table, out_ptr, query_starts, 
             + kv_head * stride_cache_head
         k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
         allowed = (tokens[None, :] <= q_pos[:, None]) & token_mask[None, :]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -143,11 +144,16 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, page_table, out_ptr, query_starts, 
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def _precision(q: torch.Tensor) -> str:
+    """Exact float32 dot products for float32 models (Triton would use tf32); bf16/fp16 ignore it."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -185,7 +191,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         scale, k_cache.shape[1],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, num_warps=4, num_stages=2)
+        NUM_SPLITS=num_splits, PRECISION=_precision(q), num_warps=4, num_stages=2)
     _decode_merge_kernel[(batch, num_heads)](
         partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=num_splits,
@@ -205,7 +211,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.page_table.stride(0),
         scale, k_cache.shape[1], row_offset,
-        GROUP=group, HEAD_DIM=dim, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64, num_warps=4, num_stages=2)
+        GROUP=group, HEAD_DIM=dim, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64, PRECISION=_precision(q),
+        num_warps=4, num_stages=2)
 
 
 class TritonAttention:

@@ -1,0 +1,73 @@
+"""W2 latency: llama-3-8b (dummy bf16), one request, 128-token prompt, 256 new tokens.
+
+    python3 benchmarks/latency.py [--peer-json peer_w2.json] [--save]
+Prints JSON: tok/s over the whole request (as the peer measures it), decode-only tok/s,
+time-to-first-token, and the fraction of the weight-streaming roofline.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import finish, sync  # noqa: E402
+from benchmarks.roofline import H200_BYTES_PER_S, weight_bytes  # noqa: E402
+from dflash2 import LLM, SamplingParams  # noqa: E402
+
+
+def one_request(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0)
+    sync()
+    start = time.perf_counter()
+    engine.add_request({"prompt_token_ids": prompt}, params)
+    first = None
+    count = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            count = len(output.outputs[0].token_ids)
+            if first is None:
+                first = time.perf_counter()
+    total = time.perf_counter() - start
+    return {"total_s": total, "ttft_s": first - start, "tokens": count}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--peer-json", default=None)
+    parser.add_argument("--save", action="store_true")
+    args = parser.parse_args()
+    llm = LLM(args.model, load_format="dummy", max_num_seqs=4, max_model_len=2048, max_num_batched_tokens=2048,
+              enforce_eager=args.enforce_eager, overlap=False if args.no_overlap else None,
+              enable_prefix_caching=False)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 20000, (args.prompt_len,), generator=generator).tolist()
+    one_request(llm, prompt, 16)  # warm-up
+    runs = [one_request(llm, prompt, args.new_tokens) for _ in range(args.repeats)]
+    best = min(runs, key=lambda r: r["total_s"])
+    decode_s = best["total_s"] - best["ttft_s"]
+    ceiling = H200_BYTES_PER_S / weight_bytes(llm.engine.model.arch)
+    tok_s = best["tokens"] / best["total_s"]
+    result = {"workload": "w2", "engine": "dflash2", "model": args.model, "new_tokens": best["tokens"],
+              "seconds": round(best["total_s"], 4), "tok_s": round(tok_s, 1),
+              "decode_tok_s": round((best["tokens"] - 1) / decode_s, 1),
+              "ttft_ms": round(best["ttft_s"] * 1e3, 2), "roofline_tok_s": round(ceiling, 1),
+              "fraction_of_roofline": round(tok_s / ceiling, 3),
+              "cuda_graphs": llm.engine.runner.graphs is not None, "overlap": llm.engine.overlap,
+              "all_runs_s": [round(r["total_s"], 4) for r in runs]}
+    finish(result, args.peer_json, args.save)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""W1 throughput: qwen3-0.6b (dummy bf16), the requests of w1_throughput.jsonl, 512 new tokens each, EOS ignored.
+
+    python3 benchmarks/throughput.py --data .bench/w1_throughput.jsonl [--peer-json peer_w1.json] [--save]
+Prints JSON: output tok/s, the roofline ceiling for this workload and the fraction of it reached, and the
+fraction of wall time the GPU was busy over a profiled window of steady decode.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import finish, sync  # noqa: E402
+from benchmarks.roofline import decode_ceiling_tok_s  # noqa: E402
+from dflash2 import LLM, SamplingParams  # noqa: E402
+
+
+def gpu_busy_fraction(llm: LLM, prompts: list, params: SamplingParams, warm_steps: int, steps: int) -> dict:
+    """Run `steps` engine steps of steady decode under the torch profiler; busy = union of kernel time / wall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    for _ in range(warm_steps):
+        engine.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = time.perf_counter() - start
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy = 0.0
+    current_start, current_end = None, None
+    for begin, end in intervals:
+        if current_end is None or begin > current_end:
+            if current_end is not None:
+                busy += current_end - current_start
+            current_start, current_end = begin, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        busy += current_end - current_start
+    span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
+    while engine.has_unfinished():
+        engine.step()
+    return {"profiled_steps": steps, "wall_ms": round(wall * 1e3, 2), "kernel_busy_ms": round(busy / 1e3, 2),
+            "busy_fraction_of_wall": round(busy / 1e6 / wall, 3),
+            "busy_fraction_of_kernel_span": round(busy / span, 3) if span else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "..", ".bench", "w1_throughput.jsonl"))
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="also measure GPU busy time over steady decode")
+    parser.add_argument("--peer-json", default=None)
+    parser.add_argument("--save", action="store_true")
+    args = parser.parse_args()
+
+    rows = [json.loads(line) for line in open(args.data)]
+    if args.num_prompts:
+        rows = rows[: args.num_prompts]
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rows]
+    new_tokens = rows[0]["max_tokens"]
+    started = time.perf_counter()
+    llm = LLM(args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+              overlap=False if args.no_overlap else None, enable_prefix_caching=False)
+    load_seconds = time.perf_counter() - started
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0)
+    llm.generate(prompts[:16], SamplingParams(max_tokens=16, ignore_eos=True, temperature=0))  # warm-up
+    sync()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    sync()
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ceiling = decode_ceiling_tok_s(llm.engine.model.arch, [len(p["prompt_token_ids"]) for p in prompts], new_tokens)
+    out_tok_s = generated / seconds
+    result = {"workload": "w1", "engine": "dflash2", "model": args.model, "requests": len(prompts),
+              "generated": generated, "seconds": round(seconds, 3), "out_tok_s": round(out_tok_s, 1),
+              "roofline_tok_s": round(ceiling, 1), "fraction_of_roofline": round(out_tok_s / ceiling, 3),
+              "load_seconds": round(load_seconds, 1), "preemptions": llm.engine.scheduler.num_preemptions,
+              "kv_pages": llm.engine.pool.num_pages, "tokens_per_page": llm.engine.kv.tokens_per_page,
+              "cuda_graphs": llm.engine.runner.graphs is not None, "overlap": llm.engine.overlap}
+    if args.profile:
+        result["gpu_busy"] = gpu_busy_fraction(llm, prompts[: args.max_num_seqs], params, warm_steps=60, steps=40)
+    finish(result, args.peer_json, args.save)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""On a CUDA device: Triton kernels against the torch reference in bf16, graphs against eager, overlap
+against the plain loop, and the engine against transformers on a tiny model."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _cache(num_pages: int, tokens_per_page: int, kv_heads: int, dim: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (num_pages, tokens_per_page, kv_heads, dim)
+    return (torch.randn(shape, generator=g, device="cuda").bfloat16(),
+            torch.randn(shape, generator=g, device="cuda").bfloat16())
+
+
+def _table(lengths: list[int], tokens_per_page: int, num_pages: int, seed: int) -> torch.Tensor:
+    rng = random.Random(seed)
+    pages = list(range(num_pages))
+    rng.shuffle(pages)
+    width = max(-(-n // tokens_per_page) for n in lengths)
+    table = torch.zeros((len(lengths), width), dtype=torch.int32)
+    for slot, n in enumerate(lengths):
+        for i in range(-(-n // tokens_per_page)):
+            table[slot, i] = pages.pop()
+    return table.cuda()
+
+
+@pytest.mark.parametrize("group, dim, tokens_per_page", [(2, 128, 18), (4, 128, 16), (3, 64, 45)])
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_decode_kernel_matches_reference(group, dim, tokens_per_page, num_splits):
+    from dflash2.kernels.torch_ref import attention as ref
+    from dflash2.kernels.triton import attention as tri
+
+    rng = random.Random(group * 100 + num_splits)
+    lengths = [1, 2, 17, 300, 1025, 4099] + [rng.randrange(1, 3000) for _ in range(26)]
+    kv_heads = 8
+    num_pages = sum(-(-n // tokens_per_page) for n in lengths) + 4
+    k_cache, v_cache = _cache(num_pages, tokens_per_page, kv_heads, dim, seed=group)
+    table = _table(lengths, tokens_per_page, num_pages, seed=num_splits)
+    q = torch.randn(len(lengths), kv_heads * group, dim, device="cuda").bfloat16()
+    slots = torch.arange(len(lengths), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    expected = ref.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, slots, lens, max(lengths),
+                                    dim ** -0.5)
+    got = tri.decode_attention(q, k_cache, v_cache, table, slots, lens, dim ** -0.5, num_splits)
+    error = (got.float() - expected).norm() / expected.norm()
+    assert error < 1e-2, error
+
+
+@pytest.mark.parametrize("group", [2, 4])
+def test_mixed_batch_kernels_match_reference(group):
+    from dflash2.kernels.attention_metadata import AttentionMetadata, PrefillSegment
+    from dflash2.kernels.torch_ref.attention import TorchAttention
+    from dflash2.kernels.triton import attention as tri
+
+    dim, kv_heads, tokens_per_page = 128, 8, 16
+    shapes = [(700, 1), (33, 1), (1500, 300), (513, 513), (90, 7)]  # (context, query) per request
+    lengths = [c for c, _ in shapes]
+    num_pages = sum(-(-n // tokens_per_page) for n in lengths) + 2
+    k_cache, v_cache = _cache(num_pages, tokens_per_page, kv_heads, dim, seed=group)
+    table = _table(lengths, tokens_per_page, num_pages, seed=3)
+    total = sum(q for _, q in shapes)
+    q = torch.randn(total, kv_heads * group, dim, device="cuda").bfloat16()
+    k = torch.randn(total, kv_heads, dim, device="cuda").bfloat16()
+    v = torch.randn(total, kv_heads, dim, device="cuda").bfloat16()
+    slots, positions, segments, row = [], [], [], 0
+    for slot, (context, qlen) in enumerate(shapes):
+        slots += [slot] * qlen
+        positions += list(range(context - qlen, context))
+        if qlen > 1:
+            segments.append(PrefillSegment(row, qlen, context, slot))
+        row += qlen
+    nd = 2
+    meta = AttentionMetadata(page_table=table, token_slots=torch.tensor(slots, dtype=torch.int32, device="cuda"),
+                             positions=torch.tensor(positions, device="cuda"), num_decode_tokens=nd,
+                             decode_lengths=torch.tensor(lengths[:nd], dtype=torch.int32, device="cuda"),
+                             max_decode_length=max(lengths[:nd]), prefills=segments)
+    starts = [s.query_start - nd for s in segments] + [segments[-1].query_start - nd + segments[-1].query_len]
+    blocks = [(i, m) for i, s in enumerate(segments) for m in range(0, s.query_len, tri.PREFILL_BLOCK_M)]
+    as_int = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")  # noqa: E731
+    meta.prefill_query_starts = as_int(starts)
+    meta.prefill_context_lens = as_int([s.context_len for s in segments])
+    meta.prefill_slots = as_int([s.slot for s in segments])
+    meta.prefill_block_segments = as_int([b[0] for b in blocks])
+    meta.prefill_block_starts = as_int([b[1] for b in blocks])
+    k_ref, v_ref = k_cache.float(), v_cache.float()
+    expected = TorchAttention().forward(q.float(), k.float(), v.float(), k_ref, v_ref, meta, dim ** -0.5)
+    got = tri.TritonAttention().forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+    assert torch.equal(k_cache.float(), k_ref) and torch.equal(v_cache.float(), v_ref)
+    error = (got.float() - expected).norm() / expected.norm()
+    assert error < 1e-2, error
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from tests.tiny_models import build_tiny_model
+
+    directory = str(tmp_path_factory.mktemp("tiny"))
+    return build_tiny_model("llama", directory), directory
+
+
+def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama):
+    from dflash2 import LLM, SamplingParams
+    from tests.tiny_models import hf_greedy
+
+    hf_model, directory = tiny_llama
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(12)]
+    params = SamplingParams(max_tokens=20, min_tokens=20, temperature=0)
+    common = dict(device="cuda", dtype="float32", max_num_seqs=16, max_model_len=128, kv_cache_memory="64MiB",
+                  page_bytes=4096)
+    runs = {}
+    for name, options in {"graphs+overlap": {}, "eager": dict(enforce_eager=True, overlap=False),
+                          "graphs+sync": dict(overlap=False)}.items():
+        llm = LLM(directory, **common, **options)
+        assert (llm.engine.runner.graphs is not None) == (name != "eager")
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        assert llm.engine.pool.num_used == 0
+    assert runs["graphs+overlap"] == runs["eager"] == runs["graphs+sync"]
+    assert runs["eager"] == [hf_greedy(hf_model, p, 20) for p in prompts]
+
+
+def test_device_sampling_is_seeded_and_respects_top_k(tiny_llama):
+    from dflash2 import LLM, SamplingParams
+
+    _, directory = tiny_llama
+    llm = LLM(directory, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=128, kv_cache_memory="64MiB",
+              page_bytes=4096)
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_k=5, seed=7)
+    first = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, params)
+    second = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)
+    assert first[0].outputs[0].token_ids == first[2].outputs[0].token_ids == second[0].outputs[0].token_ids
