@@ -1,6 +1,7 @@
 """C1: the bundled SmolLM2-135M on this CPU. Prints JSON: single-stream decode tok/s and 16-concurrent tok/s.
 
     .venv/bin/python benchmarks/cpu_smollm2.py [--new-tokens 128] [--concurrency 16] [--dtype bfloat16]
+                                               [--model DIR]   (e.g. a `dflash2 convert` output)
 """
 from __future__ import annotations
 
@@ -50,9 +51,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU) or bfloat16")
+    parser.add_argument("--model", default=None, help="model directory or .gguf (default: the bundled model)")
     args = parser.parse_args()
-    llm = LLM(max_num_seqs=max(16, args.concurrency), dtype=args.dtype)
-    result = {"benchmark": "c1_cpu_smollm2", "engine": "dflash2", "model": "SmolLM2-135M-Instruct Q4_1, dequantized",
+    llm = LLM(args.model, max_num_seqs=max(16, args.concurrency), dtype=args.dtype)
+    quant = llm.engine.model.quant
+    model = args.model or "SmolLM2-135M-Instruct Q4_1, dequantized"
+    result = {"benchmark": "c1_cpu_smollm2", "engine": "dflash2", "model": model,
+              "weights": "float" if quant is None else {g: quant.bits_for(g) for g in ("embed", "qkv", "o_proj", "ffn", "lm_head")},
               "dtype": str(llm.engine.model.dtype),
               "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
               "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),

@@ -13,6 +13,6 @@ if [ "${PEERS:-0}" = 1 ]; then
   timeout 200 python3 .bench/hf_peer.py w2 --compile | tee "$OUT/peer_w2.json"
 fi
 timeout 200 python3 benchmarks/throughput.py --data .bench/w1_throughput.jsonl --peer-json "$OUT/peer_w1.json" \
-  --save --profile ${W1_ARGS:-} 2>&1 | tail -60 | tee "$OUT/w1.log"
+  --save --profile ${W1_ARGS:-} 2>&1 | tail -90 | tee "$OUT/w1.log"
 timeout 150 python3 benchmarks/latency.py --peer-json "$OUT/peer_w2.json" --save ${W2_ARGS:-} 2>&1 | tail -40 | tee "$OUT/w2.log"
 cp benchmarks/results/*.json "$OUT/" 2>/dev/null || true

@@ -58,6 +58,57 @@ def gpu_busy_fraction(llm: LLM, prompts: list, params: SamplingParams, warm_step
             "busy_fraction_of_kernel_span": round(busy / span, 3) if span else None}
 
 
+def prefill_profile(llm: LLM, prompts: list, params: SamplingParams) -> str:
+    """The torch profiler's top CUDA kernels over the first prefill steps of these prompts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            engine.step()
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+    print(table, flush=True)
+    while engine.has_unfinished():
+        engine.step()
+    return "printed above"
+
+
+class StepLog:
+    """Wall time of each engine step, split by whether the step's plan had prefill tokens."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.rows: list[tuple[float, int, int]] = []
+        engine = llm.engine
+        plan_fn, step_fn = engine.scheduler.plan, engine.step
+        current = {}
+
+        def plan():
+            result = plan_fn()
+            current["tokens"] = result.num_tokens
+            current["decodes"] = sum(1 for c in result.chunks if c.num_tokens == 1 and c.start > 0)
+            return result
+
+        def step():
+            start = time.perf_counter()
+            out = step_fn()
+            self.rows.append((time.perf_counter() - start, current.get("tokens", 0), current.get("decodes", 0)))
+            return out
+
+        engine.scheduler.plan, engine.step = plan, step
+
+    def summary(self) -> dict:
+        mixed = [r for r in self.rows if r[1] > r[2]]
+        decode = [r for r in self.rows if r[1] == r[2] and r[1] > 0]
+        return {"steps": len(self.rows),
+                "prefill_steps": len(mixed), "prefill_seconds": round(sum(r[0] for r in mixed), 3),
+                "prefill_tokens": sum(r[1] - r[2] for r in mixed),
+                "decode_steps": len(decode), "decode_seconds": round(sum(r[0] for r in decode), 3),
+                "decode_ms_first_last": [round(decode[0][0] * 1e3, 2), round(decode[-1][0] * 1e3, 2)] if decode else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "..", ".bench", "w1_throughput.jsonl"))
@@ -65,11 +116,13 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--prefill-chunk-size", type=int, default=2048)
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also measure GPU busy time over steady decode")
+    parser.add_argument("--profile-prefill", action="store_true", help="print the top kernels of prefill steps")
     parser.add_argument("--peer-json", default=None)
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
@@ -82,12 +135,14 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM(args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              prefill_chunk_size=args.prefill_chunk_size,
               kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
               overlap=False if args.no_overlap else None, enable_prefix_caching=False)
     load_seconds = time.perf_counter() - started
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0)
     llm.generate(prompts[:16], SamplingParams(max_tokens=16, ignore_eos=True, temperature=0))  # warm-up
     sync()
+    log = StepLog(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     sync()
@@ -100,7 +155,10 @@ def main() -> None:
               "roofline_tok_s": round(ceiling, 1), "fraction_of_roofline": round(out_tok_s / ceiling, 3),
               "load_seconds": round(load_seconds, 1), "preemptions": llm.engine.scheduler.num_preemptions,
               "kv_pages": llm.engine.pool.num_pages, "tokens_per_page": llm.engine.kv.tokens_per_page,
-              "cuda_graphs": llm.engine.runner.graphs is not None, "overlap": llm.engine.overlap}
+              "cuda_graphs": llm.engine.runner.graphs is not None, "overlap": llm.engine.overlap,
+              "phases": log.summary()}
+    if args.profile_prefill:
+        result["prefill_profile"] = prefill_profile(llm, prompts[:64], params)
     if args.profile:
         result["gpu_busy"] = gpu_busy_fraction(llm, prompts[: args.max_num_seqs], params, warm_steps=60, steps=40)
     finish(result, args.peer_json, args.save)

@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32 like the reference implementation."""
+"""RMSNorm, computed in float32 like the reference implementation; on CUDA one fused Triton kernel."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +11,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`: residual += x (in place), returns (norm(residual), residual)."""
+        if x.is_cuda:
+            from dflash2.kernels.triton.elementwise import rms_norm
+
+            shape = x.shape
+            out = rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps, residual)
+            return out.view(shape) if residual is None else (out, residual)
+        if residual is not None:
+            residual.add_(x)
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)

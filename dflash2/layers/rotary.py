@@ -44,7 +44,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, KVH, D]; positions [T]."""
+        """q [T, H, D], k [T, KVH, D]; positions [T]. On CUDA q and k are rotated in place."""
+        if q.is_cuda:
+            from dflash2.kernels.triton.elementwise import rotary_in_place
+
+            rotary_in_place(q, k, self.cos, self.sin, positions)
+            return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

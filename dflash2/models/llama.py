@@ -83,7 +83,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = make_linear(inter, hidden, _format(quant, "ffn", inter, layer_index))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from dflash2.kernels.triton.elementwise import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -95,9 +100,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch, layer_index, quant)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before adding it): the add is fused into
+        the next norm."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rotary, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -120,9 +134,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """token_ids [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(token_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(x, self.rotary, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, self.rotary, ctx)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens.project if self.lm_head is None else self.lm_head
