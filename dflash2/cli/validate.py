@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     return 1 if report["errors"] else 0
 
 
-def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
+def print_report(report: dict[str, Any], out: Any = None) -> None:
+    out = out or sys.stdout
     print(f"model: {report['model_path']}", file=out)
     quant = report.get("quantization")
     if quant:

@@ -84,7 +84,8 @@ def collect_activation_stats(module: nn.Module, token_sequences: list[list[int]]
     for name, layer in module.named_modules():
         if isinstance(layer, Linear):
             handles.append(layer.register_forward_hook(lambda m, args, out, name=name: stats.add(name, args[0])))
-    handles.append(module.norm.register_forward_hook(lambda m, args, out: stats.add("lm_head", out)))
+    handles.append(module.norm.register_forward_hook(  # with a residual the norm returns (normed, residual)
+        lambda m, args, out: stats.add("lm_head", out[0] if isinstance(out, tuple) else out)))
     try:
         for ids in token_sequences:
             hidden_states(module, ids)

@@ -175,8 +175,11 @@ def _run_models(options: ValidateOptions, quant: QuantConfig | None, report: dic
         return
     module = llm.engine.model.module
     report["kernels"] = _kernels(module)
+    if llm.tokenizer is None:
+        report["warnings"].append("the model has no tokenizer: no perplexity, KL divergence or greedy text")
+        return
     text = options.eval_text or EVAL_TEXT
-    token_ids = llm.tokenizer.encode(text)[:options.max_eval_tokens]
+    token_ids = llm.tokenizer.encode(text)[:min(options.max_eval_tokens, llm.engine.max_model_len)]
     logprobs = log_probs(module, token_ids)
     reference_path = options.reference_model or (quant.source if quant else None)
     reference = _reference_logprobs(reference_path, token_ids, report) if reference_path else None
@@ -214,7 +217,7 @@ def _kernels(module: torch.nn.Module) -> dict[str, int]:
     counts: Counter[str] = Counter()
     for layer in module.modules():
         if isinstance(layer, QuantLinear):
-            runtime = type(layer.runtime).__name__ if layer.runtime is not None else "dequantize-per-call"
+            runtime = layer.runtime.kernel if layer.runtime is not None else "dequantize on every call"
             counts[f"{layer.fmt.name}: {runtime}"] += 1
         elif type(layer).__name__ == "Linear":
             counts["float: F.linear"] += 1

@@ -42,12 +42,15 @@ class PackedWeight:
 
 
 class RuntimeWeight(Protocol):
+    kernel: str  # what runs, for `dflash2 validate`
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor: ...  # x [M, K] -> [M, N] in x's dtype
 
 
 class DenseWeight:
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
+        self.kernel = f"F.linear on a dequantized {str(weight.dtype).replace('torch.', '')} weight"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype:
@@ -56,6 +59,8 @@ class DenseWeight:
 
 
 class Int8Weight:
+    kernel = "torch._weight_int8pack_mm (bf16 activations; dequantize + F.linear from 64 rows)"
+
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
         self.qweight = qweight.contiguous()
         self.scales = scales.to(COMPUTE_DTYPE).contiguous()
@@ -70,6 +75,8 @@ class Int8Weight:
 
 
 class Int4Weight:
+    kernel = "torch._weight_int4pack_mm_for_cpu (bf16 activations)"
+
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, float_zeros: torch.Tensor, group_size: int) -> None:
         """codes [N, K] in 0..15; scales and float_zeros [N, K/G]: w = (code - 8) * scale + zero."""
         self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
@@ -83,6 +90,8 @@ class Int4Weight:
 
 
 class Int6Weight:
+    kernel = "2 x torch._weight_int4pack_mm_for_cpu (int6 = 4 * high nibble + low 2 bits)"
+
     def __init__(self, high: Int4Weight, low: Int4Weight) -> None:
         self.high, self.low = high, low
 
