@@ -23,3 +23,14 @@ def hf_bundled():
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def real_server():
+    """One real `dflash2-server` on the bundled model for the server test modules (started once a session)."""
+    from tests.integration.server_process import API_KEY, ServerProcess
+
+    server = ServerProcess("--max-model-len", "1024", "--max-num-seqs", "16", "--api-key", API_KEY,
+                           "--max-request-bytes", "65536", "--disable-log-stats").start()
+    yield server
+    server.cleanup()

@@ -1,0 +1,92 @@
+"""`dflash2 serve` and `dflash2 bench` flags: both spellings of each, and loud errors for unbuilt features
+(no model is loaded here: these fail or parse before any loading)."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from dflash2.cli.main import build_parser, main
+from dflash2.cli.serve import check_unbuilt, llm_kwargs, server_config
+from tests.integration.server_process import console_script
+
+# Every server flag the design lists, with a value to pass (None: a switch).
+SERVER_FLAGS = {
+    "--model-path": "/m", "--host": "0.0.0.0", "--port": "9000", "--gpu-memory-utilization": "0.5",
+    "--max-num-seqs": "8", "--max-model-len": "512", "--max-batch-size": "8", "--max-num-batched-tokens": "1024",
+    "--prefill-chunk-size": "256", "--kv-cache-dtype": "auto", "--enforce-eager": None, "--swap-space": "0",
+    "--streaming-timeout-ms": "500", "--metrics-port": "9100", "--tensor-parallel-size": "1",
+    "--distributed-executor-backend": "uni", "--seed": "3", "--log-level": "debug", "--disable-log-stats": None,
+    "--disable-log-requests": None, "--api-key": "k", "--log-tokens": None, "--max-request-bytes": "1000",
+}
+BENCH_FLAGS = {
+    "--url": "http://127.0.0.1:1", "--dataset": "d.jsonl", "--concurrency": "3", "--request-rate": "2.5",
+    "--num-prompts": "7", "--timeout": "9", "--output": "r.json", "--max-tokens": "5", "--api-key": "k",
+}
+
+
+def argv(command: str, flags: dict[str, str | None], underscored: bool) -> list[str]:
+    out = [command]
+    for flag, value in flags.items():
+        out.append("--" + flag[2:].replace("-", "_") if underscored else flag)
+        if value is not None:
+            out.append(value)
+    return out
+
+
+@pytest.mark.parametrize("command, flags", [("serve", SERVER_FLAGS), ("bench", BENCH_FLAGS)])
+def test_every_flag_takes_both_spellings(command, flags):
+    parser = build_parser()
+    dashed = parser.parse_args(argv(command, flags, underscored=False))
+    underscored = parser.parse_args(argv(command, flags, underscored=True))
+    assert vars(dashed) == vars(underscored)
+
+
+def test_model_dir_spelling_and_server_config():
+    args = build_parser().parse_args(["serve", "--model_dir", "/models/x", *argv("serve", SERVER_FLAGS, False)[3:]])
+    assert args.model == "/models/x"
+    check_unbuilt(args)
+    config = server_config(args)
+    assert (config.host, config.port, config.api_key, config.streaming_timeout_ms, config.metrics_port) == (
+        "0.0.0.0", 9000, "k", 500, 9100)
+    assert config.disable_log_requests and config.log_tokens and config.disable_log_stats
+    kwargs = llm_kwargs(args)
+    assert (kwargs["max_num_seqs"], kwargs["max_model_len"], kwargs["prefill_chunk_size"]) == (8, 512, 256)
+
+
+def test_defaults_bind_localhost_and_bundled_model():
+    args = build_parser().parse_args(["serve"])
+    config = server_config(args)
+    assert config.host == "127.0.0.1" and args.model is None
+    assert llm_kwargs(args)["max_num_seqs"] == 64
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+    (["--tensor_parallel_size", "4"], "--tensor-parallel-size"),
+    (["--distributed-executor-backend", "ray"], "--distributed-executor-backend"),
+    (["--ray-address", "10.0.0.1:6379"], "--ray-address"),
+    (["--enable-l3-cache"], "--enable-l3-cache"),
+    (["--l3-cache-path", "/tmp/kv"], "--l3-cache-path"),
+    (["--swap-space", "4"], "--swap-space"),
+    (["--max-batch-size", "8", "--max-num-seqs", "4"], "--max-batch-size"),
+])
+def test_unbuilt_features_are_startup_errors(flags, named, capsys):
+    assert main(["serve", *flags]) != 0
+    assert named in capsys.readouterr().err
+
+
+def test_console_script_fails_loudly_before_loading_anything():
+    result = subprocess.run([*console_script("dflash2-server", "serve"), "--tensor-parallel-size", "2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "--tensor-parallel-size" in result.stderr and "not built" in result.stderr
+
+
+def test_bench_needs_a_server(tmp_path):
+    result = subprocess.run([*console_script("dflash2-bench", "bench"), "--url", "http://127.0.0.1:9",
+                             "--num-prompts", "2", "--timeout", "5", "--no-progress",
+                             "--output", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0  # a run whose requests all failed still reports
+    assert '"failed": 2' in (tmp_path / "r.json").read_text()
+    assert '"error_rate": 1.0' in (tmp_path / "r.json").read_text()

@@ -1,0 +1,175 @@
+"""EngineThread with a fake engine: requests in through the command queue, outputs back on the event loop,
+refusals, aborts, a failing step, a failing load. No model, no HTTP."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from dflash2.engine.kv.page_pool import PagePool
+from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from dflash2.sampling_params import SamplingParams
+from dflash2.server.engine_thread import EngineError, EngineThread
+from dflash2.server.metrics import ServerMetrics
+from dflash2.server.observer import ObserverConfig, RequestObserver
+
+
+class FakeEngine:
+    """One token per step per request; a request takes one page of the pool while it runs."""
+
+    def __init__(self, fail_step: bool = False) -> None:
+        self.pool = PagePool(8, 1024)
+        self.kv = SimpleNamespace(tokens_per_page=4, num_prefix_queries=0, num_prefix_hits=0)
+        self.scheduler = SimpleNamespace(running={}, waiting=[], num_preemptions=0)
+        self.model = SimpleNamespace(name="fake", device=SimpleNamespace(type="cpu"))
+        self.tokenizer = None
+        self.last_plan_seconds = 0.0
+        self.fail_step = fail_step
+        self.aborted: list[str] = []
+        self.pages: dict[str, list[int]] = {}
+
+    def add_request(self, prompt, params, priority, request_id) -> Request:
+        if prompt["prompt_token_ids"] == [0]:
+            raise ValueError("token 0 is refused")
+        request = Request(request_id, prompt["prompt_token_ids"], params, priority=priority)
+        self.scheduler.running[request_id] = request
+        self.pages[request_id] = self.pool.allocate(1)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self._free(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        if self.fail_step:
+            raise RuntimeError("device lost")
+        outputs = []
+        for request in list(self.scheduler.running.values()):
+            request.token_ids.append(7)
+            done = request.num_output_tokens >= request.sampling_params.max_tokens
+            if done:
+                request.status = RequestStatus.FINISHED_LENGTH
+                self._free(request.request_id)
+            completion = CompletionOutput(0, "x" * request.num_output_tokens, request.output_token_ids, None, None,
+                                          "length" if done else None)
+            outputs.append(RequestOutput(request.request_id, None, request.prompt_token_ids, None, [completion],
+                                         done, delta_text="x", delta_token_ids=[7]))
+        return outputs
+
+    def _free(self, request_id: str) -> None:
+        self.scheduler.running.pop(request_id, None)
+        self.pool.release(self.pages.pop(request_id, []))
+
+
+def start(engine: FakeEngine, loop: asyncio.AbstractEventLoop) -> tuple[EngineThread, list]:
+    load_errors: list = []
+
+    def observer(e):
+        return RequestObserver(e, ServerMetrics("fake"), ObserverConfig(log_requests=False, log_stats=False))
+
+    thread = EngineThread(lambda: engine, observer)
+    thread.start(loop, load_errors.append)
+    assert thread.loaded.wait(10)
+    return thread, load_errors
+
+
+def run(coroutine_factory):
+    async def main():
+        return await coroutine_factory(asyncio.get_running_loop())
+    return asyncio.run(main())
+
+
+def test_outputs_come_back_in_order_and_the_pages_are_freed():
+    engine = FakeEngine()
+
+    async def scenario(loop):
+        thread, _ = start(engine, loop)
+        outputs: asyncio.Queue = asyncio.Queue()
+        await thread.submit("a", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3), 5, outputs)
+        got = [await asyncio.wait_for(outputs.get(), 10) for _ in range(3)]
+        thread.stop()
+        return thread, got
+
+    thread, got = run(scenario)
+    assert [o.finished for o in got] == [False, False, True]
+    assert got[-1].outputs[0].token_ids == [7, 7, 7]
+    assert engine.pool.num_used == 0
+    metrics = thread.observer.metrics
+    assert metrics.generation_tokens._value.get() == 3
+    assert metrics.request_success("length")._value.get() == 1
+
+
+def test_a_refused_request_raises_value_error_in_the_caller():
+    async def scenario(loop):
+        thread, _ = start(FakeEngine(), loop)
+        try:
+            with pytest.raises(ValueError, match="refused"):
+                await thread.submit("a", {"prompt_token_ids": [0]}, SamplingParams(), 0, asyncio.Queue())
+        finally:
+            thread.stop()
+
+    run(scenario)
+
+
+def test_abort_frees_the_pages_and_counts_as_abort():
+    engine = FakeEngine()
+
+    async def scenario(loop):
+        thread, _ = start(engine, loop)
+        outputs: asyncio.Queue = asyncio.Queue()
+        await thread.submit("a", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=10 ** 6), 0, outputs)
+        await asyncio.wait_for(outputs.get(), 10)
+        thread.abort("a")
+        thread.abort("never-submitted")
+        for _ in range(100):
+            if not engine.scheduler.running:
+                break
+            await asyncio.sleep(0.01)
+        thread.stop()
+        return thread
+
+    thread = run(scenario)
+    assert engine.aborted == ["a"] and engine.pool.num_used == 0
+    assert thread.observer.metrics.request_success("abort")._value.get() == 1
+
+
+def test_a_failing_step_fails_its_requests_and_the_thread_keeps_going():
+    engine = FakeEngine(fail_step=True)
+
+    async def scenario(loop):
+        thread, _ = start(engine, loop)
+        outputs: asyncio.Queue = asyncio.Queue()
+        await thread.submit("a", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=2), 0, outputs)
+        error = await asyncio.wait_for(outputs.get(), 10)
+        engine.fail_step = False
+        again: asyncio.Queue = asyncio.Queue()
+        await thread.submit("b", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=1), 0, again)
+        last = await asyncio.wait_for(again.get(), 10)
+        thread.stop()
+        return error, last
+
+    error, last = run(scenario)
+    assert isinstance(error, EngineError) and "device lost" in str(error)
+    assert last.finished and engine.aborted == ["a"]
+
+
+def test_a_failing_load_is_reported_and_never_ready():
+    async def scenario(loop):
+        errors: list = []
+
+        def broken():
+            raise FileNotFoundError("no such checkpoint: /nope")
+
+        thread = EngineThread(broken, lambda e: None)
+        thread.start(loop, errors.append)
+        assert thread.loaded.wait(10)
+        await asyncio.sleep(0.05)  # the error callback runs on this loop
+        return thread, errors
+
+    thread, errors = run(scenario)
+    assert not thread.ready and isinstance(thread.load_error, FileNotFoundError)
+    assert [str(e) for e in errors] == ["no such checkpoint: /nope"]
