@@ -207,6 +207,18 @@ def test_client_disconnect_aborts_and_frees_pages(real_server):
     assert real_server.metric("dflash2_num_requests_running", model_name=MODEL) == 0
 
 
+def test_client_that_gives_up_on_a_whole_answer_aborts_it(real_server):
+    used_before = real_server.wait_for_metric("dflash2_kv_cache_used_pages", lambda v: v == 0, model_name=MODEL)
+    aborts_before = real_server.metric("dflash2_request_success_total", model_name=MODEL, finished_reason="abort")
+    body = {"prompt": "Count to a thousand.", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(real_server.url + "/generate", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=1.0))
+    assert real_server.wait_for_metric("dflash2_request_success_total", lambda v: v == aborts_before + 1,
+                                       model_name=MODEL, finished_reason="abort") == aborts_before + 1
+    assert real_server.wait_for_metric("dflash2_kv_cache_used_pages", lambda v: v == used_before,
+                                       model_name=MODEL) == used_before
+
+
 def test_bench_against_the_server(real_server, tmp_path):
     report_path = tmp_path / "report.json"
     result = subprocess.run(
