@@ -37,6 +37,23 @@ def one_request(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
     return {"total_s": total, "ttft_s": first - start, "tokens": count}
 
 
+def profile_decode(llm: LLM, prompt: list[int]) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=60, ignore_eos=True, temperature=0))
+    for _ in range(10):
+        engine.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            engine.step()
+        sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=50), flush=True)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3-8b")
@@ -45,15 +62,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of 20 decode steps")
+    parser.add_argument("--blas", default=None, help="torch.backends.cuda.preferred_blas_library: cublas or cublaslt")
     parser.add_argument("--peer-json", default=None)
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     llm = LLM(args.model, load_format="dummy", max_num_seqs=4, max_model_len=2048, max_num_batched_tokens=2048,
               enforce_eager=args.enforce_eager, overlap=False if args.no_overlap else None,
               enable_prefix_caching=False)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 20000, (args.prompt_len,), generator=generator).tolist()
     one_request(llm, prompt, 16)  # warm-up
+    if args.profile:
+        profile_decode(llm, prompt)
     runs = [one_request(llm, prompt, args.new_tokens) for _ in range(args.repeats)]
     best = min(runs, key=lambda r: r["total_s"])
     decode_s = best["total_s"] - best["ttft_s"]
@@ -65,6 +88,7 @@ def main() -> None:
               "ttft_ms": round(best["ttft_s"] * 1e3, 2), "roofline_tok_s": round(ceiling, 1),
               "fraction_of_roofline": round(tok_s / ceiling, 3),
               "cuda_graphs": llm.engine.runner.graphs is not None, "overlap": llm.engine.overlap,
+              "blas": str(torch.backends.cuda.preferred_blas_library()),
               "all_runs_s": [round(r["total_s"], 4) for r in runs]}
     finish(result, args.peer_json, args.save)
 

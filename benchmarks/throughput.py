@@ -114,15 +114,16 @@ def main() -> None:
     parser.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "..", ".bench", "w1_throughput.jsonl"))
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--prefill-chunk-size", type=int, default=2048)
+    parser.add_argument("--prefill-chunk-size", type=int, default=4096)
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also measure GPU busy time over steady decode")
     parser.add_argument("--profile-prefill", action="store_true", help="print the top kernels of prefill steps")
+    parser.add_argument("--blas", default=None, help="torch.backends.cuda.preferred_blas_library: cublas or cublaslt")
     parser.add_argument("--peer-json", default=None)
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
@@ -133,6 +134,8 @@ def main() -> None:
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rows]
     new_tokens = rows[0]["max_tokens"]
     started = time.perf_counter()
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     llm = LLM(args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               prefill_chunk_size=args.prefill_chunk_size,

@@ -98,12 +98,12 @@ class ModelRunner:
         prefills = [c for c in plan.chunks if not (c.num_tokens == 1 and c.start > 0)]
         ordered = decodes + prefills
         host = _HostBatch.build(ordered, len(decodes))
-        token_ids = self._resolve(to_device(host.token_ids, torch.long, self.device), host.has_placeholders)
-        meta = self._metadata(host, len(decodes))
         if not prefills and self.graphs is not None and self.graphs.fits(len(decodes)):
-            logits = self.graphs.run(token_ids, meta)
+            logits = self.graphs.run(host.token_ids, host.positions, host.token_slots, host.decode_lengths)
             hidden = None
         else:
+            token_ids = self._resolve(to_device(host.token_ids, torch.long, self.device), host.has_placeholders)
+            meta = self._metadata(host, len(decodes))
             context = ForwardContext(positions=meta.positions, attention=meta, kv_caches=self.kv_caches,
                                      attention_backend=self.attention)
             hidden = self.model.module(token_ids, context)

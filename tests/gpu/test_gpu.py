@@ -134,3 +134,13 @@ def test_device_sampling_is_seeded_and_respects_top_k(tiny_llama):
     first = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, params)
     second = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)
     assert first[0].outputs[0].token_ids == first[2].outputs[0].token_ids == second[0].outputs[0].token_ids
+
+
+def test_greedy_argmax_matches_torch_including_ties():
+    from dflash2.engine.sampler import greedy_argmax
+
+    logits = torch.randn(5, 151936, device="cuda")
+    logits[1, 70000] = logits[1, 90000] = 100.0  # a tie across chunks: the first index wins
+    logits[2, 5] = logits[2, 6] = 100.0  # a tie inside one chunk
+    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+    assert greedy_argmax(logits)[1].item() == 70000 and greedy_argmax(logits)[2].item() == 5

@@ -15,6 +15,7 @@ import triton.language as tl
 from dflash2.kernels.attention_metadata import AttentionMetadata
 
 PREFILL_BLOCK_M = 64
+DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}  # best of benchmarks/tune_decode.py on H200
 
 
 @triton.jit
@@ -170,8 +171,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """Enough splits that batch * kv_heads * splits fills the GPU about twice, at most 32."""
-    return max(1, min(32, triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))))
+    """Enough splits that batch * kv_heads * splits fills the GPU about twice: a power of two, at most 32
+    (each value is a separately compiled kernel, so only six exist; graph capture compiles them all)."""
+    wanted = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    return min(32, triton.next_power_of_2(wanted))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -184,14 +187,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     partial = torch.empty((batch, num_heads, num_splits, dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q) if out is None else out
-    block_n = 64 if dim <= 128 else 32
+    block_n = DECODE_CONFIG["BLOCK_N"] if dim <= 128 else 32
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, slots, lengths, partial, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         scale, k_cache.shape[1],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, PRECISION=_precision(q), num_warps=4, num_stages=2)
+        NUM_SPLITS=num_splits, PRECISION=_precision(q), num_warps=DECODE_CONFIG["num_warps"],
+        num_stages=DECODE_CONFIG["num_stages"])
     _decode_merge_kernel[(batch, num_heads)](
         partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=num_splits,
