@@ -124,6 +124,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also measure GPU busy time over steady decode")
     parser.add_argument("--profile-prefill", action="store_true", help="print the top kernels of prefill steps")
     parser.add_argument("--blas", default=None, help="torch.backends.cuda.preferred_blas_library: cublas or cublaslt")
+    parser.add_argument("--warmup-tokens", type=int, default=32)
+    parser.add_argument("--decode-block-n", type=int, default=None)
     parser.add_argument("--peer-json", default=None)
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
@@ -136,6 +138,10 @@ def main() -> None:
     started = time.perf_counter()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
+    if args.decode_block_n:
+        from dflash2.kernels.triton.attention import DECODE_CONFIG
+
+        DECODE_CONFIG["BLOCK_N"] = args.decode_block_n
     llm = LLM(args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               prefill_chunk_size=args.prefill_chunk_size,
@@ -143,7 +149,8 @@ def main() -> None:
               overlap=False if args.no_overlap else None, enable_prefix_caching=False)
     load_seconds = time.perf_counter() - started
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0)
-    llm.generate(prompts[:16], SamplingParams(max_tokens=16, ignore_eos=True, temperature=0))  # warm-up
+    # warm-up: the whole workload once with fewer new tokens, so every kernel variant is compiled
+    llm.generate(prompts, SamplingParams(max_tokens=args.warmup_tokens, ignore_eos=True, temperature=0))
     sync()
     log = StepLog(llm)
     start = time.perf_counter()
@@ -159,6 +166,7 @@ def main() -> None:
               "load_seconds": round(load_seconds, 1), "preemptions": llm.engine.scheduler.num_preemptions,
               "kv_pages": llm.engine.pool.num_pages, "tokens_per_page": llm.engine.kv.tokens_per_page,
               "cuda_graphs": llm.engine.runner.graphs is not None, "overlap": llm.engine.overlap,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "prefill_chunk_size": args.prefill_chunk_size,
               "phases": log.summary()}
     if args.profile_prefill:
         result["prefill_profile"] = prefill_profile(llm, prompts[:64], params)

@@ -101,7 +101,7 @@ def _decode_merge_kernel(partial_ptr, lse_ptr, out_ptr, stride_pb, stride_ph, st
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row_offset"])  # varies every step: no recompile per value class
 def _prefill_kernel(q_ptr, k_cache, v_cache, page_table, out_ptr, query_starts, context_lens, seg_slots,
                     block_segments, block_starts,
                     stride_qt, stride_qh, stride_ot, stride_oh,
