@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dflash2.sampling_params import MAX_PRIORITY, SamplingParams
@@ -84,11 +85,38 @@ class Request:
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
 
 
-@dataclass
+class TokenView(Sequence[int]):
+    """A read-only window on a request's token list: outputs made every step share it instead of copying."""
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: list[int], start: int, stop: int) -> None:
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._materialize()[index]
+
+    def __iter__(self):
+        return iter(self._materialize())
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == (list(other) if isinstance(other, (list, tuple, TokenView)) else other)
+
+    def __repr__(self) -> str:
+        return repr(self._materialize())
+
+    def _materialize(self) -> list[int]:
+        return self._tokens[self._start:self._stop]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a list, or a TokenView over the request's tokens
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
@@ -98,7 +126,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

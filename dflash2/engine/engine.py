@@ -38,7 +38,7 @@ from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepR
 from dflash2.engine.sampler import make_generator
 from dflash2.engine.scheduler import Scheduler
 from dflash2.loading.model_loader import load_model
-from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenView
 from dflash2.sampling_params import SamplingParams
 
 
@@ -244,7 +244,9 @@ class Engine:
         detok = self._detokenizers[request.request_id]
         first = request.num_prompt_tokens
         completion = CompletionOutput(
-            index=0, text=detok.text, token_ids=request.token_ids[first:first + num_outputs],
+            index=0, text=detok.text,
+            token_ids=list(request.token_ids[first:first + num_outputs]) if finished
+            else TokenView(request.token_ids, first, first + num_outputs),
             cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
             logprobs=request.logprobs, finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason)

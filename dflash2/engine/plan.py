@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # made for every request every step: slots, not frozen, keep it cheap
 class ScheduledChunk:
     """Compute KV for tokens [start, start + len(token_ids)) of one request.
 

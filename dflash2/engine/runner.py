@@ -208,9 +208,13 @@ class ModelRunner:
         return PendingStep(sample_ids, placeholders, tokens_host, done, logprob_job)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
-        return SamplingRow(params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
-                           output_token_ids=request.output_token_ids, generator=request.generator,
-                           eos_token_ids=self.eos_token_ids)
+        params = request.sampling_params
+        # the history is copied only for rows that read it (penalties, or min_tokens not yet reached)
+        needs_history = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+                         or params.presence_penalty != 0.0 or request.num_output_tokens < params.min_tokens)
+        return SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
+                           output_token_ids=request.output_token_ids if needs_history else (),
+                           generator=request.generator, eos_token_ids=self.eos_token_ids)
 
     def _prompt_logprob_job(self, chunk: ScheduledChunk, hidden: torch.Tensor, first_row: int,
                             request: Request) -> tuple | None:
