@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 @dataclass(frozen=True)
@@ -31,5 +32,7 @@ class ServerConfig:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
         if self.streaming_timeout_ms is not None and self.streaming_timeout_ms < 1:
             raise ValueError(f"--streaming-timeout-ms must be >= 1, got {self.streaming_timeout_ms}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")

@@ -73,6 +73,17 @@ class _CompletionFormat:
         self.num_logprobs = num_logprobs
         self.echo = echo
         self._text_offset = [0] * len(generation.request_ids)
+        self._pending_ids: list[list[int]] = [[] for _ in generation.request_ids]  # tokens not yet sent
+
+    def _take_pending(self, index: int, output: RequestOutput) -> list[int] | None:
+        """The tokens a chunk for this output covers (those whose text was held back included), or None
+        while its text is still held back (half a character, a possible stop string)."""
+        pending = self._pending_ids[index]
+        pending.extend(output.delta_token_ids)
+        if not output.delta_text and not output.finished:
+            return None
+        self._pending_ids[index] = []
+        return pending
 
     def header(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.generation.id, "object": self.object_name,
@@ -87,9 +98,10 @@ class _CompletionFormat:
     def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
         index = self.generation.index_of[output.request_id]
         completion = output.outputs[0]
-        if not output.delta_text and not output.finished:
+        token_ids = self._take_pending(index, output)
+        if token_ids is None:
             return []
-        logprobs = self._logprobs(index, completion.logprobs, output.delta_token_ids)
+        logprobs = self._logprobs(index, completion.logprobs, token_ids)
         return [self.header([{"index": index, "text": output.delta_text, "logprobs": logprobs,
                               "finish_reason": completion.finish_reason if output.finished else None}])]
 
@@ -151,8 +163,9 @@ class _ChatFormat(_CompletionFormat):
         index = self.generation.index_of[output.request_id]
         completion = output.outputs[0]
         chunks = []
+        token_ids = self._take_pending(index, output)
         if output.delta_text:
-            logprobs = self._chat_logprobs(completion.logprobs, output.delta_token_ids)
+            logprobs = self._chat_logprobs(completion.logprobs, token_ids or [])
             chunks.append(self.header([{"index": index, "delta": {"content": output.delta_text},
                                         "logprobs": logprobs, "finish_reason": None}]))
         if output.finished:

@@ -154,6 +154,22 @@ def test_vllm_extra_sampling_fields(client, bundled_llm):
     assert seeded[0] == seeded[1]
 
 
+def test_logprobs_whole_and_streamed(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    logprobs = whole.choices[0].logprobs
+    assert "".join(logprobs.tokens) == whole.choices[0].text and len(logprobs.tokens) == 6
+    assert all(len(top) <= 2 and max(top.values()) <= 0.0 for top in logprobs.top_logprobs)
+    streamed = [t for c in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                                      logprobs=2, stream=True) if c.choices[0].logprobs
+                for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(logprobs.token_logprobs, abs=1e-4)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
+
+
 def test_tokenize_and_detokenize(real_server, bundled_llm):
     tokens = httpx.post(real_server.url + "/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()
     assert tokens["tokens"] == bundled_llm.tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
