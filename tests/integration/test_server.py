@@ -129,11 +129,16 @@ def test_generate_text_token_ids_and_stream(real_server, bundled_llm):
     assert events[-2]["usage"]["completion_tokens"] == len(offline.token_ids)
 
 
-def test_priority_reaches_the_scheduler(client, real_server):
-    ids = []
-    for priority in (0, 7, 65535):
-        ids.append((client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
-                                              extra_body={"priority": priority}).id, priority))
+def test_priority_reaches_the_scheduler_from_every_endpoint(client, real_server):
+    ids = [(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                      extra_body={"priority": 65535}).id, 65535),
+           (client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                           extra_body={"priority": 7}).id, 7)]
+    generated = httpx.post(real_server.url + "/generate", json={"prompt": PROMPT, "max_tokens": 2, "priority": 100},
+                           headers=AUTH, timeout=60).json()
+    ids.append((generated["id"], 100))
+    default = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    ids.append((default.id, 0))
     time.sleep(0.2)
     records = {r["request_id"]: r for r in real_server.json_logs() if r.get("event") == "request_finished"}
     for request_id, priority in ids:
