@@ -53,8 +53,8 @@ def plot_sweep(reports: list[dict[str, Any]], knee: int | None, path: str) -> No
     right.set_ylabel("output throughput (tok/s)", color="tab:blue")
     if knee is not None:
         left.axvline(knee, color="gray", linestyle="--")
-        left.annotate(f"knee: {knee}", xy=(knee, max(v for v in latency if v == v) if any(v == v for v in latency)
-                                           else 0), xytext=(5, -12), textcoords="offset points", color="gray")
+        left.text(knee, 0.03, f" knee: concurrency {knee}", transform=left.get_xaxis_transform(), color="gray")
+    fig.legend(loc="upper left", bbox_to_anchor=(0.1, 0.9))
     left.set_title("dflash2 bench sweep")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
