@@ -150,6 +150,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    swap_space_bytes: int = 0  # pinned host memory for the KV of paused requests
 
     CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -160,8 +161,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    preemption_threshold: int = 1  # a waiting request pauses running ones at least this much less urgent
+    priority_aging_seconds: float | None = None  # waiting this long outranks any newer request
 
     def __post_init__(self) -> None:
+        if self.preemption_threshold < 1:
+            raise ValueError(f"preemption_threshold must be >= 1, got {self.preemption_threshold}")
+        if self.priority_aging_seconds is not None and self.priority_aging_seconds <= 0:
+            raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -29,6 +29,7 @@ import torch
 from dflash2.config import CacheConfig, SchedulerConfig
 from dflash2.engine.detokenizer import IncrementalDetokenizer
 from dflash2.engine.kv.layout import KVLayout, resolve_kv_dtype
+from dflash2.engine.kv.host_pool import HostPagePool
 from dflash2.engine.kv.manager import KVManager
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.engine.plan import StepPlan
@@ -39,7 +40,7 @@ from dflash2.engine.sampler import make_generator
 from dflash2.engine.scheduler import Scheduler
 from dflash2.loading.model_loader import load_model
 from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenView
-from dflash2.sampling_params import SamplingParams
+from dflash2.sampling_params import MAX_PRIORITY, SamplingParams
 
 
 def _has_penalty(params: SamplingParams) -> bool:
@@ -62,6 +63,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # never capture CUDA graphs
     overlap: bool | None = None  # overlapped scheduling; None: on for CUDA, off on the CPU
+    low_priority_values_first: bool = False  # vLLM's convention: a smaller number is more urgent
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -85,13 +87,15 @@ class Engine:
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
+        num_host_pages = config.cache.swap_space_bytes // config.cache.page_bytes
         options = RunnerOptions(attention_backend=backend, seed=config.seed,
                                 max_slots=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-                                enforce_eager=config.enforce_eager)
+                                enforce_eager=config.enforce_eager, num_host_pages=num_host_pages)
         num_pages = self._num_pages(layout, device, options)
         self.pool = PagePool(num_pages, layout.page_bytes)
+        host_pool = HostPagePool(num_host_pages, layout.page_bytes) if num_host_pages else None
         self.kv = KVManager(self.pool, layout.tokens_per_page, self.model.name, config.cache.enable_prefix_caching,
-                            max_slots=config.scheduler.max_num_seqs)
+                            max_slots=config.scheduler.max_num_seqs, host_pool=host_pool)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.eos_token_ids = set(self._eos_token_ids())
         self.runner = ModelRunner(self.model, layout, num_pages, options)
@@ -118,6 +122,10 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
+        if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be an integer in [0, {MAX_PRIORITY}], got {priority!r}")
+        if self.config.low_priority_values_first:
+            priority = MAX_PRIORITY - priority
         request = Request(request_id, token_ids, params, priority=priority, prompt=prompt_text,
                           model=self.model.name)
         if params.seed is not None:

@@ -37,10 +37,15 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # request ids sent back to waiting this step
+    swapped: list[str] = field(default_factory=list)  # of those, the ones whose KV went to host pages
+    resumed: list[str] = field(default_factory=list)  # swapped requests brought back this step
+    # Page copies the runner makes before the step's kernels: out first, then in.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device page, host page)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host page, device page)
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
     def __bool__(self) -> bool:
-        return bool(self.chunks)
+        return bool(self.chunks or self.swap_out or self.swap_in)

@@ -39,6 +39,7 @@ class RunnerOptions:
     max_slots: int
     max_model_len: int
     enforce_eager: bool = False
+    num_host_pages: int = 0  # pinned host pages for swapped-out KV
 
 
 @dataclass
@@ -71,6 +72,9 @@ class ModelRunner:
         self.scratch_page = num_pages
         self.pool_bytes = torch.zeros((num_pages + 1) * layout.page_bytes, dtype=torch.uint8, device=self.device)
         self.kv_caches = layout.layer_views(self.pool_bytes)
+        self.device_pages = self.pool_bytes.view(num_pages + 1, layout.page_bytes)
+        self.host_pages = torch.empty((options.num_host_pages, layout.page_bytes), dtype=torch.uint8,
+                                      pin_memory=self.device.type == "cuda")
         self.max_pages_per_slot = -(-options.max_model_len // layout.tokens_per_page)
         self.pad_slot = options.max_slots  # an extra row whose pages are all the scratch page
         self.page_table = torch.full((options.max_slots + 1, self.max_pages_per_slot), self.scratch_page,
@@ -93,6 +97,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, requests: Mapping[str, Request]) -> PendingStep:
+        self._swap(plan.swap_out, plan.swap_in)
+        if not plan.chunks:
+            return PendingStep([], [], None, None)
         self._update_page_table(plan.chunks)
         decodes = [c for c in plan.chunks if c.num_tokens == 1 and c.start > 0]
         prefills = [c for c in plan.chunks if not (c.num_tokens == 1 and c.start > 0)]
@@ -130,6 +137,23 @@ class ModelRunner:
         for request_id, start, logits, targets, num_top in pending.prompt_logprob_jobs:
             result.prompt_logprobs[request_id] = (start, prompt_logprobs(logits, targets, num_top))
         return result
+
+    # -- swapping ----------------------------------------------------------------------------------
+    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy paused requests' pages to host pages and resumed ones back, queued before the step's
+        kernels (so a page freed by a swap-out is read before anything new is written into it)."""
+        if self.device.type != "cuda":
+            if swap_out:
+                device_idx, host_idx = zip(*swap_out)
+                self.host_pages[list(host_idx)] = self.device_pages[list(device_idx)]
+            if swap_in:
+                host_idx, device_idx = zip(*swap_in)
+                self.device_pages[list(device_idx)] = self.host_pages[list(host_idx)]
+            return
+        for device_page, host_page in swap_out:
+            self.host_pages[host_page].copy_(self.device_pages[device_page], non_blocking=True)
+        for host_page, device_page in swap_in:
+            self.device_pages[device_page].copy_(self.host_pages[host_page], non_blocking=True)
 
     # -- inputs ------------------------------------------------------------------------------------
     def _update_page_table(self, chunks: list[ScheduledChunk]) -> None:

@@ -1,50 +1,60 @@
 """Scheduler: pure logic that turns the waiting and running requests into a StepPlan.
 
 Per step, under a token budget of `max_num_batched_tokens`:
-  1. running requests in decode (one token each) go first, most urgent first;
-  2. then running requests still in prefill get a chunk of at most `prefill_chunk_size` tokens;
-  3. then waiting requests are admitted in arrival order while the budget, `max_num_seqs` and pages last,
-     starting from their longest cached prefix.
-When a running request needs a page and none is left, the least urgent (lowest priority, then newest)
-running request not yet scheduled this step is preempted: its pages are released (full ones stay in the
-prefix cache) and it goes back to the front of the waiting queue to be recomputed.
+  1. running requests get their next chunk, most urgent first (priority, then decode before prefill, then
+     admission order); a prefill chunk is at most `prefill_chunk_size` tokens;
+  2. waiting requests are admitted in the WaitingQueue's order (effective priority, then arrival) while
+     the budget, `max_num_seqs` and pages last: a swapped request gets its pages back (swap in), a new
+     one starts from its longest cached prefix.
+Preemption, least urgent first (lowest priority, then most recently admitted):
+  - pages run out for a running request: a running request no more urgent than it is paused;
+  - a waiting request cannot be admitted (pages, max_num_seqs or budget): running requests outranked by
+    at least `preemption_threshold` are paused until it fits, and it is admitted in the same step.
+A paused request's computed KV goes to host pages when the swap pool has room (it resumes where it
+stopped, no recomputation) or is dropped (recomputed from its prompt and outputs, helped by the prefix
+cache). It goes back to waiting with its original arrival, so it keeps its place in line.
 No tensors and no device code here: unit tests drive it with a pool of a few pages.
 """
 from __future__ import annotations
 
 import itertools
-from collections import deque
 
 from dflash2.config import SchedulerConfig
 from dflash2.engine.kv.manager import KVManager
 from dflash2.engine.plan import ScheduledChunk, StepPlan
+from dflash2.engine.queues import WaitingQueue
 from dflash2.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager, waiting: WaitingQueue | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
-        self.running: dict[str, Request] = {}  # insertion order = admission order
-        self._seq = itertools.count()
-        self._order: dict[str, int] = {}
+        self.waiting = waiting or WaitingQueue(config.priority_aging_seconds)
+        self.running: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._admissions = itertools.count()
+        self._admitted: dict[str, int] = {}  # request id -> admission number (most recent start)
+        self._arrival: dict[str, int] = {}  # request id -> arrival number (its place in line)
         self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.swapped_bytes = 0  # bytes copied to host pages so far
 
     # -- queue operations --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        self._order[request.request_id] = next(self._seq)
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self._arrival[request.request_id] = next(self._arrivals)
+        self.waiting.add(request, self._arrival[request.request_id])
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Remove a request from the queues and release its pages."""
+        """Remove a request from the queues and release its pages (device and host)."""
         if request.request_id in self.running:
             del self.running[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
-        self._order.pop(request.request_id, None)
+        self._admitted.pop(request.request_id, None)
+        self._arrival.pop(request.request_id, None)
         request.status = status
 
     def has_unfinished(self) -> bool:
@@ -56,22 +66,16 @@ class Scheduler:
         (the KV is in flight on the device), so the next plan can be made before this step has run."""
         plan = StepPlan()
         self._budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledChunk] = {}
-        ranked = sorted((r for r in self.running.values() if not r.finish_pending), key=self._urgency)
-        decodes = [r for r in ranked if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in ranked if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decodes + prefills:
+        self._scheduled: dict[str, ScheduledChunk] = {}
+        ranked = sorted((r for r in self.running.values() if not r.finish_pending), key=self._running_rank)
+        for request in ranked:
             if self._budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size,
-                          self._budget)
-            if self._make_room(request, num_new, scheduled, plan):
-                chunk = self._chunk(request, num_new)
-                scheduled[request.request_id] = chunk
-                plan.chunks.append(chunk)
-                self._budget -= num_new
+            num_new = self._chunk_size(request)
+            if self._make_room(request, num_new, plan):
+                self._schedule(request, num_new, plan)
         if not plan.preempted:
             self._admit(plan)
         for chunk in plan.chunks:
@@ -85,54 +89,118 @@ class Scheduler:
             if request is not None:  # else finished or aborted meanwhile
                 self.kv.commit(request)
 
-    # -- internals ---------------------------------------------------------------------------------
+    # -- admission ---------------------------------------------------------------------------------
     def _admit(self, plan: StepPlan) -> None:
-        while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            cached = 0
-            if not self.kv.pages_of(request.request_id):
+        for request in self.waiting.ordered():
+            if self._try_admit(request, plan):
+                continue
+            if not self._preempt_for(request, plan) or not self._try_admit(request, plan):
+                break  # the most urgent waiting request does not fit: nobody behind it jumps the line
+
+    def _try_admit(self, request: Request, plan: StepPlan) -> bool:
+        if self._budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            return False
+        request_id = request.request_id
+        swapped = self.kv.is_swapped(request_id)
+        cached = 0
+        if swapped:
+            num_new = self._chunk_size(request)
+            needed = self.kv.num_pages_for(request.num_computed_tokens + num_new)
+            if needed > self.kv.pool.num_available:
+                return False
+            pairs = self.kv.swap_in(request)
+            self.kv.grow(request, request.num_computed_tokens + num_new)
+        else:
+            if not self.kv.pages_of(request_id):
                 cached = self.kv.attach_prefix(request)
                 request.num_computed_tokens = cached
-            num_new = min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size,
-                          self._budget)
+            num_new = self._chunk_size(request)
             if not self.kv.grow(request, request.num_computed_tokens + num_new):
                 self.kv.free(request)
                 request.num_computed_tokens = 0
-                break
+                return False
+        if swapped:
+            plan.swap_in.extend(pairs)
+            plan.resumed.append(request_id)
+        else:
             self.kv.record_prefix_lookup(request.num_tokens, cached)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = cached
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running[request.request_id] = request
-            plan.chunks.append(self._chunk(request, num_new))
-            self._budget -= num_new
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running[request_id] = request
+        self._admitted[request_id] = next(self._admissions)
+        self._schedule(request, num_new, plan)
+        return True
 
-    def _make_room(self, request: Request, num_new: int, scheduled: dict[str, ScheduledChunk],
-                   plan: StepPlan) -> bool:
-        """Grow the request's pages, preempting the least urgent running requests (itself included, and
-        ones already given a chunk this step) until they fit; False if the request itself was preempted."""
+    def _preempt_for(self, request: Request, plan: StepPlan) -> bool:
+        """Pause running requests outranked by the waiting `request` until it fits; False if it cannot."""
+        bar = self.waiting.effective_priority(request) - self.config.preemption_threshold
+        victims = sorted((r for r in self.running.values() if r.priority <= bar), key=self._victim_rank)
+        if not victims:
+            return False
+        needed = self.kv.num_pages_for(request.num_tokens if self.kv.is_swapped(request.request_id)
+                                       else min(request.num_tokens, self.config.prefill_chunk_size))
+        obtainable = self.kv.pool.num_available + sum(len(self.kv.pages_of(v.request_id)) for v in victims)
+        if needed > obtainable:
+            return False  # pausing every candidate would still not make room: pause nobody
+        for victim in victims:
+            self._preempt(victim, plan)
+            if self._fits(request):
+                return True
+        return self._fits(request)
+
+    def _fits(self, request: Request) -> bool:
+        if self._budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            return False
+        if self.kv.is_swapped(request.request_id):
+            return self.kv.num_pages_for(request.num_tokens) <= self.kv.pool.num_available
+        return self.kv.num_pages_for(min(request.num_tokens, self.config.prefill_chunk_size)) \
+            <= self.kv.pool.num_available
+
+    # -- running requests --------------------------------------------------------------------------
+    def _make_room(self, request: Request, num_new: int, plan: StepPlan) -> bool:
+        """Grow the request's pages, pausing the least urgent running requests (itself included, and
+        ones already given a chunk this step) until they fit; False if the request itself was paused."""
         while not self.kv.grow(request, request.num_computed_tokens + num_new):
-            rank = self._urgency(request)
-            victim = max((r for r in self.running.values() if self._urgency(r) >= rank), key=self._urgency)
-            dropped = scheduled.pop(victim.request_id, None)
-            if dropped is not None:
-                plan.chunks.remove(dropped)
-                self._budget += dropped.num_tokens
-            self._preempt(victim)
-            plan.preempted.append(victim.request_id)
+            rank = self._victim_rank(request)
+            victim = min((r for r in self.running.values() if self._victim_rank(r) <= rank), key=self._victim_rank)
+            self._preempt(victim, plan)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
-        del self.running[request.request_id]
-        self.kv.free(request)
-        request.num_computed_tokens = 0
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        request_id = request.request_id
+        dropped = self._scheduled.pop(request_id, None)
+        if dropped is not None:
+            plan.chunks.remove(dropped)
+            self._budget += dropped.num_tokens
+        del self.running[request_id]
+        self._admitted.pop(request_id, None)
+        pairs = self.kv.swap_out(request)
+        if pairs is not None:
+            plan.swap_out.extend(pairs)
+            plan.swapped.append(request_id)
+            self.num_swap_outs += 1
+            self.swapped_bytes += len(pairs) * self.kv.pool.page_bytes
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        self.waiting.add(request, self._arrival[request_id])  # its original place in line
+        plan.preempted.append(request_id)
         self.num_preemptions += 1
+
+    def _schedule(self, request: Request, num_new: int, plan: StepPlan) -> None:
+        chunk = self._chunk(request, num_new)
+        self._scheduled[request.request_id] = chunk
+        plan.chunks.append(chunk)
+        self._budget -= num_new
+
+    def _chunk_size(self, request: Request) -> int:
+        return min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, self._budget)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -149,6 +217,11 @@ class Scheduler:
             all_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens,
         )
 
-    def _urgency(self, request: Request) -> tuple[int, int]:
-        """Sort key: most urgent first (higher priority, then earlier arrival)."""
-        return (-request.priority, self._order[request.request_id])
+    def _running_rank(self, request: Request) -> tuple[int, bool, int]:
+        """Most urgent first: higher priority, then decodes before prefills, then earlier admission."""
+        is_prefill = request.num_tokens - request.num_computed_tokens > 1
+        return (-request.priority, is_prefill, self._admitted[request.request_id])
+
+    def _victim_rank(self, request: Request) -> tuple[int, int]:
+        """Least urgent first: lower priority, then more recently admitted."""
+        return (request.priority, -self._admitted[request.request_id])

@@ -25,16 +25,23 @@ class LLM:
                  kv_cache_dtype: str = "auto", kv_cache_memory: int | str | None = None,
                  gpu_memory_utilization: float = 0.9, page_bytes: int = 1 << 20,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto", enforce_eager: bool = False,
-                 overlap: bool | None = None) -> None:
+                 overlap: bool | None = None, swap_space: float | int | str = 0, preemption_threshold: int = 1,
+                 priority_aging_seconds: float | None = None, low_priority_values_first: bool = False) -> None:
+        """`swap_space`: pinned host memory for paused requests' KV, in GiB as a number (vLLM's unit) or a
+        size string such as "512MiB"."""
         config = EngineConfig(
             model=model, tokenizer=tokenizer, load_format=load_format, dtype=dtype, device=device, seed=seed,
             attention_backend=attention_backend, enforce_eager=enforce_eager, overlap=overlap,
+            low_priority_values_first=low_priority_values_first,
             cache=CacheConfig(page_bytes=page_bytes, kv_cache_dtype=kv_cache_dtype,
                               kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
                               gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              swap_space_bytes=_swap_bytes(swap_space)),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      prefill_chunk_size=prefill_chunk_size, max_model_len=max_model_len),
+                                      prefill_chunk_size=prefill_chunk_size, max_model_len=max_model_len,
+                                      preemption_threshold=preemption_threshold,
+                                      priority_aging_seconds=priority_aging_seconds),
         )
         self.engine = Engine(config)
 
@@ -87,6 +94,14 @@ class LLM:
                 if output.finished and output.request_id in wanted:
                     final[output.request_id] = output
         return [final[r] for r in request_ids]
+
+
+def _swap_bytes(swap_space: float | int | str) -> int:
+    if isinstance(swap_space, str):
+        return parse_bytes(swap_space) or 0
+    if swap_space < 0:
+        raise ValueError(f"swap_space must be >= 0, got {swap_space}")
+    return int(swap_space * (1 << 30))
 
 
 def _per_prompt(value: Any, count: int, default: Any, name: str) -> list[Any]:

@@ -125,3 +125,29 @@ def test_overlapped_steps_give_the_same_tokens(tiny):
     assert stopped.outputs[0].token_ids == outputs[0].outputs[0].token_ids[:4]
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == stop_at
     assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_priority_preemption_with_swap_gives_the_same_tokens(tiny, overlap):
+    """Urgent requests arriving mid-run pause running ones (KV to host pages and back): same tokens."""
+    arch, hf_model, directory = tiny
+    page_bytes = PAGE_BYTES * (2 if arch == "qwen3" else 1)
+    llm = make_llm(directory, arch, kv_cache_memory=16 * page_bytes, max_num_batched_tokens=64, max_model_len=60,
+                   max_num_seqs=4, swap_space=f"{64 * page_bytes}B", overlap=overlap)
+    engine = llm.engine
+    low = prompts(4, seed=21)
+    high = prompts(3, seed=22)
+    params = SamplingParams(max_tokens=14, min_tokens=14, temperature=0)
+    finished = {}
+    ids = [engine.add_request({"prompt_token_ids": p}, params, priority=0).request_id for p in low]
+    for _ in range(4):
+        for output in engine.step():
+            finished[output.request_id] = output
+    ids += [engine.add_request({"prompt_token_ids": p}, params, priority=1000).request_id for p in high]
+    while engine.has_unfinished():
+        for output in engine.step():
+            finished[output.request_id] = output
+    assert engine.scheduler.num_swap_outs > 0
+    for request_id, prompt in zip(ids, low + high):
+        assert finished[request_id].outputs[0].token_ids == hf_greedy(hf_model, prompt, 14)
+    assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0

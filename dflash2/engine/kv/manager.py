@@ -10,9 +10,14 @@ once their KV is computed, so a later request with the same prefix acquires them
 Each request holding pages also holds a slot: the row of the runner's device page table that mirrors its
 page list. `take_new_pages()` hands out the pages added since the last call, so the runner updates that row
 in place instead of receiving the whole table every step.
+
+Swapping (priority preemption): `swap_out` moves a request's computed pages to host pages (the caller
+copies the bytes before the step's kernels run), releasing its device pages and slot; `swap_in` takes new
+device pages for them when it resumes. While swapped, a request holds host pages only.
 """
 from __future__ import annotations
 
+from dflash2.engine.kv.host_pool import HostPagePool
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.engine.kv.prefix_hash import page_hash
 from dflash2.request import Request
@@ -20,7 +25,8 @@ from dflash2.request import Request
 
 class KVManager:
     def __init__(self, pool: PagePool, tokens_per_page: int, namespace: str,
-                 enable_prefix_caching: bool = True, max_slots: int = 1024) -> None:
+                 enable_prefix_caching: bool = True, max_slots: int = 1024,
+                 host_pool: HostPagePool | None = None) -> None:
         if tokens_per_page < 1:
             raise ValueError("a page must hold at least one token")
         self.pool = pool
@@ -33,6 +39,8 @@ class KVManager:
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._slot: dict[str, int] = {}
         self._num_synced: dict[str, int] = {}  # pages already handed to the runner
+        self.host_pool = host_pool
+        self._swapped: dict[str, list[int]] = {}  # request id -> host pages, in page-table order
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found
 
@@ -48,6 +56,44 @@ class KVManager:
         start = self._num_synced[request_id]
         self._num_synced[request_id] = len(pages)
         return start, tuple(pages[start:])
+
+    def untake_pages(self, request_id: str, start: int) -> None:
+        """Hand pages from `start` on out again next time (their chunk was dropped from the plan)."""
+        if request_id in self._num_synced:
+            self._num_synced[request_id] = min(self._num_synced[request_id], start)
+
+    # -- swapping ------------------------------------------------------------------------------------
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._swapped
+
+    @property
+    def num_swapped_requests(self) -> int:
+        return len(self._swapped)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's computed pages to host pages: [(device page, host page)], or None (no room;
+        nothing changed). Its device pages and slot are released; the bytes must be copied before reuse."""
+        count = self.num_pages_for(request.num_computed_tokens)
+        if self.host_pool is None or count == 0:
+            return None
+        host = self.host_pool.allocate(count)
+        if host is None:
+            return None
+        device = self._pages[request.request_id][:count]
+        self.free(request)
+        self._swapped[request.request_id] = host
+        return list(zip(device, host))
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """New device pages for a swapped request: [(host page, device page)], or None (not enough)."""
+        host = self._swapped[request.request_id]
+        device = self.pool.allocate(len(host))
+        if device is None:
+            return None
+        self._open(request.request_id).extend(device)
+        del self._swapped[request.request_id]
+        self.host_pool.release(host)
+        return list(zip(host, device))
 
     def _open(self, request_id: str) -> list[int]:
         """The request's page list, giving it a slot first if it has none."""
@@ -125,6 +171,9 @@ class KVManager:
 
     def free(self, request: Request) -> None:
         """Drop the request's pages; the tail goes first so that LRU eviction takes it before the prefix."""
+        host = self._swapped.pop(request.request_id, None)
+        if host is not None:
+            self.host_pool.release(host)
         pages = self._pages.pop(request.request_id, [])
         self._hashes.pop(request.request_id, None)
         self._num_synced.pop(request.request_id, None)
