@@ -1,7 +1,7 @@
 """`dflash2 serve` (also `dflash2-server`): the OpenAI-compatible HTTP server on one model.
 
-A flag for a feature that is not built yet (tensor parallelism, Ray, host swap, the L3 disk cache) is an
-error at startup that names the flag, never a silent no-op.
+A flag for a feature that is not built yet (tensor parallelism, Ray, the L3 disk cache) is an error at
+startup that names the flag, never a silent no-op.
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--tensor-parallel-size", "--tp", type=int, default=1)
     add_flag(parser, "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
     add_flag(parser, "--ray-address", default=None)
-    add_flag(parser, "--swap-space", type=float, default=0.0, help="GiB of host memory for swapped KV (not built)")
+    add_flag(parser, "--swap-space", type=float, default=0.0,
+             help="GiB of pinned host memory for the KV of preempted requests (0: recompute them instead)")
     add_flag(parser, "--enable-l3-cache", action="store_true", help="spill KV pages to disk (not built)")
     add_flag(parser, "--l3-cache-path", default=None)
     parser.set_defaults(log_level="info", max_num_seqs=None)  # None: see llm_kwargs
@@ -56,7 +57,7 @@ def check_unbuilt(args: argparse.Namespace) -> None:
         (args.distributed_executor_backend == "ray", "--distributed-executor-backend ray",
          "the Ray executor is not built yet"),
         (args.ray_address is not None, "--ray-address", "the Ray executor is not built yet"),
-        (args.swap_space != 0, f"--swap-space {args.swap_space:g}",
+        (args.swap_space != 0 and not _llm_takes("swap_space"), f"--swap-space {args.swap_space:g}",
          "swapping KV pages to host memory is not built yet; only 0 is supported"),
         (args.enable_l3_cache, "--enable-l3-cache", "the disk (L3) KV cache is not built yet"),
         (args.l3_cache_path is not None, "--l3-cache-path", "the disk (L3) KV cache is not built yet"),
@@ -70,17 +71,23 @@ def check_unbuilt(args: argparse.Namespace) -> None:
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) keyword arguments: the engine flags plus the server's spellings of them."""
-    from dflash2 import LLM
-
     kwargs = engine_kwargs(args)
     if None not in (args.max_batch_size, args.max_num_seqs) and args.max_batch_size != args.max_num_seqs:
         raise ValueError(f"--max-batch-size {args.max_batch_size} contradicts --max-num-seqs {args.max_num_seqs}")
     kwargs["max_num_seqs"] = args.max_batch_size or args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-    if args.enforce_eager:
-        if "enforce_eager" in inspect.signature(LLM).parameters:
-            kwargs["enforce_eager"] = True
-        # else: this build never captures CUDA graphs, so every step already runs eagerly
+    if args.enforce_eager and _llm_takes("enforce_eager"):
+        kwargs["enforce_eager"] = True  # (a build without the parameter captures no CUDA graphs at all)
+    if args.swap_space < 0:
+        raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space:g}")
+    if args.swap_space and _llm_takes("swap_space"):
+        kwargs["swap_space"] = args.swap_space
     return kwargs
+
+
+def _llm_takes(name: str) -> bool:
+    from dflash2 import LLM
+
+    return name in inspect.signature(LLM).parameters
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -56,6 +56,7 @@ class ServerMetrics:
         self.prompt_tokens = counter("dflash2_prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("dflash2_generation_tokens", "Generated tokens")
         self.num_preemptions = counter("dflash2_num_preemptions", "Requests preempted")
+        self.num_swap_outs = counter("dflash2_num_swap_outs", "Preempted requests whose KV went to host memory")
         self.cache_evictions = counter("dflash2_cache_evictions", "Cached pages evicted")
         self.prefix_cache_queries = counter("dflash2_prefix_cache_queries", "Prompt tokens looked up in the cache")
         self.prefix_cache_hits = counter("dflash2_prefix_cache_hits", "Prompt tokens found in the prefix cache")

@@ -54,6 +54,7 @@ class RequestObserver:
         self._page_bytes = engine.pool.page_bytes
         self._tokens_per_page = engine.kv.tokens_per_page
         self._seen_preemptions = 0
+        self._seen_swap_outs = 0
         self._seen_evictions = 0
         self._seen_prefix = (0, 0)
         self._gauge_tick = (time.monotonic(), 0)  # (when, evictions then)
@@ -149,6 +150,9 @@ class RequestObserver:
         m.kv_cache_usage_perc.set(pool.num_used / pool.num_pages)
         _inc_by_delta(m.num_preemptions, scheduler.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = scheduler.num_preemptions
+        swap_outs = getattr(scheduler, "num_swap_outs", 0)
+        _inc_by_delta(m.num_swap_outs, swap_outs - self._seen_swap_outs)
+        self._seen_swap_outs = swap_outs
         _inc_by_delta(m.cache_evictions, pool.num_evictions - self._seen_evictions)
         self._seen_evictions = pool.num_evictions
         queries, hits = engine.kv.num_prefix_queries, engine.kv.num_prefix_hits

@@ -54,6 +54,11 @@ def test_model_dir_spelling_and_server_config():
     assert (kwargs["max_num_seqs"], kwargs["max_model_len"], kwargs["prefill_chunk_size"]) == (8, 512, 256)
 
 
+def test_swap_space_reaches_the_engine():
+    assert llm_kwargs(build_parser().parse_args(["serve", "--swap_space", "2"]))["swap_space"] == 2.0
+    assert "swap_space" not in llm_kwargs(build_parser().parse_args(["serve"]))
+
+
 def test_defaults_bind_localhost_and_bundled_model():
     args = build_parser().parse_args(["serve"])
     config = server_config(args)
@@ -68,7 +73,7 @@ def test_defaults_bind_localhost_and_bundled_model():
     (["--ray-address", "10.0.0.1:6379"], "--ray-address"),
     (["--enable-l3-cache"], "--enable-l3-cache"),
     (["--l3-cache-path", "/tmp/kv"], "--l3-cache-path"),
-    (["--swap-space", "4"], "--swap-space"),
+    (["--swap-space", "-1"], "--swap-space"),
     (["--max-batch-size", "8", "--max-num-seqs", "4"], "--max-batch-size"),
 ])
 def test_unbuilt_features_are_startup_errors(flags, named, capsys):
