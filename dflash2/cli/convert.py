@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--dtype", default=None,
              help="bits for every weight group unless set below: int8, int6, int4, bf16 (or 8, 6, 4, 16)")
     for group, flag in GROUP_FLAGS.items():
-        add_flag(parser, flag, dest=f"{group}_quant", default=None, help=f"bits for {group}: 16, 8, 6 or 4")
+        add_flag(parser, flag, dest=f"{group}_quant", default=None, help=f"bits for {group}: 16, 8, 6 or 4"
+                 + (" (default: --embed-quant's, else --dtype's)" if group == "lm_head" else ""))
     add_flag(parser, "--layer-quant", action="append", default=[],
              help="per-layer override LAYERS:GROUP=BITS[,GROUP=BITS] for qkv/o_proj/ffn, e.g. 0-1:ffn=8 (repeatable)")
     add_flag(parser, "--group-size", type=int, default=None,
@@ -48,6 +49,8 @@ def quant_config_from_args(args: argparse.Namespace) -> Any:
     base = parse_bits(args.dtype, "--dtype") if args.dtype is not None else 16
     groups = {g: parse_bits(getattr(args, f"{g}_quant"), GROUP_FLAGS[g])
               for g in GROUP_FLAGS if getattr(args, f"{g}_quant") is not None}
+    if "embed" in groups and "lm_head" not in groups:
+        groups["lm_head"] = groups["embed"]  # the output projection follows the embedding (tied in many models)
     overrides: dict[int, dict[str, int]] = {}
     for spec in args.layer_quant:
         for layer, bits in parse_layer_override(spec).items():

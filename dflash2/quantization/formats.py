@@ -2,8 +2,8 @@
 
     bits 16   weight [N, K] bfloat16
     bits 8    qweight [N, K] int8, symmetric per output channel:   w = q * scales[n]        scales [N] f16
-    bits 4    qweight [N, K/2] uint8, asymmetric per group of G along K:
-              w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G]    scales [N, K/G] f16, zeros [N, K/G] u8
+    bits 4    qweight [N, K/2] uint8, asymmetric per group of G along K, with a float zero point:
+              w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G]    scales, zeros [N, K/G] f16
               byte j of a row holds q[2j] in its low nibble and q[2j+1] in its high nibble
     bits 6    qweight [N, 3K/4] uint8, same scales/zeros as int4, q in 0..63; every 4 weights take 3 bytes,
               little-endian:  bits 0-5 q[4j], 6-11 q[4j+1], 12-17 q[4j+2], 18-23 q[4j+3]
@@ -57,7 +57,7 @@ class WeightFormat:
         groups = k // self.group_size
         packed = k // 2 if self.bits == 4 else k * 3 // 4
         return {"qweight": ((n, packed), torch.uint8), "scales": ((n, groups), SCALE_DTYPE),
-                "zeros": ((n, groups), torch.uint8)}
+                "zeros": ((n, groups), SCALE_DTYPE)}
 
     def storage_bytes(self, out_features: int, in_features: int) -> int:
         return sum(_numel(shape) * torch.empty((), dtype=dtype).element_size()

@@ -55,8 +55,7 @@ def _weight(n: int = 48, k: int = 128, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", [8, 6, 4])
-def test_round_to_nearest_error_is_within_a_step(bits):
-    """Half a step inside the range; int4/int6 round the zero point too, which may cost half a step at an end."""
+def test_round_to_nearest_error_is_within_half_a_step(bits):
     w = _weight()
     fmt = WeightFormat(bits, 32 if bits != 8 else None)
     tensors = quantize(w, fmt)
@@ -67,8 +66,7 @@ def test_round_to_nearest_error_is_within_a_step(bits):
         assert bool((err <= tensors["scales"].float()[:, None] / 2 + 1e-6).all())
     else:
         step = tensors["scales"].float().repeat_interleave(32, dim=1)
-        assert bool((err <= step + 1e-6).all())
-        assert float((err <= step / 2 + 1e-6).float().mean()) > 0.95
+        assert bool((err <= step * 0.51 + 1e-6).all())  # the f16 zero point may move the grid a little
 
 
 @pytest.mark.parametrize("bits", [8, 6, 4])

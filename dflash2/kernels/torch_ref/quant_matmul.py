@@ -9,7 +9,7 @@ loading, and the runtime form computes  y = x @ W^T  for activations x [M, K]:
                the weight is dequantized to bfloat16 on the fly and F.linear runs (faster for prefill)
         int4   torch._weight_int4pack_mm_for_cpu on the weight repacked by
                torch._convert_weight_to_int4pack_for_cpu; its dequant is (q - 8) * scale + zero, so our
-               integer zero point z becomes the float zero (8 - z) * scale
+               zero point z (w = (q - z) * scale) becomes its float zero (8 - z) * scale
         int6   no 6-bit kernel exists: q = 4 * hi + lo with hi = q >> 2 (0..15) and lo = q & 3, and
                W = W_hi + W_lo exactly, each an int4 weight (scales 4s and s): two int4 kernel calls
                (8 bits a weight in memory at run time, 6 on disk)
