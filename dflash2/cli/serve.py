@@ -38,12 +38,12 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--disable-log-stats", action="store_true", help="no periodic throughput line")
     add_flag(parser, "--max-batch-size", type=int, default=None, help="alias of --max-num-seqs")
     add_flag(parser, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    add_flag(parser, "--swap-space", type=float, default=0.0,
+             help="GiB of pinned host memory for the KV of preempted requests (0: recompute them instead)")
     # Accepted so that they fail loudly: these features are not built yet.
     add_flag(parser, "--tensor-parallel-size", "--tp", type=int, default=1)
     add_flag(parser, "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
     add_flag(parser, "--ray-address", default=None)
-    add_flag(parser, "--swap-space", type=float, default=0.0,
-             help="GiB of pinned host memory for the KV of preempted requests (0: recompute them instead)")
     add_flag(parser, "--enable-l3-cache", action="store_true", help="spill KV pages to disk (not built)")
     add_flag(parser, "--l3-cache-path", default=None)
     parser.set_defaults(log_level="info", max_num_seqs=None)  # None: see llm_kwargs
