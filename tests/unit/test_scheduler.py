@@ -1,19 +1,25 @@
 """Scheduler: continuous batching, decode-first, chunked prefill, max_num_seqs, admission and preemption.
 
-A fake engine drives it: `plan()`, then `on_step_done(plan)`, then one fake token for every chunk that
-samples, finishing requests at max_tokens. Chunks are compared as (request_id, start, num_tokens, sample);
-the pool is checked (free + cached + used == num_pages) after every operation.
+A fake engine drives it: `plan()`, then the plan's page copies and chunks applied to fake device and host
+pages (each holding the tokens written into it), then `on_step_done(plan)`, then one fake token for every
+chunk that samples, finishing requests at max_tokens. Chunks are compared as (request_id, start, num_tokens,
+sample). After every operation: device free + cached + used == num_pages, host free + swapped == num_pages,
+each page's refcount is the number of live tables holding it, a waiting (or swapped) request holds no
+device page and no slot, and every running or swapped request's pages hold exactly its computed tokens.
 """
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
 from dflash2.config import SchedulerConfig
+from dflash2.engine.kv.host_pool import HostPagePool
 from dflash2.engine.kv.manager import KVManager
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.engine.plan import StepPlan
+from dflash2.engine.queues import WaitingQueue
 from dflash2.engine.scheduler import Scheduler
 from dflash2.request import Request, RequestStatus
 from dflash2.sampling_params import SamplingParams
@@ -22,26 +28,49 @@ Chunk = tuple[str, int, int, bool]
 
 
 class FakeEngine:
-    """Drives the scheduler like the engine, and mirrors the runner's page-table rows from the plans."""
+    """Drives the scheduler like the engine, and plays the runner: it mirrors the page-table rows from the
+    plans, copies page contents for swap_out (device -> host) then swap_in (host -> device), and writes
+    each chunk's tokens into its pages, so that a lost or misplaced page shows up as wrong contents."""
 
-    def __init__(self, num_pages: int, tokens_per_page: int, **config: int) -> None:
+    def __init__(self, num_pages: int, tokens_per_page: int, host_pages: int = 0,
+                 clock: Callable[[], float] | None = None, **config: float) -> None:
         scheduler_config = SchedulerConfig(**config)
         self.pool = PagePool(num_pages, page_bytes=1)
+        self.host_pool = HostPagePool(host_pages, page_bytes=1)  # 0 pages: every preemption recomputes
         # One page-table slot per running request, as the engine sizes it.
-        self.kv = KVManager(self.pool, tokens_per_page, "m", max_slots=scheduler_config.max_num_seqs)
+        self.kv = KVManager(self.pool, tokens_per_page, "m", max_slots=scheduler_config.max_num_seqs,
+                            host_pool=self.host_pool)
         self.scheduler = Scheduler(scheduler_config, self.kv)
+        if clock is not None:
+            # Assigned, not passed to Scheduler(): it drops an empty queue given to it (see
+            # test_priority_scheduling.py::test_the_scheduler_keeps_the_waiting_queue_it_is_given).
+            self.scheduler.waiting = WaitingQueue(scheduler_config.priority_aging_seconds, clock=clock)
+        self.tokens_per_page = tokens_per_page
         self.rows: dict[int, list[int]] = {}  # slot -> page ids, as the runner's device table would hold
         self.pages: dict[str, tuple[int, ...]] = {}  # request id -> its whole table, for the last step
+        self.device: list[list[int | None]] = [[None] * tokens_per_page for _ in range(num_pages)]
+        self.host: list[list[int | None]] = [[None] * tokens_per_page for _ in range(host_pages)]
+        self.host_of: dict[str, list[int]] = {}  # swapped request id -> its host pages, from the plans
+        self.requests: dict[str, Request] = {}
 
     def add(self, *requests: Request) -> None:
         for request in requests:
+            self.requests[request.request_id] = request
             self.scheduler.add(request)
             self.check()
 
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.host_of.pop(request.request_id, None)
+        self.check()
+        self.check_contents()
+
     def step(self) -> StepPlan:
-        """One engine step: plan, commit the computed marks, append a fake token where the chunk samples."""
+        """One engine step: plan, copy pages, run the chunks, commit, append a fake token where one samples."""
         scheduler = self.scheduler
         plan = scheduler.plan()
+        self.check_plan(plan)
+        self.apply_swaps(plan)
         self.check()
         assert len({c.slot for c in plan.chunks}) == len(plan.chunks)
         self.pages = {}
@@ -56,6 +85,9 @@ class FakeEngine:
             assert chunk.token_ids == tuple(request.token_ids[chunk.start:chunk.start + chunk.num_tokens])
             assert len(row) == self.kv.num_pages_for(chunk.start + chunk.num_tokens)
             assert chunk.sample == (chunk.start + chunk.num_tokens == request.num_tokens)
+            for position, token in enumerate(chunk.token_ids, chunk.start):  # the step writes the chunk's KV
+                self.device[row[position // self.tokens_per_page]][position % self.tokens_per_page] = token
+        self.check_contents()
         scheduler.on_step_done(plan)
         self.check()
         for chunk in plan.chunks:
@@ -64,25 +96,92 @@ class FakeEngine:
             request = scheduler.running[chunk.request_id]
             request.token_ids.append(1000 + request.num_tokens)
             if request.num_output_tokens >= request.sampling_params.max_tokens:
-                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
-            self.check()
+                self.finish(request, RequestStatus.FINISHED_LENGTH)
+        self.check()
+        self.check_contents()
         return plan
+
+    def check_plan(self, plan: StepPlan) -> None:
+        scheduled = {c.request_id for c in plan.chunks}
+        assert len(scheduled) == len(plan.chunks)
+        assert set(plan.swapped) <= set(plan.preempted) and not set(plan.preempted) & scheduled
+        assert set(plan.resumed) <= scheduled and not set(plan.resumed) & set(plan.preempted)
+        assert len(set(plan.preempted)) == len(plan.preempted)
+        for request_id in plan.preempted:
+            request = self.requests[request_id]
+            assert request.status is RequestStatus.PREEMPTED and request in self.scheduler.waiting
+            assert self.kv.is_swapped(request_id) == (request_id in plan.swapped)
+            if request_id not in plan.swapped:
+                assert request.num_computed_tokens == 0  # dropped: recomputed from its tokens
+        for request_id in plan.resumed:
+            assert not self.kv.is_swapped(request_id)
+
+    def apply_swaps(self, plan: StepPlan) -> None:
+        """The runner's page copies, out first then in; the pairs follow plan.resumed and plan.swapped."""
+        index = 0
+        for request_id in plan.resumed:
+            host_pages = self.host_of.pop(request_id)
+            pairs = plan.swap_in[index:index + len(host_pages)]
+            index += len(host_pages)
+            assert [h for h, _ in pairs] == host_pages
+            # The host pages come back to the head of its table, in order.
+            assert [d for _, d in pairs] == self.kv.pages_of(request_id)[:len(host_pages)]
+        assert index == len(plan.swap_in)
+        index = 0
+        for request_id in plan.swapped:
+            count = self.kv.num_pages_for(self.requests[request_id].num_computed_tokens)
+            pairs = plan.swap_out[index:index + count]
+            index += count
+            self.host_of[request_id] = [h for _, h in pairs]
+        assert index == len(plan.swap_out)
+        for device_page, host_page in plan.swap_out:
+            self.host[host_page] = list(self.device[device_page])
+        for host_page, device_page in plan.swap_in:
+            self.device[device_page] = list(self.host[host_page])
 
     def check(self) -> None:
         pool = self.pool
         pool.check()
         assert pool.num_free + pool.num_cached + pool.num_used == pool.num_pages
+        host_pool = self.host_pool
+        host_pool.check()
+        assert host_pool.num_free + host_pool.num_swapped == host_pool.num_pages
         # Each page's refcount is the number of live page tables that hold it.
         owners = [0] * pool.num_pages
         for request in self.scheduler.running.values():
             for page in self.kv.pages_of(request.request_id):
                 owners[page] += 1
+            assert not self.kv.is_swapped(request.request_id)
         assert owners == [pool.refcount(p) for p in range(pool.num_pages)]
         slots = [self.kv.slot_of(r) for r in self.scheduler.running]
         assert len(set(slots)) == len(slots) and all(0 <= s < self.kv.max_slots for s in slots)
+        swapped = []
         for request in self.scheduler.waiting:
             assert self.kv.pages_of(request.request_id) == []
+            assert not has_slot(self.kv, request.request_id)
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            if self.kv.is_swapped(request.request_id):
+                swapped.append(request.request_id)
+                assert request.status is RequestStatus.PREEMPTED and request.num_computed_tokens > 0
+            else:
+                assert request.num_computed_tokens == 0
+        assert self.kv.num_swapped_requests == len(swapped)
+        # Host pages are held by swapped requests only, one owner each.
+        assert sorted(swapped) == sorted(self.host_of)
+        held = [p for pages in self.host_of.values() for p in pages]
+        assert len(held) == len(set(held)) == host_pool.num_swapped
+
+    def check_contents(self) -> None:
+        """Every running request's pages hold its computed tokens; every swapped one's host pages do."""
+        tpp = self.tokens_per_page
+        for request_id, request in self.scheduler.running.items():
+            pages = self.kv.pages_of(request_id)
+            held = [self.device[pages[p // tpp]][p % tpp] for p in range(request.num_computed_tokens)]
+            assert held == request.token_ids[:request.num_computed_tokens], request_id
+        for request_id, host_pages in self.host_of.items():
+            request = self.requests[request_id]
+            held = [self.host[host_pages[p // tpp]][p % tpp] for p in range(request.num_computed_tokens)]
+            assert held == request.token_ids[:request.num_computed_tokens], request_id
 
     @property
     def state(self) -> tuple[int, int, int]:
@@ -104,10 +203,21 @@ class FakeEngine:
         assert not self.scheduler.has_unfinished()
         assert self.pool.num_used == 0
         assert self.pool.num_free + self.pool.num_cached == self.pool.num_pages
+        assert self.host_pool.num_swapped == 0 and self.host_of == {}
 
 
-def make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int = 0) -> Request:
-    return Request(request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens), priority=priority)
+def has_slot(kv: KVManager, request_id: str) -> bool:
+    try:
+        kv.slot_of(request_id)
+    except KeyError:
+        return False
+    return True
+
+
+def make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int, priority: int = 0,
+                 arrival_time: float | None = None) -> Request:
+    return Request(request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens), priority=priority,
+                   arrival_time=arrival_time)
 
 
 def chunks(plan: StepPlan) -> list[Chunk]:
@@ -287,34 +397,39 @@ def test_preemption_picks_lowest_priority_then_newest_and_requeues_at_the_front(
     a = make_request("a", [10, 11], max_tokens=2)
     b = make_request("b", [20, 21], max_tokens=2)
     c = make_request("c", [30, 31], max_tokens=2)
-    d = make_request("d", [40, 41], max_tokens=2, priority=7)  # newest, but the most urgent
+    d = make_request("d", [40, 41], max_tokens=2, priority=7)  # the fourth to arrive, but the most urgent
     e = make_request("e", [50, 51], max_tokens=2)
     engine.add(a, b, c, d, e)
+    assert engine.waiting == ["d", "a", "b", "c", "e"]  # priority, then arrival
 
     plan = engine.step()
-    assert chunks(plan) == [("a", 0, 2, True), ("b", 0, 2, True), ("c", 0, 2, True), ("d", 0, 2, True)]
-    assert engine.pages == {"a": (0,), "b": (1,), "c": (2,), "d": (3,)}
-    assert engine.waiting == ["e"]
+    assert chunks(plan) == [("d", 0, 2, True), ("a", 0, 2, True), ("b", 0, 2, True), ("c", 0, 2, True)]
+    assert engine.pages == {"d": (0,), "a": (1,), "b": (2,), "c": (3,)}
+    # e does not fit and outranks nobody: it waits, and nobody is paused for it.
+    assert plan.preempted == [] and engine.waiting == ["e"]
 
     plan = engine.step()
-    # d decodes first and needs a page: c is the newest of the lowest priority. Then a needs one: b goes.
-    assert plan.preempted == ["c", "b"]
+    # d decodes first and needs a page: c is the most recently admitted of the lowest priority. Then a
+    # needs one: of the requests no more urgent than a, b is the most recently admitted.
+    assert plan.preempted == ["c", "b"] and plan.swapped == []  # no host pages: both are recomputed
     assert chunks(plan) == [("d", 2, 1, True), ("a", 2, 1, True)]
-    assert engine.pages == {"d": (3, 2), "a": (0, 1)}
+    assert engine.pages == {"d": (0, 3), "a": (1, 2)}  # each takes the victim's page, evicting it
     assert engine.scheduler.num_preemptions == 2
     for victim in (b, c):
         assert (victim.status, victim.num_computed_tokens, victim.num_preemptions) == (
             RequestStatus.PREEMPTED, 0, 1)
         assert victim.num_tokens == 3  # its generated token is kept, to be recomputed
-    assert engine.waiting == ["b", "c", "e"]  # the more urgent victim ends up first
+    assert engine.waiting == ["b", "c", "e"]  # the victims keep their places in line, ahead of e
     assert engine.running == []  # a and d finished after the step
+    assert engine.state == (2, 2, 0)  # d's and a's full first pages are cached, their tails free
 
     plan = engine.step()
     assert plan.preempted == []
-    assert chunks(plan) == [("b", 0, 3, True), ("c", 0, 3, True)]
-    assert engine.pages == {"b": (1, 2), "c": (3, 0)}
+    assert chunks(plan) == [("b", 0, 3, True), ("c", 0, 3, True)]  # their pages were evicted: no prefix hit
+    assert engine.pages == {"b": (2, 3), "c": (0, 1)}  # the free pages, then the cached ones, oldest first
     assert engine.waiting == ["e"]
     assert (b.status, c.status) == (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_LENGTH)
+    assert engine.pool.num_evictions == 4
 
     assert chunks(engine.step()) == [("e", 0, 2, True)]
     assert chunks(engine.step()) == [("e", 2, 1, True)]
@@ -323,7 +438,7 @@ def test_preemption_picks_lowest_priority_then_newest_and_requeues_at_the_front(
 
 
 def test_no_admission_in_a_step_that_preempted() -> None:
-    engine = FakeEngine(2, 2)
+    engine = FakeEngine(2, 2, host_pages=2)
     a = make_request("a", [1, 2], max_tokens=3, priority=1)
     b = make_request("b", [3, 4], max_tokens=3)
     engine.add(a, b)
@@ -331,9 +446,33 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     c = make_request("c", [5], max_tokens=1, priority=9)
     engine.add(c)
     plan = engine.step()
-    assert plan.preempted == ["b"]
+    assert plan.preempted == ["b"] and plan.swapped == ["b"] and plan.swap_out == [(1, 0)]
     assert chunks(plan) == [("a", 2, 1, True)]
-    assert engine.waiting == ["b", "c"]  # c could have taken b's evicted page but waits a step
+    assert engine.pages == {"a": (0, 1)}  # a's decode takes b's page once its tokens are copied out
+    # c outranks everybody and could pause a, but nobody is admitted in a step whose running requests
+    # already paused one: it waits a step, ahead of b.
+    assert engine.waiting == ["c", "b"]
+    assert c.status is RequestStatus.WAITING and b.status is RequestStatus.PREEMPTED
+
+    plan = engine.step()
+    # Now c is admitted by pausing a (priority 1 <= 9 - 1). a's 2 computed pages do not fit in the one
+    # free host page: it is dropped and recomputed, its full prompt page (0) staying in the prefix cache.
+    assert plan.preempted == ["a"] and plan.swapped == [] and plan.swap_out == []
+    assert chunks(plan) == [("c", 0, 1, True)]
+    assert engine.pages == {"c": (1,)}
+    assert engine.waiting == ["a", "b"] and a.num_computed_tokens == 0
+    assert c.status is RequestStatus.FINISHED_LENGTH
+
+    plan = engine.step()
+    assert chunks(plan) == [("a", 2, 2, True)]  # a prefix hit on page 0, then its generated token again
+    assert engine.pages == {"a": (0, 1)}
+    plan = engine.step()
+    # b comes back from host page 0 with no recomputation.
+    assert plan.resumed == ["b"] and plan.swap_in == [(0, 1)]
+    assert chunks(plan) == [("b", 2, 1, True)]
+    assert engine.pages == {"b": (1, 0)}
+    engine.run_to_completion()
+    assert (a.num_preemptions, b.num_preemptions, engine.scheduler.num_swap_outs) == (1, 1, 1)
 
 
 def self_preemption_setup() -> tuple[FakeEngine, Request, Request, StepPlan]:
@@ -386,7 +525,7 @@ def test_a_preempted_request_recomputes_prompt_and_generated_tokens() -> None:
     engine.add(u, v)
 
     assert chunks(engine.step()) == [("u", 0, 2, False), ("v", 0, 2, True)]
-    assert chunks(engine.step()) == [("v", 2, 1, True), ("u", 2, 2, True)]  # v decodes first
+    assert chunks(engine.step()) == [("u", 2, 2, True), ("v", 2, 1, True)]  # the more urgent u goes first
 
     plan = engine.step()
     assert plan.preempted == ["v"]  # u needs a second page; v holds no full page, so nothing is cached
@@ -430,21 +569,41 @@ def test_each_chunk_carries_only_the_pages_added_since_the_last_one() -> None:
 
 
 def test_a_more_urgent_prefill_preempts_a_less_urgent_decode_scheduled_before_it() -> None:
+    # Equal priorities: the earlier admitted is the more urgent, but a decode is scheduled before a prefill.
     engine = FakeEngine(4, 2, prefill_chunk_size=3)
-    low = make_request("low", [10, 11, 12], max_tokens=5)
-    high = make_request("high", [20, 21, 22, 23, 24, 25], max_tokens=1, priority=9)
-    engine.add(low, high)
+    old = make_request("old", [20, 21, 22, 23, 24, 25], max_tokens=1)
+    new = make_request("new", [10, 11, 12], max_tokens=5)
+    engine.add(old, new)
     plan = engine.step()
-    assert chunks(plan) == [("low", 0, 3, True), ("high", 0, 3, False)]
-    assert engine.pages == {"low": (0, 1), "high": (2, 3)}
+    assert chunks(plan) == [("old", 0, 3, False), ("new", 0, 3, True)]
+    assert engine.pages == {"old": (0, 1), "new": (2, 3)}
 
     plan = engine.step()
-    # low's decode fits in its pages and is planned first; high needs a third page and none is free.
-    # The least urgent running request is low: it should be the one preempted (and unscheduled).
-    assert plan.preempted == ["low"]
-    assert chunks(plan) == [("high", 3, 3, True)]
-    assert high.status is RequestStatus.FINISHED_LENGTH
-    assert engine.waiting == ["low"]
+    # new's decode fits in its pages and is planned first; old needs a third page and none is free.
+    # The least urgent running request is new (admitted last): it is preempted and its chunk dropped.
+    assert plan.preempted == ["new"]
+    assert chunks(plan) == [("old", 3, 3, True)]
+    assert engine.pages == {"old": (0, 1, 3)}  # new's partly filled page went free and old took it
+    assert old.status is RequestStatus.FINISHED_LENGTH
+    assert engine.waiting == ["new"] and new.num_computed_tokens == 0
+    plan = engine.step()
+    assert chunks(plan) == [("new", 2, 2, True)]  # its prompt page 2 stayed cached
+    engine.run_to_completion()
+
+
+def test_running_requests_are_ordered_by_priority_then_decode_then_admission() -> None:
+    engine = FakeEngine(12, 2, prefill_chunk_size=2)
+    low = make_request("low", [1, 2, 3, 4, 5], max_tokens=3)
+    low_decode = make_request("low_decode", [6], max_tokens=3)
+    high = make_request("high", [7, 8, 9, 10, 11], max_tokens=1, priority=9)
+    engine.add(low, low_decode, high)
+    assert chunks(engine.step()) == [("high", 0, 2, False), ("low", 0, 2, False), ("low_decode", 0, 1, True)]
+    # high's prefill goes before every decode of lower priority; among equals, decodes first.
+    assert chunks(engine.step()) == [
+        ("high", 2, 2, False), ("low_decode", 1, 1, True), ("low", 2, 2, False)]
+    # low's last prompt token is a one-token step too: equal priority, both decode, low was admitted first.
+    assert chunks(engine.step()) == [
+        ("high", 4, 1, True), ("low", 4, 1, True), ("low_decode", 2, 1, True)]
     engine.run_to_completion()
 
 
@@ -461,9 +620,11 @@ def test_finish_of_a_waiting_request_removes_it() -> None:
     assert not engine.scheduler.has_unfinished()
 
 
-def test_every_request_finishes_under_memory_pressure() -> None:
+@pytest.mark.parametrize("host_pages", [0, 4])
+def test_every_request_finishes_under_memory_pressure(host_pages: int) -> None:
     rng = random.Random(0)
-    engine = FakeEngine(10, 2, max_num_batched_tokens=7, prefill_chunk_size=3, max_num_seqs=4)
+    engine = FakeEngine(10, 2, host_pages=host_pages, max_num_batched_tokens=7, prefill_chunk_size=3,
+                        max_num_seqs=4)
     shared = [7, 7, 7, 7]
     requests = []
     for i in range(12):
@@ -487,6 +648,8 @@ def test_every_request_finishes_under_memory_pressure() -> None:
         assert request.status is RequestStatus.FINISHED_LENGTH
         assert request.num_output_tokens == request.sampling_params.max_tokens
     assert engine.scheduler.num_preemptions > 0 and engine.kv.num_prefix_hits > 0
+    assert (engine.scheduler.num_swap_outs > 0) == (host_pages > 0)
     pool = engine.pool
     assert pool.num_used == 0
     assert pool.num_free + pool.num_cached == pool.num_pages
+    assert engine.host_pool.num_swapped == 0 and engine.kv.num_swapped_requests == 0
