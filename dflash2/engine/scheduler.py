@@ -30,7 +30,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVManager, waiting: WaitingQueue | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.waiting = waiting or WaitingQueue(config.priority_aging_seconds)
+        self.waiting = waiting if waiting is not None else WaitingQueue(config.priority_aging_seconds)
         self.running: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
@@ -67,6 +67,7 @@ class Scheduler:
         plan = StepPlan()
         self._budget = self.config.max_num_batched_tokens
         self._scheduled: dict[str, ScheduledChunk] = {}
+        self._admitted_now: set[str] = set()  # admitted in this plan: never paused again in it
         ranked = sorted((r for r in self.running.values() if not r.finish_pending), key=self._running_rank)
         for request in ranked:
             if self._budget == 0:
@@ -130,19 +131,22 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running[request_id] = request
         self._admitted[request_id] = next(self._admissions)
+        self._admitted_now.add(request_id)
         self._schedule(request, num_new, plan)
         return True
 
     def _preempt_for(self, request: Request, plan: StepPlan) -> bool:
-        """Pause running requests outranked by the waiting `request` until it fits; False if it cannot."""
-        bar = self.waiting.effective_priority(request) - self.config.preemption_threshold
-        victims = sorted((r for r in self.running.values() if r.priority <= bar), key=self._victim_rank)
-        if not victims:
-            return False
-        needed = self.kv.num_pages_for(request.num_tokens if self.kv.is_swapped(request.request_id)
-                                       else min(request.num_tokens, self.config.prefill_chunk_size))
-        obtainable = self.kv.pool.num_available + sum(len(self.kv.pages_of(v.request_id)) for v in victims)
-        if needed > obtainable:
+        """Pause running requests outranked by the waiting `request` until it fits; False if it cannot.
+
+        Both sides are ranked by effective priority (aging counts for running requests too, from their
+        arrival), so an aged request, once admitted, is not paused again by newer urgent ones.
+        """
+        effective = self.waiting.effective_priority
+        bar = effective(request) - self.config.preemption_threshold
+        victims = sorted((r for r in self.running.values()
+                          if r.request_id not in self._admitted_now and effective(r) <= bar),
+                         key=lambda r: (effective(r), -self._admitted[r.request_id]))
+        if not victims or not self._could_fit(request, victims):
             return False  # pausing every candidate would still not make room: pause nobody
         for victim in victims:
             self._preempt(victim, plan)
@@ -150,13 +154,21 @@ class Scheduler:
                 return True
         return self._fits(request)
 
+    def _pages_needed(self, request: Request) -> int:
+        if self.kv.is_swapped(request.request_id):
+            return self.kv.num_pages_for(request.num_tokens)
+        return self.kv.pages_needed(request, min(request.num_tokens, self.config.prefill_chunk_size))
+
+    def _could_fit(self, request: Request, victims: list[Request]) -> bool:
+        pages = self.kv.pool.num_available + sum(len(self.kv.pages_of(v.request_id)) for v in victims)
+        budget = self._budget + sum(self._scheduled[v.request_id].num_tokens
+                                    for v in victims if v.request_id in self._scheduled)
+        return self._pages_needed(request) <= pages and budget > 0
+
     def _fits(self, request: Request) -> bool:
         if self._budget == 0 or len(self.running) >= self.config.max_num_seqs:
             return False
-        if self.kv.is_swapped(request.request_id):
-            return self.kv.num_pages_for(request.num_tokens) <= self.kv.pool.num_available
-        return self.kv.num_pages_for(min(request.num_tokens, self.config.prefill_chunk_size)) \
-            <= self.kv.pool.num_available
+        return self._pages_needed(request) <= self.kv.pool.num_available
 
     # -- running requests --------------------------------------------------------------------------
     def _make_room(self, request: Request, num_new: int, plan: StepPlan) -> bool:

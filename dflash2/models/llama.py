@@ -60,9 +60,13 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(ctx.positions, q, k)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
-        out = ctx.attention_backend.forward(q, k, v, k_cache, v_cache, ctx.attention, self.scale)
+        backend = ctx.attention_backend
+        if q.is_cuda and getattr(backend, "fuses_rotary", False):  # rotary applied while writing the cache
+            out = backend.forward_rotary(q, k, v, k_cache, v_cache, ctx.attention, self.scale, rotary.cos, rotary.sin)
+        else:
+            q, k = rotary(ctx.positions, q, k)
+            out = backend.forward(q, k, v, k_cache, v_cache, ctx.attention, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     @property

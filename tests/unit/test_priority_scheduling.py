@@ -366,8 +366,6 @@ def test_the_waiting_queue_orders_by_effective_priority_then_arrival_number() ->
 
 
 # -- bugs ------------------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="BUG: Scheduler.__init__ uses `waiting or WaitingQueue(...)`; an empty "
-                   "WaitingQueue is falsy, so the queue passed in (and its clock) is dropped")
 def test_the_scheduler_keeps_the_waiting_queue_it_is_given() -> None:
     queue = WaitingQueue(10.0, clock=lambda: 0.0)
     kv = KVManager(PagePool(4, 1), 2, "m", max_slots=2, host_pool=HostPagePool(2, 1))
@@ -375,9 +373,6 @@ def test_the_scheduler_keeps_the_waiting_queue_it_is_given() -> None:
     assert scheduler.waiting is queue
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _preempt_for may pause a request admitted (or resumed) earlier in "
-                   "the same plan; a resumed one then has swap_out and swap_in on the same device page, and the "
-                   "runner copies out before in, so its KV is lost")
 def test_a_request_resumed_in_a_step_is_not_paused_again_in_that_step() -> None:
     t = [0.0]
     engine = FakeEngine(4, 2, host_pages=4, clock=lambda: t[0], max_num_seqs=1, priority_aging_seconds=10.0)
@@ -397,9 +392,6 @@ def test_a_request_resumed_in_a_step_is_not_paused_again_in_that_step() -> None:
     assert not {d for d, _ in plan.swap_out} & {d for _, d in plan.swap_in}
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _preempt_for compares the waiting request's effective (aged) "
-                   "priority with running requests' raw priority, so an aged request and a fresh urgent one "
-                   "pause each other every step (a swap out and a swap in each time)")
 def test_an_aged_request_and_a_fresh_urgent_one_do_not_pause_each_other_every_step() -> None:
     t = [0.0]
     engine = FakeEngine(8, 2, host_pages=8, clock=lambda: t[0], max_num_seqs=1, priority_aging_seconds=10.0)
@@ -416,9 +408,6 @@ def test_an_aged_request_and_a_fresh_urgent_one_do_not_pause_each_other_every_st
     assert x.num_preemptions <= 1 and h.num_preemptions <= 1
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: with aging, requests admitted by their aged priority are paused "
-                   "again (in the same plan or the next) by any request whose priority is above their raw "
-                   "priority: with recompute they never finish; with swap the same-plan pause loses KV")
 @pytest.mark.parametrize("host_pages", [0, 8])
 def test_aging_lets_every_low_priority_request_finish_when_preemption_is_on(host_pages: int) -> None:
     t = [0.0]
@@ -434,9 +423,6 @@ def test_aging_lets_every_low_priority_request_finish_when_preemption_is_on(host
     assert [low.status for low in lows] == [RequestStatus.FINISHED_LENGTH] * 3
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _preempt_for only checks that pausing makes room in pages; when the "
-                   "budget is spent by more urgent requests, it pauses requests that were not scheduled (no "
-                   "budget comes back) and the waiting request is still not admitted")
 def test_nobody_is_paused_when_pausing_cannot_free_token_budget() -> None:
     engine = FakeEngine(12, 2, host_pages=8, max_num_batched_tokens=4, prefill_chunk_size=4)
     low = make_request("low", [1, 2], max_tokens=10)
@@ -451,9 +437,6 @@ def test_nobody_is_paused_when_pausing_cannot_free_token_budget() -> None:
     assert plan.preempted == [] and engine.running == ["low", "high"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _fits/_preempt_for size the waiting request as "
-                   "pages_for(min(num_tokens, prefill_chunk_size)), ignoring that its cached prefix pages "
-                   "(counted as available) are taken too; it stops pausing too early and admits nobody")
 def test_an_urgent_request_with_a_cached_prefix_is_admitted_in_the_step_that_pauses_for_it() -> None:
     engine = FakeEngine(7, 2, prefill_chunk_size=4)
     engine.add(make_request("p", [1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=1))

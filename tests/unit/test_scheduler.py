@@ -40,11 +40,8 @@ class FakeEngine:
         # One page-table slot per running request, as the engine sizes it.
         self.kv = KVManager(self.pool, tokens_per_page, "m", max_slots=scheduler_config.max_num_seqs,
                             host_pool=self.host_pool)
-        self.scheduler = Scheduler(scheduler_config, self.kv)
-        if clock is not None:
-            # Assigned, not passed to Scheduler(): it drops an empty queue given to it (see
-            # test_priority_scheduling.py::test_the_scheduler_keeps_the_waiting_queue_it_is_given).
-            self.scheduler.waiting = WaitingQueue(scheduler_config.priority_aging_seconds, clock=clock)
+        waiting = WaitingQueue(scheduler_config.priority_aging_seconds, clock=clock) if clock is not None else None
+        self.scheduler = Scheduler(scheduler_config, self.kv, waiting)
         self.tokens_per_page = tokens_per_page
         self.rows: dict[int, list[int]] = {}  # slot -> page ids, as the runner's device table would hold
         self.pages: dict[str, tuple[int, ...]] = {}  # request id -> its whole table, for the last step

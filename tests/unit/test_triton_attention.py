@@ -125,3 +125,26 @@ def test_tiny_model_with_triton_backend_matches_torch_backend(tmp_path):
     again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # now from cached prefixes
     assert again == expected
     assert llm.engine.kv.num_prefix_hits > 0
+
+
+def test_fused_rotary_write_matches_rotary_then_write():
+    from dflash2.config import RopeConfig
+    from dflash2.layers.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), HEAD_DIM, 64)
+    num_heads = NUM_KV_HEADS * 2
+    qkv = torch.randn(5, (num_heads + 2 * NUM_KV_HEADS) * HEAD_DIM)
+    q = qkv[:, : num_heads * HEAD_DIM].view(5, num_heads, HEAD_DIM)
+    k = qkv[:, num_heads * HEAD_DIM: (num_heads + NUM_KV_HEADS) * HEAD_DIM].view(5, NUM_KV_HEADS, HEAD_DIM)
+    v = qkv[:, (num_heads + NUM_KV_HEADS) * HEAD_DIM:].view(5, NUM_KV_HEADS, HEAD_DIM)
+    table = page_table_for([12, 9], 12, seed=2)
+    meta = AttentionMetadata(page_table=table, token_slots=torch.tensor([0, 0, 1, 0, 1], dtype=torch.int32),
+                             positions=torch.tensor([0, 11, 8, 5, 4]))
+    expected_q, expected_k = rotary(meta.positions, q.clone(), k.clone())
+    k_ref, v_ref = torch.zeros(12, TOKENS_PER_PAGE, NUM_KV_HEADS, HEAD_DIM), torch.zeros(12, TOKENS_PER_PAGE, NUM_KV_HEADS, HEAD_DIM)
+    ref.write_kv(expected_k, v, k_ref, v_ref, table, meta.token_slots, meta.positions)
+    k_cache, v_cache = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
+    tri.rotary_write_kv(q, k, v, k_cache, v_cache, rotary.cos, rotary.sin, meta)
+    torch.testing.assert_close(q, expected_q)
+    torch.testing.assert_close(k_cache, k_ref)
+    assert torch.equal(v_cache, v_ref)

@@ -57,11 +57,6 @@ class KVManager:
         self._num_synced[request_id] = len(pages)
         return start, tuple(pages[start:])
 
-    def untake_pages(self, request_id: str, start: int) -> None:
-        """Hand pages from `start` on out again next time (their chunk was dropped from the plan)."""
-        if request_id in self._num_synced:
-            self._num_synced[request_id] = min(self._num_synced[request_id], start)
-
     # -- swapping ------------------------------------------------------------------------------------
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self._swapped
@@ -109,24 +104,37 @@ class KVManager:
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_page)
 
-    def attach_prefix(self, request: Request) -> int:
-        """Give a request with no pages the cached pages of its longest hashed prefix; returns tokens reused.
+    def lookup_prefix(self, request: Request) -> tuple[list[int], list[bytes]]:
+        """The cached pages of the request's longest hashed prefix (and their hashes), not yet acquired.
 
         At least one token is left to compute, since the step that computes it yields the next logits.
         """
-        assert request.request_id not in self._pages, "prefix lookup is for requests without pages"
         pages: list[int] = []
         hashes: list[bytes] = []
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+            return pages, hashes
         usable = request.num_tokens - 1
-        if self.enable_prefix_caching and not request.wants_prompt_logprobs:
-            parent = None
-            for start in range(0, usable - self.tokens_per_page + 1, self.tokens_per_page):
-                parent = page_hash(parent, request.token_ids[start:start + self.tokens_per_page], self.namespace)
-                page = self.pool.lookup(parent)
-                if page is None:
-                    break
-                pages.append(page)
-                hashes.append(parent)
+        parent = None
+        for start in range(0, usable - self.tokens_per_page + 1, self.tokens_per_page):
+            parent = page_hash(parent, request.token_ids[start:start + self.tokens_per_page], self.namespace)
+            page = self.pool.lookup(parent)
+            if page is None:
+                break
+            pages.append(page)
+            hashes.append(parent)
+        return pages, hashes
+
+    def pages_needed(self, request: Request, chunk_tokens: int) -> int:
+        """Pages that admitting a request without pages, with a first chunk of `chunk_tokens` after its cached
+        prefix, takes out of `pool.num_available` (its prefix pages now idle in the cache count too)."""
+        pages, _ = self.lookup_prefix(request)
+        idle = sum(1 for page in pages if self.pool.refcount(page) == 0)
+        return idle + self.num_pages_for(len(pages) * self.tokens_per_page + chunk_tokens) - len(pages)
+
+    def attach_prefix(self, request: Request) -> int:
+        """Give a request with no pages the cached pages of its longest hashed prefix; returns tokens reused."""
+        assert request.request_id not in self._pages, "prefix lookup is for requests without pages"
+        pages, hashes = self.lookup_prefix(request)
         for page in pages:
             self.pool.acquire(page)
         self._open(request.request_id).extend(pages)

@@ -36,6 +36,45 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, page_table, token_slots, po
 
 
 @triton.jit
+def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, cos_ptr, sin_ptr, page_table, token_slots,
+                            positions, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_cache_page, stride_cache_token, stride_cache_head, stride_pt, stride_cos,
+                            tokens_per_page, num_heads, num_kv_heads,
+                            HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr):
+    """One token: rotate q in place; rotate k and write it, and v, into the token's page slot."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions + t).to(tl.int64)
+    slot = tl.load(token_slots + t).to(tl.int64)
+    page = tl.load(page_table + slot * stride_pt + pos // tokens_per_page).to(tl.int64)
+    dest = page * stride_cache_page + (pos % tokens_per_page) * stride_cache_token
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * stride_cos + d)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_cos + d)[None, :]
+    hq = tl.arange(0, Q_HEADS_PAD)
+    q_mask = (hq < num_heads)[:, None]
+    q_offs = t * stride_qt + hq[:, None] * stride_qh + d[None, :]
+    q1 = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+    q2 = tl.load(q_ptr + q_offs + HALF, mask=q_mask, other=0.0)
+    c, s = cos.to(q1.dtype), sin.to(q1.dtype)
+    tl.store(q_ptr + q_offs, q1 * c - q2 * s, mask=q_mask)
+    tl.store(q_ptr + q_offs + HALF, q2 * c + q1 * s, mask=q_mask)
+    hk = tl.arange(0, KV_HEADS_PAD)
+    kv_mask = (hk < num_kv_heads)[:, None]
+    k_offs = t * stride_kt + hk[:, None] * stride_kh + d[None, :]
+    k1 = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0)
+    k2 = tl.load(k_ptr + k_offs + HALF, mask=kv_mask, other=0.0)
+    cache_offs = dest + hk[:, None] * stride_cache_head + d[None, :]
+    out_ty = k_cache.dtype.element_ty
+    tl.store(k_cache + cache_offs, (k1 * c - k2 * s).to(out_ty), mask=kv_mask)
+    tl.store(k_cache + cache_offs + HALF, (k2 * c + k1 * s).to(out_ty), mask=kv_mask)
+    v_offs = t * stride_vt + hk[:, None] * stride_vh + d[None, :]
+    v1 = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0)
+    v2 = tl.load(v_ptr + v_offs + HALF, mask=kv_mask, other=0.0)
+    tl.store(v_cache + cache_offs, v1.to(out_ty), mask=kv_mask)
+    tl.store(v_cache + cache_offs + HALF, v2.to(out_ty), mask=kv_mask)
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, page_table, slots, lengths, out_ptr, lse_ptr,
                          stride_qt, stride_qh, stride_cache_page, stride_cache_token, stride_cache_head, stride_pt,
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
@@ -170,6 +209,21 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.shape[1], ROW=row, ROW_PAD=triton.next_power_of_2(row))
 
 
+def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Rotate q in place and write rotated k and v into the pages (one launch instead of two)."""
+    tokens, num_heads, dim = q.shape
+    if tokens == 0:
+        return
+    num_kv_heads = k.shape[1]
+    _rotary_write_kv_kernel[(tokens,)](
+        q, k, v, k_cache, v_cache, cos, sin, meta.page_table, meta.token_slots, meta.positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.page_table.stride(0), cos.stride(0),
+        k_cache.shape[1], num_heads, num_kv_heads, HALF=dim // 2,
+        Q_HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads))
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
     """Enough splits that batch * kv_heads * splits fills the GPU about twice: a power of two, at most 32
     (each value is a separately compiled kernel, so only six exist; graph capture compiles them all)."""
@@ -230,9 +284,22 @@ class TritonAttention:
         self.num_sms = num_sms or 132
         self.graph_num_splits: int | None = None  # fixed while capturing a graph
 
+    fuses_rotary = True
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.page_table, meta.token_slots, meta.positions)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+        """forward() for un-rotated q and k: the rotary embedding is applied while writing the cache."""
+        rotary_write_kv(q, k, v, k_cache, v_cache, cos, sin, meta)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
