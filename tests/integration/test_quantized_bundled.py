@@ -1,0 +1,52 @@
+"""The bundled SmolLM2-135M converted and validated end to end (the quality bars of the quantization issue)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from dflash2.cli.main import main as dflash2_main
+from dflash2.loading.model_loader import load_model
+from dflash2.quantization.eval_text import EVAL_TEXT
+from dflash2.quantization.scoring import log_probs, perplexity_and_kl
+
+pytestmark = pytest.mark.slow
+
+CALIBRATION = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "data", "calibration.jsonl")
+MIXED = ["--embed-quant", "8", "--qkv-quant", "4", "--o-proj-quant", "8", "--ffn-quant", "6", "--kv-quant", "int8"]
+
+
+def convert_and_validate(tmp_path, name: str, *flags: str) -> dict:
+    out, report = str(tmp_path / name), str(tmp_path / f"{name}.json")
+    assert dflash2_main(["convert", "--output-path", out, "--no-progress", *flags]) == 0
+    assert dflash2_main(["validate", "--model-path", out, "--output", report, "--max-new-tokens", "8"]) == 0
+    with open(report) as f:
+        return json.load(f)
+
+
+def test_int8_weights_stay_within_one_percent_perplexity(tmp_path):
+    report = convert_and_validate(tmp_path, "int8", "--dtype", "int8", "--kv-quant", "int8")
+    assert report["errors"] == []
+    assert report["quality"]["perplexity_change_pct"] < 1.0
+    assert report["quality"]["mean_kl_divergence"] < 0.02
+    assert "Paris" in report["greedy"]["text"]
+    assert report["memory"]["kv_cache_dtype"] == "int8"
+    assert all("int8pack" in kernel for kernel in report["kernels"])
+
+
+def test_mixed_config_calibrated_is_within_eight_percent_and_beats_round_to_nearest(tmp_path):
+    calibrated = convert_and_validate(tmp_path, "calibrated", *MIXED, "--calibration-dataset", CALIBRATION,
+                                      "--calibration-samples", "24")
+    assert calibrated["quantization"]["calibration"]["samples"] == 24
+    assert calibrated["layers"]["0"] == {"qkv": "int4-g64", "o_proj": "int8-per-channel", "gate_up": "int6-g64",
+                                         "down": "int6-g128"}
+    assert calibrated["quality"]["perplexity_change_pct"] < 8.0
+
+    rtn = str(tmp_path / "rtn")  # the same config by round-to-nearest, scored on the same tokens
+    assert dflash2_main(["convert", "--output-path", rtn, "--no-progress", *MIXED]) == 0
+    model = load_model(rtn, "auto", "float32", torch.device("cpu"), None)
+    token_ids = model.tokenizer.encode(EVAL_TEXT)[:calibrated["quality"]["eval_tokens"]]
+    rtn_perplexity, _ = perplexity_and_kl(log_probs(model.module, token_ids), token_ids)
+    assert calibrated["quality"]["perplexity"] < rtn_perplexity
