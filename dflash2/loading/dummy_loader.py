@@ -6,7 +6,8 @@ from torch import nn
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Norm weights 1, everything else N(0, 0.02), drawn on the parameters' own device."""
+    """Norm weights 1, everything else N(0, 0.02), drawn on the parameters' own device; quantized layers get
+    N(0, 0.02) weights quantized (round-to-nearest) to their format."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -16,3 +17,16 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         if device not in generators:
             generators[device] = torch.Generator(device=device).manual_seed(seed)
         param.data.normal_(0.0, 0.02, generator=generators[device])
+    _fill_quantized(model, seed)
+
+
+def _fill_quantized(model: nn.Module, seed: int) -> None:
+    from dflash2.layers.quant_linear import QuantLinear
+    from dflash2.quantization.quantize import quantize
+
+    for index, layer in enumerate(m for m in model.modules() if isinstance(m, QuantLinear)):
+        device = next(iter(layer.buffers())).device
+        generator = torch.Generator(device=device).manual_seed(seed + 1 + index)
+        weight = torch.empty(layer.out_features, layer.in_features, device=device).normal_(0.0, 0.02,
+                                                                                          generator=generator)
+        layer.set_packed(quantize(weight, layer.fmt))

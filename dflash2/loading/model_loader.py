@@ -51,11 +51,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, device: torch.device,
                max_positions: int | None, seed: int = 0, tokenizer: str | None = None,
-               quant_backend: str = "auto") -> LoadedModel:
+               quant_backend: str = "auto", quantization: QuantConfig | None = None) -> LoadedModel:
     """Load weights and tokenizer. `max_positions` bounds the rotary table (None: the model's own limit).
 
     A converted directory (config.json with a `quantization` section) builds quantized layers, and
     `quant_backend` (kernels/dispatch.py; "auto" picks by device) prepares their runtime form.
+    `quantization` applies to dummy weights only: random weights quantized to that config (benchmarks).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; supported: {', '.join(LOAD_FORMATS)}")
@@ -63,10 +64,12 @@ def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, de
     torch_dtype = resolve_dtype(dtype, device)
     if load_format == "dummy":
         arch = registry.preset(path) if path in registry.PRESETS else _read_arch(path)
-        module = _build(arch, torch_dtype, device, max_positions)
+        module = _build(arch, torch_dtype, device, max_positions, quantization)
         dummy_loader.fill_dummy_weights(module, seed)
+        if quantization is not None:
+            prepare_quantized(module, quant_backend, torch_dtype, device)
         tok = load_tokenizer(tokenizer) if tokenizer else None
-        return LoadedModel(path, path, arch, module, tok, torch_dtype, device)
+        return LoadedModel(path, path, arch, module, tok, torch_dtype, device, quantization)
     arch, weights = _open_checkpoint(path, load_format)
     quant = hf_loader.read_quant_config(path) if os.path.isdir(path) else None
     module = _build(arch, torch_dtype, device, max_positions, quant)

@@ -151,3 +151,14 @@ def test_validate_reports_and_flags_broken_tensors(tiny, capsys):
     printed = capsys.readouterr().out
     assert "ERROR: model.safetensors: tensor layers.0.self_attn.qkv_proj.qweight has shape" in printed
     assert "ERROR: model.safetensors: tensor layers.1.mlp.down_proj.scales holds 1 NaN/inf" in printed
+
+
+def test_dummy_weights_can_be_quantized_for_benchmarks(tiny):
+    from dflash2.quantization.config import QuantConfig
+
+    _, _, source, _, _ = tiny
+    model = load_model(source, "dummy", "float32", torch.device("cpu"), None, quantization=QuantConfig.build(4))
+    layer = model.module.layers[0].mlp.gate_up_proj
+    assert layer.fmt == WeightFormat(4, 64) and "int4pack" in layer.runtime.kernel
+    assert float(layer.dequantized().std()) == pytest.approx(0.02, rel=0.2)
+    assert torch.isfinite(log_probs(model.module, [1, 2, 3])).all()
