@@ -21,7 +21,8 @@ MIXED = ["--embed-quant", "8", "--qkv-quant", "4", "--o-proj-quant", "8", "--ffn
 def convert_and_validate(tmp_path, name: str, *flags: str) -> dict:
     out, report = str(tmp_path / name), str(tmp_path / f"{name}.json")
     assert dflash2_main(["convert", "--output-path", out, "--no-progress", *flags]) == 0
-    assert dflash2_main(["validate", "--model-path", out, "--output", report, "--max-new-tokens", "8"]) == 0
+    assert dflash2_main(["validate", "--model-path", out, "--output", report, "--max-new-tokens", "8",
+                         "--max-eval-tokens", "512"]) == 0
     with open(report) as f:
         return json.load(f)
 
