@@ -2,6 +2,8 @@
 
 Supported endpoints (all streamed, SSE): /v1/completions (default), /v1/chat/completions, /generate.
 Output tokens are counted from the server's usage totals where it sends them, else from the chunks.
+A chunk counts as a token when it carries text, or (/generate) token ids: a model served without a
+tokenizer (dummy weights on a GPU) streams ids with empty text, and its TTFT is still measured.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ async def _read_events(response: Any, endpoint: str, result: RequestResult) -> N
         if "error" in chunk:
             result.error = str(chunk["error"].get("message", chunk["error"]))
             return
-        if _text_of(chunk, endpoint):
+        if _has_tokens(chunk, endpoint):
             now = time.perf_counter()
             if result.ttft_s is None:
                 result.ttft_s = now - result.started_at
@@ -102,9 +104,13 @@ async def _read_events(response: Any, endpoint: str, result: RequestResult) -> N
     result.ok = True
 
 
-def _text_of(chunk: dict[str, Any], endpoint: str) -> str:
+def _has_tokens(chunk: dict[str, Any], endpoint: str) -> bool:
     if endpoint == "/generate":
-        return chunk.get("text") or ""
+        return bool(chunk.get("text") or chunk.get("token_ids"))
+    return bool(_text_of(chunk, endpoint))
+
+
+def _text_of(chunk: dict[str, Any], endpoint: str) -> str:
     choices = chunk.get("choices") or []
     if not choices:
         return ""

@@ -40,6 +40,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
     add_flag(parser, "--swap-space", type=float, default=0.0,
              help="GiB of pinned host memory for the KV of preempted requests (0: recompute them instead)")
+    add_flag(parser, "--preemption-threshold", type=int, default=1,
+             help="a waiting request pauses running ones only if it is at least this much more urgent")
+    add_flag(parser, "--priority-aging-seconds", type=float, default=None,
+             help="a request waiting this long outranks any newer one (no starvation); default: no aging")
+    add_flag(parser, "--low-priority-values-first", action="store_true",
+             help="vLLM's convention: a smaller priority value is more urgent")
+    add_flag(parser, "--max-queue-len", type=int, default=None,
+             help="waiting requests beyond this many get 503 with Retry-After (default: no bound)")
     # Accepted so that they fail loudly: these features are not built yet.
     add_flag(parser, "--tensor-parallel-size", "--tp", type=int, default=1)
     add_flag(parser, "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
@@ -81,6 +89,13 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space:g}")
     if args.swap_space and _llm_takes("swap_space"):
         kwargs["swap_space"] = args.swap_space
+    if args.preemption_threshold < 1:
+        raise ValueError(f"--preemption-threshold must be >= 1, got {args.preemption_threshold}")
+    if args.priority_aging_seconds is not None and not args.priority_aging_seconds > 0:
+        raise ValueError(f"--priority-aging-seconds must be > 0, got {args.priority_aging_seconds:g}")
+    kwargs.update(preemption_threshold=args.preemption_threshold,
+                  priority_aging_seconds=args.priority_aging_seconds,
+                  low_priority_values_first=args.low_priority_values_first)
     return kwargs
 
 
@@ -96,7 +111,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         model_aliases=aliases, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                         streaming_timeout_ms=args.streaming_timeout_ms, metrics_port=args.metrics_port,
                         disable_log_requests=args.disable_log_requests, disable_log_stats=args.disable_log_stats,
-                        log_tokens=args.log_tokens, log_level=args.log_level)
+                        log_tokens=args.log_tokens, log_level=args.log_level, max_queue_len=args.max_queue_len)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """The FastAPI app: routes, the API-key and body-size guard, and OpenAI-style errors.
 
 Every client error is a JSON body {"error": {"message", "type", "param", "code"}}: 400 for bad input,
-401 for a missing or wrong API key, 413 for a body over --max-request-bytes, 503 while the model loads.
+401 for a missing or wrong API key, 413 for a body over --max-request-bytes, 503 while the model loads,
+and 503 with a Retry-After header (seconds) when --max-queue-len requests are already waiting.
 /health, /metrics and /version stay open without the key.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import dflash2
-from dflash2.server.engine_thread import EngineError
+from dflash2.server.engine_thread import EngineError, QueueFull
 from dflash2.server.generate_api import generate
 from dflash2.server.generation import ClientGone
 from dflash2.server.metrics import CONTENT_TYPE
@@ -168,6 +169,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NotReady)
     async def not_ready(_request: HTTPRequest, e: NotReady) -> Response:
         return JSONResponse(error_body(str(e), "service_unavailable", "model_loading"), status_code=503)
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_request: HTTPRequest, e: QueueFull) -> Response:
+        state: ServerState = app.state.server
+        if state.metrics is not None:
+            state.metrics.num_requests_rejected.inc()
+        return JSONResponse(error_body(str(e), "service_unavailable", "queue_full"), status_code=503,
+                            headers={"Retry-After": str(e.retry_after_s)})
 
     @app.exception_handler(ClientGone)
     async def client_gone(_request: HTTPRequest, _e: ClientGone) -> Response:

@@ -22,6 +22,7 @@ class ServerConfig:
     log_tokens: bool = False
     log_level: str = "info"
     stats_interval_s: float = 10.0  # how often the engine thread logs a stats line
+    max_queue_len: int | None = None  # waiting requests beyond this get 503 + Retry-After; None: no bound
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -34,5 +35,7 @@ class ServerConfig:
             raise ValueError(f"--streaming-timeout-ms must be >= 1, got {self.streaming_timeout_ms}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.max_queue_len is not None and self.max_queue_len < 1:
+            raise ValueError(f"--max-queue-len must be >= 1, got {self.max_queue_len}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")

@@ -3,6 +3,8 @@
     event loop (HTTP, SSE)                          thread "dflash2-engine" (owns the Engine)
     ─────────────────────                           ─────────────────────────────────────────
     await submit(...)  ──► commands (SimpleQueue) ──► engine.add_request()   (ValueError -> the future)
+      (QueueFull at once if                             (QueueFull -> the future when --max-queue-len
+       max_queue_len submits are in the command queue)    requests are already waiting)
     abort(request_id)  ──►                        ──► engine.abort()         (pages freed at once)
     asyncio.Queue per HTTP request ◄── loop.call_soon_threadsafe ◄── RequestOutputs of engine.step()
 
@@ -11,11 +13,18 @@ reads what never changes once loaded (tokenizer, model name, max_model_len). A t
 the step's heavy work (torch kernels on the CPU, kernel launches and waits on the GPU) runs with the GIL
 released, so the event loop keeps serving HTTP while a step runs; a process would add a serialization hop
 per token and a second copy of the tokenizer for no gain at this scale.
+
+The queue bound (`max_queue_len`): the engine thread refuses a request when that many are waiting in the
+scheduler (preempted ones included), and the event loop refuses one at once when that many submissions are
+still in the command queue (the engine thread is busy with a long step). So at most 2 x max_queue_len
+requests are held besides the running ones, however fast clients send. Priority does not bypass the bound.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import math
 import queue
 import threading
 import time
@@ -30,10 +39,20 @@ from dflash2.server.observer import RequestObserver, Tracked
 logger = logging.getLogger("dflash2.server")
 
 _IDLE_WAIT_S = 0.5  # how long the idle thread blocks on the command queue before a stats tick
+_RETRY_AFTER_RANGE_S = (1, 60)  # Retry-After is an estimate of the queue's drain time, clamped to this
+_FINISH_WINDOW = 64  # finishes the drain-rate estimate looks back over
 
 
 class EngineError(RuntimeError):
     """The engine failed while running a request (a bug, or the device failed); the request is lost."""
+
+
+class QueueFull(Exception):
+    """--max-queue-len requests are already waiting (503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -57,8 +76,13 @@ class _Stop:
 
 
 class EngineThread:
-    def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver]) -> None:
+    def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver],
+                 max_queue_len: int | None = None) -> None:
         self._engine_factory = engine_factory
+        self.max_queue_len = max_queue_len
+        self._num_submitting = 0  # submissions in the command queue, not yet taken or refused (event loop)
+        self._finish_times: collections.deque[float] = collections.deque(maxlen=_FINISH_WINDOW)
+        self.retry_after_s = _RETRY_AFTER_RANGE_S[0]  # the latest drain estimate (written by the engine thread)
         self._observer_factory = observer_factory
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -87,14 +111,22 @@ class EngineThread:
 
     async def submit(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int,
                      outputs: asyncio.Queue) -> None:
-        """Queue one request; returns once the engine took it, raises ValueError if it refused it.
+        """Queue one request; returns once the engine took it, raises ValueError if it refused it and
+        QueueFull if max_queue_len requests are waiting.
 
         Its RequestOutputs (or an EngineError) then arrive on `outputs`, the last one with finished=True.
         """
         assert self._loop is not None
+        if self.max_queue_len is not None and self._num_submitting >= self.max_queue_len:
+            raise QueueFull(f"{self._num_submitting} requests are being queued already (--max-queue-len "
+                            f"{self.max_queue_len}); retry later", self.retry_after_s)
         accepted = self._loop.create_future()
         self._commands.put(_Submit(request_id, prompt, params, priority, outputs, accepted))
-        await accepted
+        self._num_submitting += 1
+        try:
+            await accepted
+        finally:
+            self._num_submitting -= 1
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages (a no-op for one already finished)."""
@@ -140,13 +172,20 @@ class EngineThread:
                 return True
 
     def _add(self, command: _Submit) -> None:
+        num_waiting = len(self.engine.scheduler.waiting)
+        if self.max_queue_len is not None and num_waiting >= self.max_queue_len:
+            self.retry_after_s = self._drain_estimate_s(num_waiting)
+            self._call_soon(_settle, command.accepted, QueueFull(
+                f"{num_waiting} requests are waiting (--max-queue-len {self.max_queue_len}); retry later",
+                self.retry_after_s))
+            return
         try:
             request: Request = self.engine.add_request(command.prompt, command.params, command.priority,
                                                        command.request_id)
         except ValueError as e:
             self._call_soon(_settle, command.accepted, e)
             return
-        self._tracked[command.request_id] = Tracked(request, command.outputs, command.submitted_at)
+        self._tracked[command.request_id] = Tracked(request, command.outputs, command.submitted_at, command.priority)
         self._call_soon(_settle, command.accepted, None)
 
     def _abort(self, request_id: str) -> None:
@@ -157,6 +196,7 @@ class EngineThread:
         self.observer.on_finished(tracked, "abort", time.monotonic())
 
     def _step(self) -> None:
+        started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving the next ones
@@ -164,7 +204,7 @@ class EngineThread:
             self._fail_all(EngineError(f"the engine failed: {e}"))
             return
         now = time.monotonic()
-        self.observer.on_step(self.engine, now)
+        self.observer.on_step(self.engine, now, now - started)
         deliveries: list[tuple[asyncio.Queue, RequestOutput]] = []
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
@@ -174,9 +214,21 @@ class EngineThread:
             deliveries.append((tracked.outputs, output))
             if output.finished:
                 del self._tracked[output.request_id]
+                self._finish_times.append(now)
                 self.observer.on_finished(tracked, output.outputs[0].finish_reason or "stop", now)
         if deliveries:
             self._call_soon(_deliver, deliveries)
+
+    def _drain_estimate_s(self, num_waiting: int) -> int:
+        """Seconds until the queue has room, at the recent finish rate (whole seconds, clamped)."""
+        low, high = _RETRY_AFTER_RANGE_S
+        if len(self._finish_times) < 2:
+            return low
+        span = self._finish_times[-1] - self._finish_times[0]
+        if span <= 0:
+            return low
+        rate = (len(self._finish_times) - 1) / span
+        return max(low, min(high, math.ceil((num_waiting - self.max_queue_len + 1) / rate)))
 
     def _fail_all(self, error: EngineError) -> None:
         deliveries = []

@@ -35,7 +35,7 @@ def build_state(config: ServerConfig, engine_factory: Callable[[], Any]) -> Serv
         state.metrics = metrics
         return RequestObserver(engine, metrics, observer_config)
 
-    state = ServerState(config, EngineThread(engine_factory, make_observer), registry)
+    state = ServerState(config, EngineThread(engine_factory, make_observer, config.max_queue_len), registry)
     return state
 
 

@@ -1,5 +1,9 @@
 """Prometheus metrics, labelled with `model_name`: vLLM's set under the `dflash2_` prefix, plus our own.
 
+`dflash2_time_to_first_token_by_priority_seconds` also carries `priority_class`: the request's priority as
+the client sent it, rounded down to a power of ten ("0", "1", "10", "100", "1000", "10000"), so the
+bench's classes 0 / 100 / 1000 are their own labels and a client cannot make more than six series.
+
 Every metric lives in the server's own CollectorRegistry (so two servers in one process do not collide).
 The engine thread writes them (prometheus_client is thread-safe); /metrics and --metrics-port read them.
 """
@@ -17,6 +21,8 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _REQUEST_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0)
+_STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
+                 5.0)
 _SCHEDULER_BUCKETS_US = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000)
 
 
@@ -57,6 +63,11 @@ class ServerMetrics:
         self.generation_tokens = counter("dflash2_generation_tokens", "Generated tokens")
         self.num_preemptions = counter("dflash2_num_preemptions", "Requests preempted")
         self.num_swap_outs = counter("dflash2_num_swap_outs", "Preempted requests whose KV went to host memory")
+        self.swapped_bytes = counter("dflash2_swapped_bytes", "Bytes of KV copied to host memory by preemption")
+        self.num_requests_swapped = gauge("dflash2_num_requests_swapped",
+                                          "Paused requests whose KV is in host memory now")
+        self.num_requests_rejected = counter("dflash2_num_requests_rejected",
+                                             "Requests refused with 503 because --max-queue-len were waiting")
         self.cache_evictions = counter("dflash2_cache_evictions", "Cached pages evicted")
         self.prefix_cache_queries = counter("dflash2_prefix_cache_queries", "Prompt tokens looked up in the cache")
         self.prefix_cache_hits = counter("dflash2_prefix_cache_hits", "Prompt tokens found in the prefix cache")
@@ -69,6 +80,10 @@ class ServerMetrics:
             self._request_success.labels(model_name, reason)
         self.time_to_first_token = histogram("dflash2_time_to_first_token_seconds", "Time to first token",
                                              _TTFT_BUCKETS)
+        self._ttft_by_priority = Histogram("dflash2_time_to_first_token_by_priority_seconds",
+                                           "Time to first token per priority class (priority rounded down to "
+                                           "a power of ten)", ["model_name", "priority_class"],
+                                           buckets=_TTFT_BUCKETS, registry=self.registry)
         self.inter_token_latency = histogram("dflash2_inter_token_latency_seconds", "Time between tokens",
                                              _ITL_BUCKETS)
         self.e2e_request_latency = histogram("dflash2_e2e_request_latency_seconds", "Arrival to last token",
@@ -79,11 +94,17 @@ class ServerMetrics:
                                               "First scheduled to first token", _REQUEST_BUCKETS)
         self.request_decode_time = histogram("dflash2_request_decode_time_seconds", "First token to last token",
                                              _REQUEST_BUCKETS)
+        self.step_duration = histogram("dflash2_step_duration_seconds",
+                                       "Wall time of one Engine.step() (plan, run, commit) on the engine thread",
+                                       _STEP_BUCKETS)
         self.scheduler_latency = histogram("dflash2_scheduler_latency_microseconds",
                                            "Time Scheduler.plan() takes per step", _SCHEDULER_BUCKETS_US)
 
     def request_success(self, finished_reason: str) -> Counter:
         return self._request_success.labels(self.model_name, finished_reason)
+
+    def time_to_first_token_by_priority(self, priority: int) -> Histogram:
+        return self._ttft_by_priority.labels(self.model_name, priority_class(priority))
 
     def set_gpu(self, memory_fraction: float | None, utilization_perc: float | None) -> None:
         if memory_fraction is not None:
@@ -93,3 +114,10 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def priority_class(priority: int) -> str:
+    """The `priority_class` label: the priority rounded down to a power of ten ("0" for 0)."""
+    if priority <= 0:
+        return "0"
+    return str(10 ** (len(str(int(priority))) - 1))

@@ -33,6 +33,7 @@ class Tracked:
     request: Request
     outputs: asyncio.Queue
     submitted_at: float
+    priority: int | None = None  # as the client sent it (the engine's is flipped by low_priority_values_first)
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -55,6 +56,7 @@ class RequestObserver:
         self._tokens_per_page = engine.kv.tokens_per_page
         self._seen_preemptions = 0
         self._seen_swap_outs = 0
+        self._seen_swapped_bytes = 0
         self._seen_evictions = 0
         self._seen_prefix = (0, 0)
         self._gauge_tick = (time.monotonic(), 0)  # (when, evictions then)
@@ -73,6 +75,7 @@ class RequestObserver:
         if tracked.first_token_at is None:
             tracked.first_token_at = now
             m.time_to_first_token.observe(now - tracked.submitted_at)
+            m.time_to_first_token_by_priority(_client_priority(tracked)).observe(now - tracked.submitted_at)
             self._num_prompt_tokens += tracked.request.num_prompt_tokens
             m.prompt_tokens.inc(tracked.request.num_prompt_tokens)
         else:
@@ -83,7 +86,7 @@ class RequestObserver:
         m.generation_tokens.inc(num_new)
         if self.config.log_tokens:
             for token_id in output.delta_token_ids:
-                self._log_token(tracked.request, token_id, latency_ms)
+                self._log_token(tracked, token_id, latency_ms)
 
     def on_finished(self, tracked: Tracked, finish_reason: str, now: float) -> None:
         m = self.metrics
@@ -107,7 +110,7 @@ class RequestObserver:
         num_output = request.num_output_tokens
         return {
             "event": "request_finished", "time": round(time.time(), 3), "request_id": request.request_id,
-            "model": self.model_name, "priority": request.priority, "finish_reason": finish_reason,
+            "model": self.model_name, "priority": _client_priority(tracked), "finish_reason": finish_reason,
             "prompt_tokens": request.num_prompt_tokens, "completion_tokens": num_output,
             "cached_tokens": request.num_cached_tokens, "num_preemptions": request.num_preemptions,
             "queue_time_ms": _ms(scheduled - tracked.submitted_at) if scheduled is not None else None,
@@ -116,18 +119,21 @@ class RequestObserver:
             "e2e_ms": _ms(now - tracked.submitted_at),
         }
 
-    def _log_token(self, request: Request, token_id: int, latency_ms: float) -> None:
+    def _log_token(self, tracked: Tracked, token_id: int, latency_ms: float) -> None:
+        request = tracked.request
         tokenizer = self.engine.tokenizer
         text = tokenizer.decode([token_id]) if tokenizer is not None else None
         num_pages = -(-request.num_tokens // self._tokens_per_page)
         request_logger.info(json.dumps({
             "event": "token", "req_id": request.request_id, "token_id": token_id, "token_text": text,
             "latency_ms": round(latency_ms, 3), "kv_cache_size_bytes": num_pages * self._page_bytes,
-            "priority": request.priority, "model": self.model_name}, ensure_ascii=False))
+            "priority": _client_priority(tracked), "model": self.model_name}, ensure_ascii=False))
 
     # -- per step and per tick -----------------------------------------------------------------------
-    def on_step(self, engine: Any, now: float) -> None:
+    def on_step(self, engine: Any, now: float, step_seconds: float | None = None) -> None:
         self.metrics.scheduler_latency.observe(getattr(engine, "last_plan_seconds", 0.0) * 1e6)
+        if step_seconds is not None:
+            self.metrics.step_duration.observe(step_seconds)
         self._update_gauges()
 
     def tick(self, now: float) -> None:
@@ -153,6 +159,10 @@ class RequestObserver:
         swap_outs = getattr(scheduler, "num_swap_outs", 0)
         _inc_by_delta(m.num_swap_outs, swap_outs - self._seen_swap_outs)
         self._seen_swap_outs = swap_outs
+        swapped_bytes = getattr(scheduler, "swapped_bytes", 0)
+        _inc_by_delta(m.swapped_bytes, swapped_bytes - self._seen_swapped_bytes)
+        self._seen_swapped_bytes = swapped_bytes
+        m.num_requests_swapped.set(getattr(engine.kv, "num_swapped_requests", 0))
         _inc_by_delta(m.cache_evictions, pool.num_evictions - self._seen_evictions)
         self._seen_evictions = pool.num_evictions
         queries, hits = engine.kv.num_prefix_queries, engine.kv.num_prefix_hits
@@ -173,6 +183,10 @@ class RequestObserver:
             logger.info("stats: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV pages %.1f%%",
                         prompt_rate, generation_rate, len(scheduler.running), len(scheduler.waiting),
                         100.0 * self.engine.pool.num_used / self.engine.pool.num_pages)
+
+
+def _client_priority(tracked: Tracked) -> int:
+    return tracked.priority if tracked.priority is not None else tracked.request.priority
 
 
 def _first_scheduled(request: Request) -> float | None:

@@ -18,6 +18,8 @@ SERVER_FLAGS = {
     "--streaming-timeout-ms": "500", "--metrics-port": "9100", "--tensor-parallel-size": "1",
     "--distributed-executor-backend": "uni", "--seed": "3", "--log-level": "debug", "--disable-log-stats": None,
     "--disable-log-requests": None, "--api-key": "k", "--log-tokens": None, "--max-request-bytes": "1000",
+    "--kv-cache-memory": "8MiB", "--preemption-threshold": "50", "--priority-aging-seconds": "30",
+    "--low-priority-values-first": None, "--max-queue-len": "7",
 }
 BENCH_FLAGS = {
     "--url": "http://127.0.0.1:1", "--dataset": "d.jsonl", "--concurrency": "3", "--request-rate": "2.5",
@@ -59,6 +61,18 @@ def test_swap_space_reaches_the_engine():
     assert "swap_space" not in llm_kwargs(build_parser().parse_args(["serve"]))
 
 
+def test_priority_flags_reach_the_engine_and_the_queue_bound_the_server():
+    args = build_parser().parse_args(argv("serve", SERVER_FLAGS, underscored=True))
+    kwargs = llm_kwargs(args)
+    assert (kwargs["preemption_threshold"], kwargs["priority_aging_seconds"], kwargs["low_priority_values_first"],
+            kwargs["kv_cache_memory"]) == (50, 30.0, True, "8MiB")
+    assert server_config(args).max_queue_len == 7
+    defaults = build_parser().parse_args(["serve"])
+    assert (llm_kwargs(defaults)["preemption_threshold"], llm_kwargs(defaults)["priority_aging_seconds"],
+            llm_kwargs(defaults)["low_priority_values_first"], server_config(defaults).max_queue_len) == (
+        1, None, False, None)
+
+
 def test_defaults_bind_localhost_and_bundled_model():
     args = build_parser().parse_args(["serve"])
     config = server_config(args)
@@ -75,6 +89,9 @@ def test_defaults_bind_localhost_and_bundled_model():
     (["--l3-cache-path", "/tmp/kv"], "--l3-cache-path"),
     (["--swap-space", "-1"], "--swap-space"),
     (["--max-batch-size", "8", "--max-num-seqs", "4"], "--max-batch-size"),
+    (["--preemption-threshold", "0"], "--preemption-threshold"),
+    (["--priority-aging-seconds", "0"], "--priority-aging-seconds"),
+    (["--max-queue-len", "0"], "--max-queue-len"),
 ])
 def test_unbuilt_features_are_startup_errors(flags, named, capsys):
     assert main(["serve", *flags]) != 0

@@ -10,8 +10,8 @@ import pytest
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_thread import EngineError, EngineThread
-from dflash2.server.metrics import ServerMetrics
+from dflash2.server.engine_thread import EngineError, EngineThread, QueueFull
+from dflash2.server.metrics import ServerMetrics, priority_class
 from dflash2.server.observer import ObserverConfig, RequestObserver
 
 
@@ -65,13 +65,14 @@ class FakeEngine:
         self.pool.release(self.pages.pop(request_id, []))
 
 
-def start(engine: FakeEngine, loop: asyncio.AbstractEventLoop) -> tuple[EngineThread, list]:
+def start(engine: FakeEngine, loop: asyncio.AbstractEventLoop,
+          max_queue_len: int | None = None) -> tuple[EngineThread, list]:
     load_errors: list = []
 
     def observer(e):
         return RequestObserver(e, ServerMetrics("fake"), ObserverConfig(log_requests=False, log_stats=False))
 
-    thread = EngineThread(lambda: engine, observer)
+    thread = EngineThread(lambda: engine, observer, max_queue_len)
     thread.start(loop, load_errors.append)
     assert thread.loaded.wait(10)
     return thread, load_errors
@@ -173,3 +174,73 @@ def test_a_failing_load_is_reported_and_never_ready():
     thread, errors = run(scenario)
     assert not thread.ready and isinstance(thread.load_error, FileNotFoundError)
     assert [str(e) for e in errors] == ["no such checkpoint: /nope"]
+
+
+def test_beyond_max_queue_len_waiting_requests_a_submit_raises_queue_full():
+    engine = FakeEngine()
+    engine.scheduler.waiting = ["w1", "w2"]  # two requests wait in the scheduler
+
+    async def scenario(loop):
+        thread, _ = start(engine, loop, max_queue_len=2)
+        try:
+            with pytest.raises(QueueFull, match="2 requests are waiting") as refused:
+                await thread.submit("a", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=1), 0, asyncio.Queue())
+            engine.scheduler.waiting = ["w1"]
+            outputs: asyncio.Queue = asyncio.Queue()
+            await thread.submit("b", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=1), 0, outputs)
+            last = await asyncio.wait_for(outputs.get(), 10)
+        finally:
+            thread.stop()
+        return refused.value, last
+
+    refused, last = run(scenario)
+    assert refused.retry_after_s >= 1 and last.finished
+    assert "a" not in engine.pages  # the refused request never reached the engine
+
+
+def test_submissions_beyond_max_queue_len_are_refused_before_the_engine_thread_takes_them():
+    engine = FakeEngine()
+
+    async def scenario(loop):
+        thread, _ = start(engine, loop, max_queue_len=1)
+        thread.stop()  # the engine thread is gone, so submissions stay in the command queue
+        first = asyncio.ensure_future(thread.submit("a", {"prompt_token_ids": [1]}, SamplingParams(), 0,
+                                                    asyncio.Queue()))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull, match="being queued already"):
+            await thread.submit("b", {"prompt_token_ids": [1]}, SamplingParams(), 0, asyncio.Queue())
+        first.cancel()
+
+    run(scenario)
+
+
+def test_swap_metrics_and_ttft_per_priority_class():
+    engine = FakeEngine()
+    engine.scheduler.swapped_bytes = 0
+    engine.kv.num_swapped_requests = 0
+
+    async def scenario(loop):
+        thread, _ = start(engine, loop)
+        for request_id, priority in (("a", 1000), ("b", 150), ("c", 0)):
+            outputs: asyncio.Queue = asyncio.Queue()
+            await thread.submit(request_id, {"prompt_token_ids": [1]}, SamplingParams(max_tokens=1), priority,
+                                outputs)
+            await asyncio.wait_for(outputs.get(), 10)
+        engine.scheduler.swapped_bytes = 3 << 20
+        engine.kv.num_swapped_requests = 2
+        thread.observer.tick(0.0)
+        thread.stop()
+        return thread.observer.metrics
+
+    metrics = run(scenario)
+    assert metrics.swapped_bytes._value.get() == 3 << 20
+    assert metrics.num_requests_swapped._value.get() == 2
+    text = metrics.render().decode()
+    for label in ("1000", "100", "0"):
+        assert (f'dflash2_time_to_first_token_by_priority_seconds_count{{model_name="fake",priority_class="{label}"}}'
+                f' 1.0') in text
+
+
+def test_priority_class_rounds_down_to_a_power_of_ten():
+    assert [priority_class(p) for p in (0, 1, 9, 10, 100, 150, 999, 1000, 9999, 10000, 65535)] == [
+        "0", "1", "1", "10", "100", "100", "100", "1000", "1000", "10000", "10000"]
