@@ -206,17 +206,21 @@ class EngineThread:
         now = time.monotonic()
         self.observer.on_step(self.engine, now, now - started)
         deliveries: list[tuple[asyncio.Queue, RequestOutput]] = []
+        priorities: dict[str, int] = {}
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
             self.observer.on_output(tracked, output, now)
             deliveries.append((tracked.outputs, output))
+            priorities[output.request_id] = tracked.request.priority
             if output.finished:
                 del self._tracked[output.request_id]
                 self._finish_times.append(now)
                 self.observer.on_finished(tracked, output.outputs[0].finish_reason or "stop", now)
         if deliveries:
+            # Most urgent first: their handlers wake first, so their tokens go out first on a busy loop.
+            deliveries.sort(key=lambda d: -priorities[d[1].request_id])
             self._call_soon(_deliver, deliveries)
 
     def _drain_estimate_s(self, num_waiting: int) -> int:

@@ -1,7 +1,8 @@
 """Generation: the engine requests behind one HTTP request, and how the handler reads their outputs.
 
     handler ── Generation.start() ──► EngineThread.submit() per prompt (all or none accepted)
-            ◄─ stream(timeout)     ◄── one asyncio.Queue shared by the prompts' outputs
+            ◄─ stream_batches(timeout) ◄── one asyncio.Queue shared by the prompts' outputs
+               (each batch: every output queued so far, sent as one SSE write)
             ◄─ collect(request)        (waits for all to finish; a client that hangs up aborts them)
             ── abort_unfinished()     (finally: client gone, stream timed out, or error)
 """
@@ -59,14 +60,25 @@ class Generation:
     def finished(self) -> bool:
         return not self._unfinished
 
-    async def stream(self, timeout_s: float | None) -> AsyncIterator[RequestOutput]:
-        """Outputs as they come, until every request finished; StreamTimeout after timeout_s without one."""
+    async def stream_batches(self, timeout_s: float | None) -> AsyncIterator[list[RequestOutput]]:
+        """Outputs as they come, until every request finished, each batch holding every output that has
+        arrived by then (at least one): a handler that fell behind a busy event loop catches up with one
+        write instead of one per token. StreamTimeout after timeout_s without an output."""
         while self._unfinished:
             try:
-                item = await asyncio.wait_for(self.outputs.get(), timeout_s)
+                first = await asyncio.wait_for(self.outputs.get(), timeout_s)
             except asyncio.TimeoutError:
                 raise StreamTimeout(f"no token for {1000 * timeout_s:.0f} ms") from None
-            yield self._take(item)
+            items = [first]
+            while not self.outputs.empty():
+                items.append(self.outputs.get_nowait())
+            batch: list[RequestOutput] = []
+            for item in items:
+                if isinstance(item, BaseException) and batch:
+                    yield batch  # what came before the error is sent first
+                    batch = []
+                batch.append(self._take(item))
+            yield batch
 
     async def collect(self, http_request: HTTPRequest) -> list[RequestOutput]:
         """Every request's final output, in prompt order; ClientGone if the client hangs up first."""

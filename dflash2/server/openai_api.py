@@ -216,11 +216,14 @@ async def stream_events(state: ServerState, generation: Generation, formatter: A
     try:
         for chunk in formatter.opening():
             yield sse({**chunk, **extra})
-        async for output in generation.stream(timeout_ms / 1000.0 if timeout_ms else None):
-            for chunk in formatter.chunks(output):
-                yield sse({**chunk, **extra})
-            if output.finished:
-                finals.append(output)
+        async for outputs in generation.stream_batches(timeout_ms / 1000.0 if timeout_ms else None):
+            events = []
+            for output in outputs:
+                events += [sse({**chunk, **extra}) for chunk in formatter.chunks(output)]
+                if output.finished:
+                    finals.append(output)
+            if events:
+                yield "".join(events)  # one write for all the tokens that piled up while the loop was busy
         if include_usage:
             yield sse({**formatter.header([]), "usage": usage(finals)})
         if metrics is not None:

@@ -1,0 +1,52 @@
+"""Generation.stream_batches: everything queued is sent at once; outputs before an error still go out."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dflash2.request import CompletionOutput, RequestOutput
+from dflash2.server.engine_thread import EngineError
+from dflash2.server.generation import Generation, StreamTimeout
+
+
+class NoEngine:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def output(token: int, finished: bool = False) -> RequestOutput:
+    completion = CompletionOutput(0, "x", [token], None, None, "length" if finished else None)
+    return RequestOutput("r", None, [1], None, [completion], finished, delta_text="x", delta_token_ids=[token])
+
+
+def collect(items: list, timeout_s: float | None = 5.0) -> list:
+    async def main():
+        generation = Generation(NoEngine(), "r", ["r"])
+        for item in items:
+            generation.outputs.put_nowait(item)
+        batches = []
+        try:
+            async for batch in generation.stream_batches(timeout_s):
+                batches.append([o.delta_token_ids[0] for o in batch])
+        except (EngineError, StreamTimeout) as e:
+            batches.append(e)
+        return batches
+    return asyncio.run(main())
+
+
+def test_outputs_that_piled_up_come_as_one_batch_until_the_last():
+    assert collect([output(1), output(2), output(3, finished=True)]) == [[1, 2, 3]]
+
+
+def test_outputs_before_an_error_are_sent_then_the_error_raised():
+    batches = collect([output(1), output(2), EngineError("device lost")])
+    assert batches[0] == [1, 2] and isinstance(batches[1], EngineError)
+
+
+def test_no_output_in_time_is_a_stream_timeout():
+    batches = collect([output(1)], timeout_s=0.05)
+    assert batches[0] == [1] and isinstance(batches[1], StreamTimeout)
