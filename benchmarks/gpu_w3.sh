@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# W3 on the GPU, one device call: priority under overload through the real server, dummy Qwen3-0.6B, a page
+# pool small enough to force preemption, host swap space, Poisson arrivals at 1.5x the measured capacity;
+# JSON to $OUT/w3_gpu.json, the server's logs (one JSON line per request) in $OUT/w3_server/.
+#
+# The device has torch, transformers, httpx, prometheus-client, but not the server's FastAPI stack: the
+# wheels in .whl/ (git-ignored; name ".whl" in the run's carry) are installed into /tmp/site first:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl fastapi==0.165.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 starlette==1.10.0 \
+#     annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 click==8.5.1 typing-extensions==4.16.0 \
+#     opentelemetry-api==1.45.2        (fastapi 0.165 imports it)
+# Overrides: PYTHON (default python3), W3_INSTALL=0 (skip the install), W3_ARGS (appended last, so they win,
+# e.g. W3_ARGS="--kv-cache-memory 256MiB --concurrency 256").
+set -uo pipefail
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if [ "${W3_INSTALL:-1}" = 1 ]; then
+  $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || { echo "error: installing .whl/*.whl failed (is .whl in carry?)"; exit 1; }
+fi
+$PYTHON -c "import fastapi, uvicorn, pydantic, starlette, prometheus_client, httpx, numpy; print('server deps: ok')" \
+  || { echo "error: the server's dependencies do not import"; exit 1; }
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+# qwen3-0.6b in bf16 puts 9 tokens in a 1 MiB page: 384 MiB holds ~3,400 tokens, about 10 of the 32 requests
+# that may run at once (prompts 128-384 tokens + 64 new), so pages run out and requests are swapped.
+timeout ${W3_TIMEOUT:-560} $PYTHON benchmarks/priority.py --model qwen3-0.6b --load-format dummy --device cuda \
+  --synthetic 400 --prompt-len 256 --output-len 64 --max-model-len 512 --kv-cache-memory 384MiB --swap-space 4 \
+  --max-num-seqs 32 --prefill-chunk-size 512 --max-num-batched-tokens 2048 \
+  --idle-requests 30 --server-log-dir "$OUT/w3_server" --output "$OUT/w3_gpu.json" ${W3_ARGS:-} \
+  > "$OUT/w3_gpu.log" 2>&1
+status=$?
+tail -120 "$OUT/w3_gpu.log"
+tail -5 "$OUT/w3_server/stderr.log" 2>/dev/null
+echo "priority.py exit status $status (0: target met, 2: missed, other: failed)"
