@@ -11,7 +11,7 @@
 #     annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 click==8.5.1 typing-extensions==4.16.0 \
 #     opentelemetry-api==1.45.2        (fastapi 0.165 imports it)
 # Overrides: PYTHON (default python3), W3_INSTALL=0 (skip the install), W3_ARGS (appended last, so they win,
-# e.g. W3_ARGS="--kv-cache-memory 256MiB --concurrency 256").
+# e.g. W3_ARGS="--kv-cache-memory 256MiB --overload 2", or "--concurrency 128" for a closed loop).
 set -uo pipefail
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/out}
