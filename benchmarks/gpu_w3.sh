@@ -9,7 +9,6 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl fastapi==0.165.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 starlette==1.10.0 \
 #     annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 click==8.5.1 typing-extensions==4.16.0 \
-#     opentelemetry-api==1.45.2   (fastapi 0.165 imports it; missing, the server does not start) \
 #     opentelemetry-api==1.45.2        (fastapi 0.165 imports it)
 # Overrides: PYTHON (default python3), W3_INSTALL=0 (skip the install), W3_ARGS (appended last, so they win,
 # e.g. W3_ARGS="--kv-cache-memory 256MiB --overload 2", or "--concurrency 128" for a closed loop).
