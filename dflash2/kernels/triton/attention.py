@@ -36,6 +36,18 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, page_table, token_slots, po
 
 
 @triton.jit
+def _load_kv_tile(k_cache, v_cache, page_table, slot, tokens, token_mask, d, kv_head, stride_pt,
+                  stride_cache_page, stride_cache_token, stride_cache_head, tokens_per_page):
+    """K and V [len(tokens), head_dim] of one KV head, gathered through the request's page-table row."""
+    page = tl.load(page_table + slot * stride_pt + tokens // tokens_per_page, mask=token_mask, other=0)
+    offs = page.to(tl.int64) * stride_cache_page + (tokens % tokens_per_page) * stride_cache_token \
+        + kv_head * stride_cache_head
+    k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
+    v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, cos_ptr, sin_ptr, page_table, token_slots,
                             positions, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             stride_cache_page, stride_cache_token, stride_cache_head, stride_pt, stride_cos,
@@ -101,11 +113,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, page_table, slots, lengths, ou
     for n0 in range(start, end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        page = tl.load(page_table + slot * stride_pt + tokens // tokens_per_page, mask=token_mask, other=0)
-        offs = page.to(tl.int64) * stride_cache_page + (tokens % tokens_per_page) * stride_cache_token \
-            + kv_head * stride_cache_head
-        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
-        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
+        k, v = _load_kv_tile(k_cache, v_cache, page_table, slot, tokens, token_mask, d, kv_head, stride_pt,
+                             stride_cache_page, stride_cache_token, stride_cache_head, tokens_per_page)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
         s = tl.where(token_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -171,11 +180,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, page_table, out_ptr, query_starts, 
     for n0 in range(0, kv_end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
-        page = tl.load(page_table + slot * stride_pt + tokens // tokens_per_page, mask=token_mask, other=0)
-        offs = page.to(tl.int64) * stride_cache_page + (tokens % tokens_per_page) * stride_cache_token \
-            + kv_head * stride_cache_head
-        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
-        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
+        k, v = _load_kv_tile(k_cache, v_cache, page_table, slot, tokens, token_mask, d, kv_head, stride_pt,
+                             stride_cache_page, stride_cache_token, stride_cache_head, tokens_per_page)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
         allowed = (tokens[None, :] <= q_pos[:, None]) & token_mask[None, :]
         s = tl.where(allowed, s, float("-inf"))
