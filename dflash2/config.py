@@ -163,8 +163,14 @@ class SchedulerConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     preemption_threshold: int = 1  # a waiting request pauses running ones at least this much less urgent
     priority_aging_seconds: float | None = None  # waiting this long outranks any newer request
+    # While a request of the top priority present waits or has prompt left, the prefill chunks of requests
+    # it outranks by preemption_threshold share at most this many tokens a step (None: no cap), so the
+    # urgent request's steps stay short.
+    max_outranked_prefill_tokens: int | None = 64
 
     def __post_init__(self) -> None:
+        if self.max_outranked_prefill_tokens is not None and self.max_outranked_prefill_tokens < 0:
+            raise ValueError(f"max_outranked_prefill_tokens must be >= 0, got {self.max_outranked_prefill_tokens}")
         if self.preemption_threshold < 1:
             raise ValueError(f"preemption_threshold must be >= 1, got {self.preemption_threshold}")
         if self.priority_aging_seconds is not None and self.priority_aging_seconds <= 0:

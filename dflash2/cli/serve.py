@@ -44,6 +44,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
              help="a waiting request pauses running ones only if it is at least this much more urgent")
     add_flag(parser, "--priority-aging-seconds", type=float, default=None,
              help="a request waiting this long outranks any newer one (no starvation); default: no aging")
+    add_flag(parser, "--max-outranked-prefill-tokens", type=int, default=64,
+             help="while a more urgent request waits or prefills, the prefill chunks it outranks share at most "
+                  "this many tokens a step (keeps its steps short; -1: no cap)")
     add_flag(parser, "--low-priority-values-first", action="store_true",
              help="vLLM's convention: a smaller priority value is more urgent")
     add_flag(parser, "--max-queue-len", type=int, default=None,
@@ -93,8 +96,13 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--preemption-threshold must be >= 1, got {args.preemption_threshold}")
     if args.priority_aging_seconds is not None and not args.priority_aging_seconds > 0:
         raise ValueError(f"--priority-aging-seconds must be > 0, got {args.priority_aging_seconds:g}")
+    if args.max_outranked_prefill_tokens < -1:
+        raise ValueError(f"--max-outranked-prefill-tokens must be >= 0 (or -1: no cap), got "
+                         f"{args.max_outranked_prefill_tokens}")
+    cap = args.max_outranked_prefill_tokens
     kwargs.update(preemption_threshold=args.preemption_threshold,
                   priority_aging_seconds=args.priority_aging_seconds,
+                  max_outranked_prefill_tokens=None if cap == -1 else cap,
                   low_priority_values_first=args.low_priority_values_first)
     return kwargs
 

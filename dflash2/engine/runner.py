@@ -141,19 +141,44 @@ class ModelRunner:
     # -- swapping ----------------------------------------------------------------------------------
     def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy paused requests' pages to host pages and resumed ones back, queued before the step's
-        kernels (so a page freed by a swap-out is read before anything new is written into it)."""
-        if self.device.type != "cuda":
-            if swap_out:
-                device_idx, host_idx = zip(*swap_out)
-                self.host_pages[list(host_idx)] = self.device_pages[list(device_idx)]
-            if swap_in:
-                host_idx, device_idx = zip(*swap_in)
-                self.device_pages[list(device_idx)] = self.host_pages[list(host_idx)]
+        kernels (so a page freed by a swap-out is read before anything new is written into it).
+
+        Every source page is read before any destination page is written: one plan may hand a host page
+        freed by a swap-in to a later swap-out, or a device page freed by a swap-out to a later swap-in, in
+        either order (a request is never both paused and resumed in one plan, so no source is itself a
+        destination of the same plan). On the GPU, all on the current stream, with no host sync:
+
+            out: device pages --index_select--> staging (device) --runs--> host pages (pinned)
+            in:  host pages (pinned) --runs--> staging (device) --index_copy_--> device pages
+
+        one gather or scatter kernel per direction, and one async copy per run of consecutive host pages
+        (pairs are sorted by host page, so the staging rows of a run are consecutive too).
+        """
+        if not swap_out and not swap_in:
             return
-        for device_page, host_page in swap_out:
-            self.host_pages[host_page].copy_(self.device_pages[device_page], non_blocking=True)
-        for host_page, device_page in swap_in:
-            self.device_pages[device_page].copy_(self.host_pages[host_page], non_blocking=True)
+        swap_out = sorted(swap_out, key=lambda pair: pair[1])
+        swap_in = sorted(swap_in)
+        if self.device.type != "cuda":
+            out_pages = self.device_pages[[d for d, _ in swap_out]]  # advanced indexing copies: read first
+            in_pages = self.host_pages[[h for h, _ in swap_in]]
+            self.host_pages[[h for _, h in swap_out]] = out_pages
+            self.device_pages[[d for _, d in swap_in]] = in_pages
+            return
+        out_staging = None
+        if swap_out:
+            out_staging = self.device_pages.index_select(0, to_device([d for d, _ in swap_out], torch.long,
+                                                                      self.device))
+        if swap_in:
+            in_staging = torch.empty((len(swap_in), self.device_pages.shape[1]), dtype=torch.uint8,
+                                     device=self.device)
+            for row, host_page, count in _runs([h for h, _ in swap_in]):
+                in_staging[row:row + count].copy_(self.host_pages[host_page:host_page + count], non_blocking=True)
+        if out_staging is not None:
+            for row, host_page, count in _runs([h for _, h in swap_out]):
+                self.host_pages[host_page:host_page + count].copy_(out_staging[row:row + count], non_blocking=True)
+        if swap_in:
+            self.device_pages.index_copy_(0, to_device([d for _, d in swap_in], torch.long, self.device),
+                                          in_staging)
 
     # -- inputs ------------------------------------------------------------------------------------
     def _update_page_table(self, chunks: list[ScheduledChunk]) -> None:
@@ -291,3 +316,15 @@ class _HostBatch:
         has_placeholders = bool(token_ids) and min(token_ids) < 0
         return _HostBatch(token_ids, positions, token_slots, decode_lengths, segments, sample_rows, sample_chunks,
                           logit_chunks, has_placeholders)
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive page ids in a sorted list: (index of the first, first page id, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for index, page in enumerate(pages):
+        if runs and runs[-1][1] + runs[-1][2] == page:
+            row, first, count = runs[-1]
+            runs[-1] = (row, first, count + 1)
+        else:
+            runs.append((index, page, 1))
+    return runs

@@ -1,11 +1,21 @@
 """Scheduler: pure logic that turns the waiting and running requests into a StepPlan.
 
-Per step, under a token budget of `max_num_batched_tokens`:
-  1. running requests get their next chunk, most urgent first (priority, then decode before prefill, then
-     admission order); a prefill chunk is at most `prefill_chunk_size` tokens;
-  2. waiting requests are admitted in the WaitingQueue's order (effective priority, then arrival) while
-     the budget, `max_num_seqs` and pages last: a swapped request gets its pages back (swap in), a new
-     one starts from its longest cached prefix.
+Per step, under a token budget of `max_num_batched_tokens`, in this order:
+  1. running decodes (one token each), most urgent first (priority, then admission order);
+  2. running prefill chunks, most urgent first; before each one, the waiting requests that outrank it
+     (effective priority, strictly higher) are admitted with their first chunk, so an urgent arrival's
+     prompt (up to `prefill_chunk_size`) goes in the very next step, ahead of less urgent prefills;
+  3. the other waiting requests, in the WaitingQueue's order (effective priority, then arrival), while the
+     budget, `max_num_seqs` and pages last.
+  A swapped request is admitted by getting its pages back (swap in); a new one starts from its longest
+  cached prefix. Admission stops at the first waiting request that cannot be admitted (nobody behind it
+  jumps the line) and at a request paused in this very plan (it resumes in a later step).
+
+      budget: [ decodes | urgent waiting | prefill p=100 | waiting p=100 > p=0 | prefill p=0 | rest ]
+
+  While a request of the top priority present (waiting, or running with prompt left) exists, the prefill
+  chunks of requests it outranks by `preemption_threshold` share at most `max_outranked_prefill_tokens`
+  tokens per step, so that the urgent request's steps stay short.
 Preemption, least urgent first (lowest priority, then most recently admitted):
   - pages run out for a running request: a running request no more urgent than it is paused;
   - a waiting request cannot be admitted (pages, max_num_seqs or budget): running requests outranked by
@@ -65,23 +75,45 @@ class Scheduler:
         """Choose this step's chunks; each scheduled request's computed mark moves past its chunk at once
         (the KV is in flight on the device), so the next plan can be made before this step has run."""
         plan = StepPlan()
-        self._budget = self.config.max_num_batched_tokens
-        self._scheduled: dict[str, ScheduledChunk] = {}
-        self._admitted_now: set[str] = set()  # admitted in this plan: never paused again in it
+        self._start_plan()
         ranked = sorted((r for r in self.running.values() if not r.finish_pending), key=self._running_rank)
-        for request in ranked:
-            if self._budget == 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = self._chunk_size(request)
-            if self._make_room(request, num_new, plan):
-                self._schedule(request, num_new, plan)
-        if not plan.preempted:
-            self._admit(plan)
+        for request in ranked:  # 1. decodes
+            if not _is_prefill(request):
+                self._run(request, plan)
+        for request in ranked:  # 2. prefills, each after the waiting requests that outrank it
+            if _is_prefill(request):
+                self._admit(plan, above=self._effective(request))
+                self._run(request, plan)
+        self._admit(plan)  # 3. the rest of the line
         for chunk in plan.chunks:
             self.running[chunk.request_id].num_computed_tokens = chunk.start + chunk.num_tokens
         return plan
+
+    def _start_plan(self) -> None:
+        self._budget = self.config.max_num_batched_tokens
+        self._scheduled: dict[str, ScheduledChunk] = {}
+        self._admitted_now: set[str] = set()  # admitted in this plan: never paused again in it
+        self._preempted_now: set[str] = set()  # paused in this plan: not admitted again in it
+        self._admission_closed = False
+        self._now = self.waiting.clock()
+        self._order: list[Request] | None = self.waiting.ordered()  # the line; sorted again when one joins it
+        # The outranked-prefill cap: who is on top, and what is left of the cap this step.
+        self._capped_from: float | None = None
+        self._cap_left = self.config.max_outranked_prefill_tokens
+        self._charged: dict[str, int] = {}  # request id -> tokens of its chunk counted against the cap
+        if self._cap_left is not None:
+            contenders = self._order[:1] + [r for r in self.running.values() if _is_prefill(r)]
+            if contenders:  # the line's head is its most urgent request
+                top = max(self._effective(r) for r in contenders)
+                self._capped_from = top - self.config.preemption_threshold
+
+    def _run(self, request: Request, plan: StepPlan) -> None:
+        """Give a running request its next chunk, if budget (and the cap) leave it one."""
+        if self._budget == 0 or request.status is not RequestStatus.RUNNING:
+            return  # out of budget, or paused earlier in this plan
+        num_new = self._chunk_size(request)
+        if num_new > 0 and self._make_room(request, num_new, plan):
+            self._schedule(request, num_new, plan)
 
     def on_step_done(self, plan: StepPlan) -> None:
         """Hash the pages the step filled (call once the step's input tokens are all known)."""
@@ -91,12 +123,24 @@ class Scheduler:
                 self.kv.commit(request)
 
     # -- admission ---------------------------------------------------------------------------------
-    def _admit(self, plan: StepPlan) -> None:
-        for request in self.waiting.ordered():
+    def _admit(self, plan: StepPlan, above: float | None = None) -> None:
+        """Admit waiting requests in line order (only those ranked above `above`, if given)."""
+        if self._admission_closed:
+            return
+        if self._order is None:
+            self._order = self.waiting.ordered()
+        for request in self._order:
+            if request not in self.waiting:
+                continue  # admitted earlier in this plan
+            if above is not None and self._effective(request) <= above:
+                return  # the running prefill goes first; the line goes on after it
+            if request.request_id in self._preempted_now or self._cap_blocks(request):
+                break
             if self._try_admit(request, plan):
                 continue
             if not self._preempt_for(request, plan) or not self._try_admit(request, plan):
                 break  # the most urgent waiting request does not fit: nobody behind it jumps the line
+        self._admission_closed = True
 
     def _try_admit(self, request: Request, plan: StepPlan) -> bool:
         if self._budget == 0 or len(self.running) >= self.config.max_num_seqs:
@@ -176,7 +220,8 @@ class Scheduler:
         ones already given a chunk this step) until they fit; False if the request itself was paused."""
         while not self.kv.grow(request, request.num_computed_tokens + num_new):
             rank = self._victim_rank(request)
-            victim = min((r for r in self.running.values() if self._victim_rank(r) <= rank), key=self._victim_rank)
+            victim = min((r for r in self.running.values() if self._victim_rank(r) <= rank
+                          and r.request_id not in self._admitted_now), key=self._victim_rank)
             self._preempt(victim, plan)
             if victim is request:
                 return False
@@ -188,8 +233,11 @@ class Scheduler:
         if dropped is not None:
             plan.chunks.remove(dropped)
             self._budget += dropped.num_tokens
+            self._cap_left_add(self._charged.pop(request_id, 0))
         del self.running[request_id]
         self._admitted.pop(request_id, None)
+        self._preempted_now.add(request_id)
+        self._order = None  # it rejoins the line
         pairs = self.kv.swap_out(request)
         if pairs is not None:
             plan.swap_out.extend(pairs)
@@ -210,9 +258,32 @@ class Scheduler:
         self._scheduled[request.request_id] = chunk
         plan.chunks.append(chunk)
         self._budget -= num_new
+        if _is_prefill(request) and self._capped(request):
+            self._charged[request.request_id] = num_new
+            self._cap_left_add(-num_new)
 
     def _chunk_size(self, request: Request) -> int:
-        return min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, self._budget)
+        num_new = min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, self._budget)
+        if _is_prefill(request) and self._capped(request):
+            num_new = min(num_new, self._cap_left)
+        return num_new
+
+    # -- the outranked-prefill cap -----------------------------------------------------------------
+    def _effective(self, request: Request) -> float:
+        return self.waiting.effective_priority(request, self._now)
+
+    def _capped(self, request: Request) -> bool:
+        """Whether the request's prefill chunks count against the cap in this plan."""
+        return self._capped_from is not None and self._effective(request) <= self._capped_from
+
+    def _cap_blocks(self, request: Request) -> bool:
+        """A waiting request the cap leaves no prefill tokens this step (it waits, and so does the line
+        behind it)."""
+        return self._cap_left == 0 and _is_prefill(request) and self._capped(request)
+
+    def _cap_left_add(self, num_tokens: int) -> None:
+        if self._cap_left is not None:
+            self._cap_left += num_tokens
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -231,9 +302,13 @@ class Scheduler:
 
     def _running_rank(self, request: Request) -> tuple[int, bool, int]:
         """Most urgent first: higher priority, then decodes before prefills, then earlier admission."""
-        is_prefill = request.num_tokens - request.num_computed_tokens > 1
-        return (-request.priority, is_prefill, self._admitted[request.request_id])
+        return (-request.priority, _is_prefill(request), self._admitted[request.request_id])
 
     def _victim_rank(self, request: Request) -> tuple[int, int]:
         """Least urgent first: lower priority, then more recently admitted."""
         return (request.priority, -self._admitted[request.request_id])
+
+
+def _is_prefill(request: Request) -> bool:
+    """More than one token to compute: a prompt (or recomputation) not yet done."""
+    return request.num_tokens - request.num_computed_tokens > 1

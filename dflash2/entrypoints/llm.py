@@ -26,7 +26,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, page_bytes: int = 1 << 20,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto", enforce_eager: bool = False,
                  overlap: bool | None = None, swap_space: float | int | str = 0, preemption_threshold: int = 1,
-                 priority_aging_seconds: float | None = None, low_priority_values_first: bool = False) -> None:
+                 priority_aging_seconds: float | None = None, low_priority_values_first: bool = False,
+                 max_outranked_prefill_tokens: int | None = 64) -> None:
         """`swap_space`: pinned host memory for paused requests' KV, in GiB as a number (vLLM's unit) or a
         size string such as "512MiB"."""
         config = EngineConfig(
@@ -41,7 +42,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       prefill_chunk_size=prefill_chunk_size, max_model_len=max_model_len,
                                       preemption_threshold=preemption_threshold,
-                                      priority_aging_seconds=priority_aging_seconds),
+                                      priority_aging_seconds=priority_aging_seconds,
+                                      max_outranked_prefill_tokens=max_outranked_prefill_tokens),
         )
         self.engine = Engine(config)
 

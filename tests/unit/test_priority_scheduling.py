@@ -9,6 +9,9 @@ running or swapped request's pages hold exactly its computed tokens. Pools are 4
 """
 from __future__ import annotations
 
+import dataclasses
+import random
+
 import pytest
 
 from dflash2.config import SchedulerConfig
@@ -111,7 +114,7 @@ def test_an_urgent_arrival_pauses_lowest_priority_then_most_recent_when_pages_ru
     assert engine.scheduler.num_swap_outs == 2 and engine.scheduler.swapped_bytes == 2
 
 
-def test_an_urgent_arrival_takes_the_token_budget_of_a_less_urgent_prefill() -> None:
+def test_an_urgent_arrival_goes_ahead_of_a_less_urgent_prefill_chunk() -> None:
     engine = FakeEngine(12, 2, host_pages=4, max_num_batched_tokens=4, prefill_chunk_size=4)
     a = make_request("a", list(range(10, 20)), max_tokens=2)
     engine.add(a)
@@ -120,21 +123,104 @@ def test_an_urgent_arrival_takes_the_token_budget_of_a_less_urgent_prefill() -> 
     u = make_request("u", [30, 31, 32], max_tokens=2, priority=9)
     engine.add(u)
     plan = engine.step()
-    # a's next chunk spends the whole budget; u pauses a, whose dropped chunk gives the budget back.
-    assert plan.preempted == ["a"] and plan.swapped == ["a"] and plan.swap_out == [(0, 0), (1, 1)]
-    assert chunks(plan) == [("u", 0, 3, True)]
-    assert engine.pages == {"u": (2, 3)}  # the pages a took for its dropped chunk
-    assert a.num_computed_tokens == 4 and engine.waiting == ["a"]
-    assert engine.state == (8, 2, 2) and host_state(engine) == (2, 2)
+    # u outranks a's prefill: its whole prompt goes first, a's chunk gets the one token left. Nobody is paused.
+    assert chunks(plan) == [("u", 0, 3, True), ("a", 4, 1, False)]
+    assert plan.preempted == [] and plan.swap_out == []
+    assert engine.pages == {"u": (2, 3), "a": (0, 1, 4)}
+    assert engine.state == (7, 0, 5) and host_state(engine) == (4, 0)
 
     plan = engine.step()
-    # u decodes, and a resumes with the 3 tokens of budget left, from token 4.
-    assert plan.resumed == ["a"] and plan.swap_in == [(0, 4), (1, 5)]
-    assert chunks(plan) == [("u", 3, 1, True), ("a", 4, 3, False)]
-    assert engine.pages == {"u": (2, 3), "a": (4, 5, 6, 7)}
-    assert chunks(engine.step()) == [("a", 7, 3, True)]
+    assert chunks(plan) == [("u", 3, 1, True), ("a", 5, 3, False)]  # u's decode first, a the rest
+    assert chunks(engine.step()) == [("a", 8, 2, True)]
     engine.run_to_completion()
-    assert engine.scheduler.num_preemptions == 1
+    assert engine.scheduler.num_preemptions == 0
+
+
+def order_setup(cap: int | None) -> FakeEngine:
+    """Running: d decoding (priority 0), p100 and p0 prefilling; waiting: u (1000), w100, w50."""
+    engine = FakeEngine(40, 4, max_num_batched_tokens=16, prefill_chunk_size=4, max_outranked_prefill_tokens=None)
+    engine.add(make_request("d", [1], max_tokens=8))
+    engine.step()
+    engine.add(make_request("p100", list(range(100, 112)), max_tokens=1, priority=100),
+               make_request("p0", list(range(200, 212)), max_tokens=1))
+    plan = engine.step()
+    assert chunks(plan) == [("d", 1, 1, True), ("p100", 0, 4, False), ("p0", 0, 4, False)]
+    engine.add(make_request("w50", [50, 51, 52], max_tokens=2, priority=50),
+               make_request("w100", [60, 61, 62], max_tokens=2, priority=100),
+               make_request("u", [70, 71, 72, 73], max_tokens=2, priority=1000))
+    assert engine.waiting == ["u", "w100", "w50"]
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_outranked_prefill_tokens=cap)
+    return engine
+
+
+def test_the_budget_goes_to_decodes_then_waiting_requests_ahead_of_the_prefills_they_outrank() -> None:
+    engine = order_setup(cap=None)
+    plan = engine.step()
+    # Decodes; u ahead of p100 (it outranks it); p100 (w100 does not outrank it: equal priority, running
+    # first); w100 and w50 ahead of p0, which gets the one token left.
+    assert chunks(plan) == [("d", 2, 1, True), ("u", 0, 4, True), ("p100", 4, 4, False), ("w100", 0, 3, True),
+                            ("w50", 0, 3, True), ("p0", 4, 1, False)]
+    assert plan.num_tokens == 16 and plan.preempted == []
+    assert engine.waiting == [] and engine.scheduler.num_preemptions == 0
+    engine.run_to_completion()
+
+
+def test_an_urgent_request_caps_the_prefill_chunks_it_outranks() -> None:
+    engine = order_setup(cap=2)
+    plan = engine.step()
+    # u is on top: every prefill it outranks shares 2 tokens. p100 takes both; w100 gets none and is not
+    # admitted, and w50 does not jump it; p0 gets none either.
+    assert chunks(plan) == [("d", 2, 1, True), ("u", 0, 4, True), ("p100", 4, 2, False)]
+    assert engine.waiting == ["w100", "w50"] and plan.preempted == []
+
+    plan = engine.step()
+    # u's prompt is done (decodes go most urgent first): now p100 and w100 (priority 100) are on top, and
+    # cap the prefills below 100: w50 gets 2 tokens, p0 none.
+    assert chunks(plan) == [("u", 4, 1, True), ("d", 3, 1, True), ("p100", 6, 4, False), ("w100", 0, 3, True),
+                            ("w50", 0, 2, False)]
+    assert engine.waiting == [] and engine.running == ["d", "p100", "p0", "w100", "w50"]  # u finished
+    plan = engine.step()
+    # p100's last chunk still caps p0; w50's last prompt token is one token, not a capped prefill chunk.
+    assert chunks(plan) == [("w100", 3, 1, True), ("w50", 2, 1, True), ("d", 4, 1, True), ("p100", 10, 2, True),
+                            ("p0", 4, 2, False)]
+    assert chunks(engine.step()) == [("w50", 3, 1, True), ("d", 5, 1, True), ("p0", 6, 4, False)]  # nobody above p0
+    engine.run_to_completion()
+
+
+def test_equal_priorities_are_never_capped() -> None:
+    engine = FakeEngine(40, 4, max_num_batched_tokens=16, prefill_chunk_size=8, max_outranked_prefill_tokens=0)
+    engine.add(make_request("a", list(range(12)), max_tokens=1), make_request("b", list(range(20, 32)), max_tokens=1))
+    assert chunks(engine.step()) == [("a", 0, 8, False), ("b", 0, 8, False)]
+    assert chunks(engine.step()) == [("a", 8, 4, True), ("b", 8, 4, True)]
+
+
+@pytest.mark.parametrize("seed", [464, 1848])
+def test_a_page_freed_by_one_copy_may_be_the_destination_of_another_in_the_same_step(seed: int) -> None:
+    # Random load (these seeds produce such plans): a swap-in frees a host page that a later swap-out in the
+    # same plan takes, so the copies must read every source before writing any destination (FakeEngine
+    # does, like the runner; copying out first would hand the resumed request the paused one's KV).
+    rng = random.Random(seed)
+    t = [0.0]
+    aging = rng.choice([None, 5.0])
+    engine = FakeEngine(rng.randint(6, 10), 2, host_pages=rng.randint(1, 6), clock=lambda: t[0],
+                        max_num_seqs=rng.randint(2, 4), max_num_batched_tokens=rng.randint(4, 10),
+                        prefill_chunk_size=rng.randint(2, 4), priority_aging_seconds=aging,
+                        max_outranked_prefill_tokens=rng.choice([None, 0, 2]))
+    pending = [make_request(f"r{i}", [rng.randrange(100) for _ in range(rng.randint(1, 6))],
+                            max_tokens=rng.randint(1, 6), priority=rng.choice([0, 0, 5, 9])) for i in range(10)]
+    overlaps = 0
+    for _ in range(300):
+        t[0] += 1
+        if pending and rng.random() < 0.5:
+            request = pending.pop(0)
+            request.arrival_time = t[0]
+            engine.add(request)
+        plan = engine.step()  # checks every page's contents after the copies
+        overlaps += bool({h for h, _ in plan.swap_in} & {h for _, h in plan.swap_out})
+        if not pending and not engine.scheduler.has_unfinished():
+            break
+    assert overlaps > 0, "the load no longer produces the case: pick another seed"
+    engine.run_to_completion()
 
 
 @pytest.mark.parametrize("threshold", [1, 3, 4])
@@ -425,16 +511,16 @@ def test_aging_lets_every_low_priority_request_finish_when_preemption_is_on(host
 
 def test_nobody_is_paused_when_pausing_cannot_free_token_budget() -> None:
     engine = FakeEngine(12, 2, host_pages=8, max_num_batched_tokens=4, prefill_chunk_size=4)
-    low = make_request("low", [1, 2], max_tokens=10)
+    low = make_request("low", list(range(1, 9)), max_tokens=10)
     engine.add(low)
-    engine.step()
+    assert chunks(engine.step()) == [("low", 0, 4, False)]
     engine.add(make_request("high", list(range(10, 22)), max_tokens=1, priority=50))
-    assert chunks(engine.step()) == [("low", 2, 1, True), ("high", 0, 3, False)]
+    assert chunks(engine.step()) == [("high", 0, 4, False)]  # high outranks low's prefill: the budget is its
     engine.add(make_request("mid", [7, 8], max_tokens=1, priority=10))
     plan = engine.step()
-    assert chunks(plan) == [("high", 3, 4, False)]  # high spends the whole budget; low is not scheduled
-    # Today: low is paused (swap_out [(0, 0), (1, 1)]) and mid is still not admitted.
-    assert plan.preempted == [] and engine.running == ["low", "high"]
+    # high spends the whole budget; mid outranks low, but low has no chunk to give back: nobody is paused.
+    assert chunks(plan) == [("high", 4, 4, False)]
+    assert plan.preempted == [] and engine.running == ["low", "high"] and engine.waiting == ["mid"]
 
 
 def test_an_urgent_request_with_a_cached_prefix_is_admitted_in_the_step_that_pauses_for_it() -> None:
@@ -452,3 +538,38 @@ def test_an_urgent_request_with_a_cached_prefix_is_admitted_in_the_step_that_pau
     # is not admitted until the next step.
     assert plan.preempted == ["l1", "l2"]
     assert chunks(plan) == [("u", 8, 4, True)]
+
+
+# -- the runner's swap copies --------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_runner_swaps_pages_reading_every_source_before_writing(device: str) -> None:
+    import types
+
+    import torch
+
+    from dflash2.engine.runner import ModelRunner, _runs
+
+    assert _runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
+    device_pages = torch.arange(8 * 4, dtype=torch.uint8).reshape(8, 4).to(device)
+    host_pages = (100 + torch.arange(6 * 4, dtype=torch.uint8)).reshape(6, 4)
+    if device == "cuda":
+        host_pages = host_pages.pin_memory()
+    before_device, before_host = device_pages.cpu().clone(), host_pages.clone()
+    runner = types.SimpleNamespace(device=torch.device(device), device_pages=device_pages, host_pages=host_pages)
+    # Host page 1 is read by a swap-in and written by a swap-out; device page 2 read by a swap-out and
+    # written by a swap-in; host pages 3, 4, 0 and device pages 6, 7 make runs and a gap.
+    swap_out = [(2, 1), (5, 4), (3, 3), (0, 0)]
+    swap_in = [(1, 2), (2, 6), (5, 7)]
+    ModelRunner._swap(runner, swap_out, swap_in)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    after_device, after_host = device_pages.cpu(), host_pages
+    for device_page, host_page in swap_out:
+        assert torch.equal(after_host[host_page], before_device[device_page])
+    for host_page, device_page in swap_in:
+        assert torch.equal(after_device[device_page], before_host[host_page])
+    for page in (1, 4):  # untouched
+        assert torch.equal(after_device[page], before_device[page])
+    for page in (2, 5):
+        assert torch.equal(after_host[page], before_host[page])
+    ModelRunner._swap(runner, [], [])  # nothing to copy: nothing happens

@@ -29,7 +29,8 @@ Chunk = tuple[str, int, int, bool]
 
 class FakeEngine:
     """Drives the scheduler like the engine, and plays the runner: it mirrors the page-table rows from the
-    plans, copies page contents for swap_out (device -> host) then swap_in (host -> device), and writes
+    plans, copies page contents for swap_out (device -> host) and swap_in (host -> device), reading every
+    source before writing any destination, and writes
     each chunk's tokens into its pages, so that a lost or misplaced page shows up as wrong contents."""
 
     def __init__(self, num_pages: int, tokens_per_page: int, host_pages: int = 0,
@@ -114,7 +115,7 @@ class FakeEngine:
             assert not self.kv.is_swapped(request_id)
 
     def apply_swaps(self, plan: StepPlan) -> None:
-        """The runner's page copies, out first then in; the pairs follow plan.resumed and plan.swapped."""
+        """The runner's page copies (all reads, then all writes); the pairs follow plan.resumed and plan.swapped."""
         index = 0
         for request_id in plan.resumed:
             host_pages = self.host_of.pop(request_id)
@@ -131,10 +132,15 @@ class FakeEngine:
             index += count
             self.host_of[request_id] = [h for _, h in pairs]
         assert index == len(plan.swap_out)
-        for device_page, host_page in plan.swap_out:
-            self.host[host_page] = list(self.device[device_page])
-        for host_page, device_page in plan.swap_in:
-            self.device[device_page] = list(self.host[host_page])
+        # Every source is read before any destination is written, as the runner does: a plan may free a host
+        # page by a swap-in and hand it to a later swap-out, or free a device page by a swap-out and hand it
+        # to a later swap-in, in either order.
+        outs = [list(self.device[device_page]) for device_page, _ in plan.swap_out]
+        ins = [list(self.host[host_page]) for host_page, _ in plan.swap_in]
+        for (_, host_page), contents in zip(plan.swap_out, outs):
+            self.host[host_page] = contents
+        for (_, device_page), contents in zip(plan.swap_in, ins):
+            self.device[device_page] = contents
 
     def check(self) -> None:
         pool = self.pool
@@ -434,7 +440,7 @@ def test_preemption_picks_lowest_priority_then_newest_and_requeues_at_the_front(
     assert engine.pool.num_used == 0
 
 
-def test_no_admission_in_a_step_that_preempted() -> None:
+def test_admission_in_the_step_that_preempted_for_pages() -> None:
     engine = FakeEngine(2, 2, host_pages=2)
     a = make_request("a", [1, 2], max_tokens=3, priority=1)
     b = make_request("b", [3, 4], max_tokens=3)
@@ -443,33 +449,51 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     c = make_request("c", [5], max_tokens=1, priority=9)
     engine.add(c)
     plan = engine.step()
-    assert plan.preempted == ["b"] and plan.swapped == ["b"] and plan.swap_out == [(1, 0)]
-    assert chunks(plan) == [("a", 2, 1, True)]
-    assert engine.pages == {"a": (0, 1)}  # a's decode takes b's page once its tokens are copied out
-    # c outranks everybody and could pause a, but nobody is admitted in a step whose running requests
-    # already paused one: it waits a step, ahead of b.
-    assert engine.waiting == ["c", "b"]
-    assert c.status is RequestStatus.WAITING and b.status is RequestStatus.PREEMPTED
-
-    plan = engine.step()
-    # Now c is admitted by pausing a (priority 1 <= 9 - 1). a's 2 computed pages do not fit in the one
-    # free host page: it is dropped and recomputed, its full prompt page (0) staying in the prefix cache.
-    assert plan.preempted == ["a"] and plan.swapped == [] and plan.swap_out == []
+    # a's decode needs a page: b (less urgent) is paused to host page 0 and a grows into b's page 1. Then c,
+    # which outranks a, finds no page left and pauses a in the same plan: a's decode is dropped, its one
+    # computed page goes to host page 1, and c is admitted at once into page 1 (copied out first).
+    assert plan.preempted == ["b", "a"] and plan.swapped == ["b", "a"]
+    assert plan.swap_out == [(1, 0), (0, 1)] and plan.swap_in == []
     assert chunks(plan) == [("c", 0, 1, True)]
     assert engine.pages == {"c": (1,)}
-    assert engine.waiting == ["a", "b"] and a.num_computed_tokens == 0
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (2, 2)
+    assert engine.waiting == ["a", "b"]  # priority, then arrival: a ahead of b
     assert c.status is RequestStatus.FINISHED_LENGTH
+    assert engine.state == (1, 1, 0) and (engine.host_pool.num_free, engine.host_pool.num_swapped) == (0, 2)
 
     plan = engine.step()
-    assert chunks(plan) == [("a", 2, 2, True)]  # a prefix hit on page 0, then its generated token again
-    assert engine.pages == {"a": (0, 1)}
+    # a resumes from host page 1 (no recomputation); b would need 2 more pages and waits.
+    assert plan.resumed == ["a"] and plan.swap_in == [(1, 1)] and plan.preempted == []
+    assert chunks(plan) == [("a", 2, 1, True)]
+    assert engine.pages == {"a": (1, 0)}
+    assert chunks(engine.step()) == [("a", 3, 1, True)]
     plan = engine.step()
-    # b comes back from host page 0 with no recomputation.
-    assert plan.resumed == ["b"] and plan.swap_in == [(0, 1)]
+    assert plan.resumed == ["b"] and plan.swap_in == [(0, 0)]
     assert chunks(plan) == [("b", 2, 1, True)]
-    assert engine.pages == {"b": (1, 0)}
     engine.run_to_completion()
-    assert (a.num_preemptions, b.num_preemptions, engine.scheduler.num_swap_outs) == (1, 1, 1)
+    assert (a.num_preemptions, b.num_preemptions, engine.scheduler.num_swap_outs) == (1, 1, 2)
+
+
+def test_a_request_paused_in_a_step_is_not_resumed_in_it_and_holds_the_line() -> None:
+    engine = FakeEngine(4, 2, host_pages=4)
+    x = make_request("x", [1, 2, 3, 4], max_tokens=2)
+    y = make_request("y", [5, 6, 7], max_tokens=2)
+    engine.add(x, y)
+    assert chunks(engine.step()) == [("x", 0, 4, True), ("y", 0, 3, True)]
+    assert engine.pages == {"x": (0, 1), "y": (2, 3)}
+    z = make_request("z", [9], max_tokens=1)
+    engine.add(z)
+    plan = engine.step()
+    # y decodes within its pages; x needs a third page and pauses y (equal priority, admitted later),
+    # dropping y's decode. One of y's pages is left free, but y, paused in this plan, does not come back
+    # in it, and z, behind y in line, does not jump it.
+    assert plan.preempted == ["y"] and plan.swapped == ["y"] and plan.swap_out == [(2, 0), (3, 1)]
+    assert chunks(plan) == [("x", 4, 1, True)]
+    assert plan.resumed == [] and engine.waiting == ["y", "z"]
+    assert engine.state == (1, 3, 0)  # x finished after the step: its pages stay cached
+    plan = engine.step()
+    assert plan.resumed == ["y"] and chunks(plan) == [("y", 3, 1, True), ("z", 0, 1, True)]
+    engine.run_to_completion()
 
 
 def self_preemption_setup() -> tuple[FakeEngine, Request, Request, StepPlan]:
@@ -522,7 +546,7 @@ def test_a_preempted_request_recomputes_prompt_and_generated_tokens() -> None:
     engine.add(u, v)
 
     assert chunks(engine.step()) == [("u", 0, 2, False), ("v", 0, 2, True)]
-    assert chunks(engine.step()) == [("u", 2, 2, True), ("v", 2, 1, True)]  # the more urgent u goes first
+    assert chunks(engine.step()) == [("v", 2, 1, True), ("u", 2, 2, True)]  # decodes go first
 
     plan = engine.step()
     assert plan.preempted == ["v"]  # u needs a second page; v holds no full page, so nothing is cached
@@ -588,16 +612,16 @@ def test_a_more_urgent_prefill_preempts_a_less_urgent_decode_scheduled_before_it
     engine.run_to_completion()
 
 
-def test_running_requests_are_ordered_by_priority_then_decode_then_admission() -> None:
+def test_running_decodes_go_first_then_prefills_each_by_priority_then_admission() -> None:
     engine = FakeEngine(12, 2, prefill_chunk_size=2)
     low = make_request("low", [1, 2, 3, 4, 5], max_tokens=3)
     low_decode = make_request("low_decode", [6], max_tokens=3)
     high = make_request("high", [7, 8, 9, 10, 11], max_tokens=1, priority=9)
     engine.add(low, low_decode, high)
     assert chunks(engine.step()) == [("high", 0, 2, False), ("low", 0, 2, False), ("low_decode", 0, 1, True)]
-    # high's prefill goes before every decode of lower priority; among equals, decodes first.
+    # Every decode (one token each) before any prefill chunk; then the prefills, most urgent first.
     assert chunks(engine.step()) == [
-        ("high", 2, 2, False), ("low_decode", 1, 1, True), ("low", 2, 2, False)]
+        ("low_decode", 1, 1, True), ("high", 2, 2, False), ("low", 2, 2, False)]
     # low's last prompt token is a one-token step too: equal priority, both decode, low was admitted first.
     assert chunks(engine.step()) == [
         ("high", 4, 1, True), ("low", 4, 1, True), ("low_decode", 2, 1, True)]
