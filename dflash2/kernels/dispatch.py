@@ -32,7 +32,7 @@ def _quant_matmul_factories() -> dict[str, Callable[[], Any]]:
 
 
 _QUANT_MATMUL_BACKENDS: dict[str, Callable[[], Any]] = {}
-# device type -> backend name chosen by "auto"; the GPU work registers "triton" and sets "cuda" to it
+# device type -> backend name chosen by "auto" ("torch" where none is set)
 _DEFAULT_QUANT_MATMUL = {"cpu": "torch_cpu"}
 
 
@@ -43,10 +43,26 @@ def register_quant_matmul_backend(name: str, factory: Callable[[], Any], default
 
 
 def quant_matmul_backend(name: str, device_type: str = "cpu") -> Any:
-    """A quantized-matmul backend by name; "auto" picks the device's default ("torch" where none is set)."""
+    """A quantized-matmul backend by name; "auto" picks the device's default ("torch" where none is set, or
+    where the default cannot be imported, e.g. "triton" without triton installed)."""
     backends = {**_quant_matmul_factories(), **_QUANT_MATMUL_BACKENDS}
-    if name == "auto":
+    auto = name == "auto"
+    if auto:
         name = _DEFAULT_QUANT_MATMUL.get(device_type, "torch")
     if name not in backends:
         raise ValueError(f"unknown quantized matmul backend {name!r}; available: {', '.join(sorted(backends))}")
-    return backends[name]()
+    try:
+        return backends[name]()
+    except ImportError:
+        if not auto:
+            raise
+        return backends["torch"]()
+
+
+def _triton_quant_matmul() -> Any:
+    from dflash2.kernels.triton.quant_matmul import TritonQuantMatmul  # imports triton only when asked for
+
+    return TritonQuantMatmul()
+
+
+register_quant_matmul_backend("triton", _triton_quant_matmul, default_for="cuda")

@@ -1,0 +1,346 @@
+"""Triton quantized matmul ("triton", the CUDA default): kernels that read the packed weights as stored.
+
+    rows M <= GEMV_MAX_M (decode)   _gemv_kernel: streams the weight once; BLOCK_N rows a program, K in tiles,
+                                    optionally split along K (SPLIT_K programs per row block; the last one to
+                                    finish sums the fp32 partials, so it stays one launch)
+    more rows (prefill)             _gemm_kernel: tiles dequantized in registers, tl.dot, fp32 accumulation
+    16-bit weights                  the GEMV kernel for few rows (`gemv_16bit`), cuBLAS F.linear otherwise
+
+A weight tile is [BLOCK_N, T, GS]: T groups of GS weights along K (int4/int6: GS = group size; int8 and 16:
+one "group" of BLOCK_K). Codes become floats by the exponent trick (int | 0x4B000000 is 2^23 + int as a
+float) instead of int->float conversions, which run at a quarter of the FMA rate. int4/int6 fold the zero
+point out of the inner loop:  sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k).
+
+    int4   qweight [N, K/2] u8 as on disk: the low and high nibbles are joined back into K order in registers
+    int8   qweight [N, K] i8 as on disk, the per-row scale applied once at the end
+    int6   repacked at prepare() into a 4-bit plane ([N, K/2], int4's layout) and a 2-bit plane ([N, K/4],
+           4 codes a byte, lowest bits first): the 3-byte words cannot be loaded as vectors. Both planes are
+           6 bits a weight; the on-disk tensors stay in the layer as well.
+
+`silu_mul=True`: the input row is [gate | up] (width 2K) and the kernels multiply silu(gate) * up, rounded
+to the activation dtype as the unfused silu_and_mul would. Everything is CUDA-graph safe: no host syncs,
+outputs and split-K partials from torch.empty, and the split-K counters reset themselves.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
+from dflash2.quantization.formats import WeightFormat, unpack_int6
+
+GEMV_MAX_M = 4  # more rows than this run the tl.dot kernel (16-bit: cuBLAS)
+# M <= GEMV_MAX_M, per bit width; benchmarks/gemv_bench.py sweeps these on the GPU and prints the best.
+# BLOCK_K is in weights (int4/int6: rounded to whole groups). (bits, N, K) keys override for one shape.
+GEMV_CONFIGS: dict[Any, dict[str, int]] = {
+    16: {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+    8: {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+    6: {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+    4: {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+}
+GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+GEMM_SMALL_M_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
+GEMM_SMALL_M = 32  # up to this many rows the GEMM takes GEMM_SMALL_M_CONFIG (split along K for occupancy)
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gemv_config(bits: int, n: int, k: int) -> dict[str, int]:
+    return GEMV_CONFIGS.get((bits, n, k), GEMV_CONFIGS[bits])
+
+
+# -- device helpers --------------------------------------------------------------------------------------
+@triton.jit
+def _as_float(v):
+    """Integers 0 <= v < 2^23 (any int type) -> exact float32, without an int->float conversion."""
+    return (v.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS: tl.constexpr, T: tl.constexpr,
+           GS: tl.constexpr):
+    """The weight tile starting at column k0 as float32 [BLOCK_N, T, GS] (codes for 4/6 bits, else values)."""
+    t = tl.arange(0, T)[None, :, None]
+    base = w_ptr + rows[:, None, None] * stride_wn
+    if BITS == 16 or BITS == 8:
+        cols = k0 + t * GS + tl.arange(0, GS)[None, None, :]
+        w = tl.load(base + cols, mask=n_mask[:, None, None] & (cols < k_end), other=0)
+        if BITS == 16:
+            return w.to(tl.float32)
+        return (w.to(tl.int32) + (0x4B000000 + 128)).to(tl.float32, bitcast=True) - 8388736.0
+    mask = n_mask[:, None, None] & (k0 + t * GS < k_end)  # K is whole groups
+    b = tl.load(base + (k0 + t * GS) // 2 + tl.arange(0, GS // 2)[None, None, :], mask=mask, other=0)
+    q = tl.join(b & 15, b >> 4).reshape(b.shape[0], T, GS)  # byte j: codes 2j (low) and 2j + 1 (high)
+    if BITS == 6:
+        hi_base = hi_ptr + rows[:, None, None] * stride_hn + (k0 + t * GS) // 4
+        c = tl.load(hi_base + tl.arange(0, GS // 4)[None, None, :], mask=mask, other=0)
+        high = tl.join(tl.join(c & 3, (c >> 4) & 3), tl.join((c >> 2) & 3, c >> 6)).reshape(b.shape[0], T, GS)
+        q = q | (high << 4)
+    return _as_float(q)
+
+
+@triton.jit
+def _activation(x_ptr, m, stride_xm, K, cols, mask, SILU_MUL: tl.constexpr):
+    """Activation row m at `cols` as float32; with SILU_MUL the row is [gate | up] and this is silu(gate) * up."""
+    ptrs = x_ptr + m * stride_xm + cols
+    if SILU_MUL:
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + K, mask=mask, other=0.0)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
+        return (silu * up.to(tl.float32)).to(up.dtype).to(tl.float32)  # = the product in up's dtype
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om, tile_id, pid_k,
+                     SPLIT_K: tl.constexpr):
+    """Store [BLOCK_M, BLOCK_N] fp32; split along K, park it in the workspace and let the last program of
+    this tile (a ticket from the tile's counter) sum all SPLIT_K partials, store, and reset the counter."""
+    mask = (m_idx < M)[:, None] & (rows < N)[None, :]
+    out_offs = m_idx[:, None] * stride_om + rows[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws_offs = m_idx[:, None] * N + rows[None, :]
+        tl.store(ws_ptr + pid_k * M * N + ws_offs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
+        ticket = tl.atomic_add(cnt_ptr + tile_id, 1)
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for split in range(SPLIT_K):
+                total += tl.load(ws_ptr + split * M * N + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+
+
+@triton.jit
+def _k_range(K, pid_k, TILE_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    tiles_per_split = tl.cdiv(tl.cdiv(K, TILE_K), SPLIT_K)
+    k_start = pid_k * tiles_per_split * TILE_K
+    return k_start, tl.minimum(K, k_start + tiles_per_split * TILE_K)
+
+
+# -- kernels ---------------------------------------------------------------------------------------------
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+                 stride_xm, stride_wn, stride_hn, stride_sn, stride_om,
+                 BITS: tl.constexpr, GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    rows = tl.where(n_mask, rows, 0).to(tl.int64)
+    m_idx = tl.arange(0, BLOCK_M)
+    k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
+    grouped: tl.constexpr = BITS == 4 or BITS == 6
+    defer: tl.constexpr = BLOCK_M == 1 and not grouped  # one row, no groups: reduce over K once, at the end
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    wide = tl.zeros([BLOCK_N, T, GS], tl.float32)
+    t = tl.arange(0, T)[:, None]
+    for k0 in range(k_start, k_end, T * GS):
+        cols = k0 + t * GS + tl.arange(0, GS)[None, :]  # [T, GS]
+        k_mask = cols < k_end
+        w = _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS, T, GS)
+        if grouped:
+            s_offs = rows[:, None] * stride_sn + k0 // GS + t.reshape(1, T)
+            g_mask = n_mask[:, None] & (k0 + t.reshape(1, T) * GS < k_end)
+            scale = tl.load(s_ptr + s_offs, mask=g_mask, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + s_offs, mask=g_mask, other=0.0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            x = _activation(x_ptr, m, stride_xm, K, cols, k_mask & (m < M), SILU_MUL)
+            if defer:
+                wide += w * x[None]
+            else:
+                dots = tl.sum(w * x[None], axis=2)  # [BLOCK_N, T]
+                if grouped:
+                    dots = scale * (dots - zero * tl.sum(x, axis=1)[None, :])
+                acc = tl.where(m_idx[:, None] == m, acc + tl.sum(dots, axis=1)[None, :], acc)
+    if defer:
+        acc += tl.sum(tl.sum(wide, axis=2), axis=1)[None, :]
+    if BITS == 8:
+        acc *= tl.load(s_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), M, N,
+                     stride_om, pid_n, pid_k, SPLIT_K)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+                 stride_xm, stride_wn, stride_hn, stride_sn, stride_om,
+                 BITS: tl.constexpr, GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, IEEE: tl.constexpr):
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // num_n, pid % num_n
+    m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    rows64 = tl.where(n_mask, rows, 0).to(tl.int64)
+    m64 = tl.where(m_idx < M, m_idx, 0).to(tl.int64)
+    k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
+    grouped: tl.constexpr = BITS == 4 or BITS == 6
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    t = tl.arange(0, T)[:, None]
+    for k0 in range(k_start, k_end, T * GS):
+        w = _codes(w_ptr, hi_ptr, rows64, stride_wn, stride_hn, k0, k_end, n_mask, BITS, T, GS)
+        if grouped:
+            s_offs = rows64[:, None] * stride_sn + k0 // GS + t.reshape(1, T)
+            g_mask = n_mask[:, None] & (k0 + t.reshape(1, T) * GS < k_end)
+            scale = tl.load(s_ptr + s_offs, mask=g_mask, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + s_offs, mask=g_mask, other=0.0).to(tl.float32)
+            w = (w - zero[:, :, None]) * scale[:, :, None]
+        flat_cols = k0 + tl.arange(0, T * GS)
+        a = _activation(x_ptr, m64[:, None], stride_xm, K, flat_cols[None, :],
+                        (m_idx < M)[:, None] & (flat_cols < k_end)[None, :], SILU_MUL)
+        b = tl.trans(w.reshape(BLOCK_N, T * GS))
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a.to(x_ptr.dtype.element_ty), b.to(x_ptr.dtype.element_ty))
+    if BITS == 8:
+        acc *= tl.load(s_ptr + rows64, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om, pid, pid_k, SPLIT_K)
+
+
+# -- launchers -------------------------------------------------------------------------------------------
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 tickets for split-K (each tile's last program resets its own). Allocated outside any
+    graph capture: the first call with a new size should run eagerly (warm-up) before capturing."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < size:
+        counters = torch.zeros(max(size, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
+def _tile(bits: int, group_size: int | None, block_k: int) -> tuple[int, int]:
+    """(GS, T) for a K tile of about block_k weights."""
+    if bits in (4, 6):
+        return group_size, max(1, block_k // group_size)
+    return block_k, 1
+
+
+def _launch(kernel: Any, x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor, grid_mn: int, config: dict,
+            block_m: int, silu_mul: bool, **extra: Any) -> None:
+    bits, n, k = weight["bits"], weight["n"], weight["k"]
+    gs, t = _tile(bits, weight.get("group_size"), config["BLOCK_K"])
+    split_k = max(1, min(config["SPLIT_K"], triton.cdiv(k, gs * t)))
+    w, hi = weight["w"], weight.get("hi", weight["w"])
+    scales, zeros = weight.get("scales", w), weight.get("zeros", w)
+    m = x.shape[0]
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    counters = split_counters(x.device, grid_mn) if split_k > 1 else out
+    kernel[(grid_mn, split_k)](
+        x, w, hi, scales, zeros, out, ws, counters, m, n, k, x.stride(0), w.stride(0), hi.stride(0),
+        scales.stride(0) if scales.dim() == 2 else 0, out.stride(0), BITS=bits, GS=gs, T=t, BLOCK_M=block_m,
+        BLOCK_N=config["BLOCK_N"], SPLIT_K=split_k, SILU_MUL=silu_mul, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **extra)
+
+
+def _prepare_input(x: torch.Tensor, k: int, silu_mul: bool) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
+        raise ValueError(f"expected x [M, {2 * k if silu_mul else k}], got {tuple(x.shape)}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def gemv(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
+         config: dict[str, int] | None = None) -> torch.Tensor:
+    """y = act(x) @ W^T for x [M, K] (M <= GEMV_MAX_M, or any M; the kernel is built for few rows)."""
+    x = _prepare_input(x, weight["k"], silu_mul)
+    m, n = x.shape[0], weight["n"]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    if m == 0:
+        return out
+    config = config or gemv_config(weight["bits"], n, weight["k"])
+    block_m = triton.next_power_of_2(m)
+    _launch(_gemv_kernel, x, weight, out, triton.cdiv(n, config["BLOCK_N"]), config, block_m, silu_mul)
+    return out
+
+
+def gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
+         config: dict[str, int] | None = None) -> torch.Tensor:
+    """y = act(x) @ W^T with the weight dequantized tile by tile (tl.dot); for 8/6/4 bits."""
+    x = _prepare_input(x, weight["k"], silu_mul)
+    m, n = x.shape[0], weight["n"]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    if m == 0:
+        return out
+    config = dict(config or (GEMM_SMALL_M_CONFIG if m <= GEMM_SMALL_M else GEMM_CONFIG))
+    block_m = config["BLOCK_M"]
+    if triton.cdiv(m, block_m) > 4:
+        config["SPLIT_K"] = 1  # enough tiles already
+    grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, config["BLOCK_N"])
+    ieee = x.dtype == torch.float32 or _INTERPRETED  # the interpreter's tl.dot gets bfloat16 wrong
+    _launch(_gemm_kernel, x, weight, out, grid_mn, config, block_m, silu_mul, IEEE=ieee)
+    return out
+
+
+def gemv_16bit(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+               silu_mul: bool = False) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with silu_mul) @ weight[N, K]^T for a 16-bit weight, by the GEMV kernel."""
+    return gemv(x, {"bits": 16, "n": weight.shape[0], "k": weight.shape[1], "w": weight}, out, silu_mul)
+
+
+# -- the backend -----------------------------------------------------------------------------------------
+def device_tensors(packed: PackedWeight, dtype: torch.dtype) -> dict[str, Any]:
+    """The tensors the kernels read for one packed weight (int6 repacked into its two planes)."""
+    fmt, tensors = packed.fmt, packed.tensors
+    weight: dict[str, Any] = {"bits": fmt.bits, "n": packed.out_features, "k": packed.in_features,
+                              "group_size": fmt.group_size}
+    if fmt.bits == 16:
+        weight["w"] = tensors["weight"].to(dtype).contiguous()
+    elif fmt.bits == 8:
+        weight.update(w=tensors["qweight"].contiguous(), scales=tensors["scales"].contiguous())
+    else:
+        weight.update(scales=tensors["scales"].contiguous(), zeros=tensors["zeros"].contiguous())
+        if fmt.bits == 4:
+            weight["w"] = tensors["qweight"].contiguous()
+        else:
+            weight["w"], weight["hi"] = int6_planes(tensors["qweight"])
+    return weight
+
+
+def int6_planes(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-disk int6 [N, 3K/4] -> (low 4 bits [N, K/2] as int4 packs them, high 2 bits [N, K/4], 4 a byte)."""
+    q = unpack_int6(qweight)
+    low, high = q & 15, q >> 4
+    low_plane = low[:, 0::2] | (low[:, 1::2] << 4)
+    high_plane = high[:, 0::4] | (high[:, 1::4] << 2) | (high[:, 2::4] << 4) | (high[:, 3::4] << 6)
+    return low_plane.contiguous(), high_plane.contiguous()
+
+
+class TritonWeight:
+    """A prepared weight: GEMV kernel for up to GEMV_MAX_M rows; GEMM kernel (16-bit: F.linear) for more."""
+
+    def __init__(self, fmt: WeightFormat, weight: dict[str, Any]) -> None:
+        self.fmt, self.weight = fmt, weight
+        small = "Triton GEMV" + (" (int6 as 4+2-bit planes)" if fmt.bits == 6 else "")
+        large = "F.linear" if fmt.bits == 16 else "Triton GEMM (dequantized tiles, tl.dot)"
+        self.kernel = f"{small} for <= {GEMV_MAX_M} rows, {large} above ({fmt.name})"
+
+    def matmul(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        if x.shape[0] <= GEMV_MAX_M:
+            return gemv(x, self.weight, silu_mul=silu_mul)
+        if self.fmt.bits != 16:
+            return gemm(x, self.weight, silu_mul=silu_mul)
+        if silu_mul:
+            from dflash2.kernels.triton.elementwise import silu_and_mul
+
+            x = silu_and_mul(x)
+        return F.linear(x, self.weight["w"])
+
+
+class TritonQuantMatmul:
+    name = "triton"
+
+    def prepare(self, weight: PackedWeight, dtype: torch.dtype) -> TritonWeight:
+        tensors = device_tensors(weight, dtype)
+        split_counters(tensors["w"].device, weight.out_features)  # now, not inside a graph capture
+        return TritonWeight(weight.fmt, tensors)

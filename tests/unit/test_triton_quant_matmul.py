@@ -1,0 +1,116 @@
+"""Triton quantized matmul under TRITON_INTERPRET=1 on the CPU, against dequantize() + matmul in float32."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+from dflash2.kernels.torch_ref.quant_matmul import PackedWeight  # noqa: E402
+from dflash2.kernels.triton import quant_matmul as qm  # noqa: E402
+from dflash2.quantization.formats import WeightFormat, dequantize  # noqa: E402
+from dflash2.quantization.quantize import quantize  # noqa: E402
+
+N = 37  # odd: masked rows in the last block
+
+
+def packed(bits: int, group_size: int | None, k: int, seed: int = 0) -> PackedWeight:
+    g = torch.Generator().manual_seed(seed)
+    fmt = WeightFormat(bits, group_size)
+    return PackedWeight(fmt, N, k, quantize(torch.randn(N, k, generator=g) * 0.05, fmt))
+
+
+def expected(x: torch.Tensor, weight: PackedWeight, silu_mul: bool = False) -> torch.Tensor:
+    if silu_mul:
+        k = weight.in_features
+        x = torch.nn.functional.silu(x[:, :k]) * x[:, k:]
+    return x @ dequantize(weight.fmt, weight.tensors).T
+
+
+@pytest.mark.parametrize("bits, group_size", [(16, None), (8, None), (4, 32), (4, 64), (4, 128), (6, 32), (6, 64)])
+@pytest.mark.parametrize("rows", [1, 3, 18])
+def test_backend_matches_dequantized_reference(bits, group_size, rows):
+    weight = packed(bits, group_size, 256, seed=bits + rows)
+    runtime = qm.TritonQuantMatmul().prepare(weight, torch.float32)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(runtime.matmul(x), expected(x, weight), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits, group_size", [(16, None), (8, None), (4, 32), (6, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 18])
+def test_silu_mul_input(bits, group_size, rows):
+    weight = packed(bits, group_size, 128)
+    runtime = qm.TritonQuantMatmul().prepare(weight, torch.float32)
+    x = torch.randn(rows, 256)
+    torch.testing.assert_close(runtime.matmul(x, silu_mul=True), expected(x, weight, silu_mul=True),
+                               atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits, group_size, k", [(16, None, 100), (8, None, 72), (4, 32, 192), (6, 64, 192)])
+def test_gemv_split_k_and_ragged_k(bits, group_size, k):
+    """Split along K (the last program sums the partials and resets its counter), K not a tile multiple."""
+    weight = packed(bits, group_size, k)
+    tensors = qm.device_tensors(weight, torch.float32)
+    config = {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 3, "num_warps": 4, "num_stages": 1}
+    for rows in (1, 4):
+        x = torch.randn(rows, k)
+        first = qm.gemv(x, tensors, config=config)
+        torch.testing.assert_close(first, expected(x, weight), atol=2e-5, rtol=1e-5)
+        assert torch.equal(qm.gemv(x, tensors, config=config), first)
+    assert not qm.split_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("bits, group_size", [(8, None), (4, 64), (6, 32)])
+def test_gemm_many_row_blocks_and_split_k(bits, group_size):
+    weight = packed(bits, group_size, 192)
+    tensors = qm.device_tensors(weight, torch.float32)
+    for rows, split in ((20, 3), (150, 1)):
+        config = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
+        x = torch.randn(rows, 192)
+        torch.testing.assert_close(qm.gemm(x, tensors, config=config), expected(x, weight), atol=3e-5, rtol=1e-5)
+
+
+def test_bfloat16_activations():
+    weight = packed(4, 32, 128)
+    runtime = qm.TritonQuantMatmul().prepare(weight, torch.bfloat16)
+    for rows in (1, 20):
+        x = torch.randn(rows, 128).bfloat16()
+        got = runtime.matmul(x)
+        assert got.dtype == torch.bfloat16
+        ref = expected(x.float(), weight)
+        assert (got.float() - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_gemv_16bit(silu_mul):
+    weight = torch.randn(N, 96).bfloat16()
+    x = torch.randn(2, 192 if silu_mul else 96).bfloat16()
+    act = x.float()
+    if silu_mul:  # as silu_and_mul rounds: silu in fp32 -> bf16, times up in bf16
+        act = (torch.nn.functional.silu(act[:, :96]).bfloat16() * x[:, 96:]).float()
+    out = torch.empty(2, N, dtype=torch.bfloat16)
+    got = qm.gemv_16bit(x, weight, out=out, silu_mul=silu_mul)
+    assert got.data_ptr() == out.data_ptr()
+    ref = act @ weight.float().T
+    assert (got.float() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_int6_planes_hold_the_codes():
+    weight = packed(6, 32, 64)
+    low, high = qm.int6_planes(weight.tensors["qweight"])
+    from dflash2.quantization.formats import unpack_int4, unpack_int6
+
+    codes = unpack_int6(weight.tensors["qweight"])
+    high_codes = torch.stack([(high >> s) & 3 for s in (0, 2, 4, 6)], dim=-1).flatten(-2)
+    assert torch.equal(unpack_int4(low) | (high_codes << 4), codes)
+
+
+def test_dispatch_picks_triton_on_cuda_only():
+    from dflash2.kernels.dispatch import quant_matmul_backend
+
+    assert quant_matmul_backend("auto", "cuda").name == "triton"
+    assert quant_matmul_backend("auto", "cpu").name == "torch_cpu"
