@@ -46,7 +46,7 @@ class DecodeGraphs:
         device = runner.device
         self.inputs = torch.zeros(4 * largest, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits = torch.empty((largest, runner.model.arch.vocab_size), dtype=torch.float32, device=device)
+        self.logits: dict[int, torch.Tensor] = {}  # each graph's own output (model dtype), read after replay
         self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             self._capture(size)
@@ -65,7 +65,7 @@ class DecodeGraphs:
                               dtype=torch.long, pin_memory=True)
         self.inputs[: 4 * size].copy_(packed, non_blocking=True)
         self.graphs[size].replay()
-        return self.logits[:batch]
+        return self.logits[size][:batch]
 
     @torch.inference_mode()
     def _capture(self, size: int) -> None:
@@ -98,7 +98,7 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[:size].copy_(step())
+                self.logits[size] = step()
             self.graphs[size] = graph
         finally:
             attention.graph_num_splits = None

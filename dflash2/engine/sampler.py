@@ -73,8 +73,10 @@ class Sampler:
 
     def sample_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The sampled token ids as a tensor on logits.device, without waiting for the device."""
-        processed = apply_min_tokens(apply_penalties(logits, rows), rows)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if logits.dtype != torch.float32 and (random_rows or any(_has_penalty(row.params) for row in rows)):
+            logits = logits.float()  # exact; temperature, top-p and penalties then compute in float32
+        processed = apply_min_tokens(apply_penalties(logits, rows), rows)
         if not random_rows:
             return greedy_argmax(processed)
         return self._sample_mixed(processed, rows, random_rows)

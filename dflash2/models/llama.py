@@ -59,7 +59,12 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            if q.is_cuda and self.head_dim & (self.head_dim - 1) == 0:
+                from dflash2.kernels.triton.elementwise import qk_rms_norm_
+
+                qk_rms_norm_(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # in the qkv output
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         backend = ctx.attention_backend
         if q.is_cuda and getattr(backend, "fuses_rotary", False):  # rotary applied while writing the cache
@@ -144,8 +149,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model dtype, as the reference computes them; consumers that do arithmetic on them
+        (temperature, penalties, log-softmax) cast to float32 first, which is exact."""
         head = self.embed_tokens.project if self.lm_head is None else self.lm_head
-        return head(hidden).float()
+        return head(hidden)
 
     # -- weights -----------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -39,7 +39,7 @@ def hidden_states(module: nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
 @torch.inference_mode()
 def log_probs(module: nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
     """log_softmax of the logits at every position: [T, vocab] float32."""
-    return torch.log_softmax(module.compute_logits(hidden_states(module, token_ids)), dim=-1)
+    return torch.log_softmax(module.compute_logits(hidden_states(module, token_ids)).float(), dim=-1)
 
 
 def perplexity_and_kl(logprobs: torch.Tensor, token_ids: Sequence[int],

@@ -124,6 +124,20 @@ def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama):
     assert runs["eager"] == [hf_greedy(hf_model, p, 20) for p in prompts]
 
 
+def test_qwen3_graphs_agree_with_transformers(tmp_path):
+    """Qwen3's q/k norms run as one in-place kernel on CUDA; bf16 logits feed the device argmax."""
+    from dflash2 import LLM, SamplingParams
+    from tests.tiny_models import build_tiny_model, hf_greedy
+
+    hf_model = build_tiny_model("qwen3", str(tmp_path))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8, max_model_len=128,
+              kv_cache_memory="64MiB", page_bytes=4096)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, min_tokens=16))
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 16) for p in prompts]
+
+
 def test_device_sampling_is_seeded_and_respects_top_k(tiny_llama):
     from dflash2 import LLM, SamplingParams
 

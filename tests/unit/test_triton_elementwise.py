@@ -30,6 +30,20 @@ def test_rms_norm_with_and_without_residual():
     torch.testing.assert_close(got, expected_out)
 
 
+def test_qk_rms_norm_in_place_on_strided_views():
+    heads, kv_heads, dim = 3, 2, 16
+    q_norm, k_norm = RMSNorm(dim, 1e-6), RMSNorm(dim, 1e-6)
+    q_norm.weight.data, k_norm.weight.data = torch.randn(dim), torch.randn(dim)
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * dim)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(4, heads, dim), k.view(4, kv_heads, dim)
+    expected_q, expected_k, v_before = q_norm(q.clone()), k_norm(k.clone()), v.clone()
+    ew.qk_rms_norm_(q, k, q_norm.weight, k_norm.weight, 1e-6)
+    torch.testing.assert_close(q, expected_q)
+    torch.testing.assert_close(k, expected_k)
+    assert torch.equal(v, v_before)
+
+
 def test_rotary_in_place_matches_rotate_half():
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0), 16, 64)
     qkv = torch.randn(6, (4 + 2 + 2) * 16)

@@ -2,6 +2,8 @@
 
     add_rms_norm   residual += x; out = rmsnorm(residual) * w     (one pass instead of five kernels)
     rms_norm       out = rmsnorm(x) * w
+    qk_rms_norm_   Qwen3's per-head q and k norms, in place on the strided views of the qkv output (one launch
+                   instead of two copies and two norms)
     rotary         q, k rotated in place (rotate-half layout), cos/sin read from the cached table
     silu_and_mul   out = silu(gate) * up, reading the fused gate_up projection once
 """
@@ -40,6 +42,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                               HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
                               num_warps=4 if cols <= 2048 else 8)
     return out
+
+
+@triton.jit
+def _head_rms_norm(base, weight_ptr, t, stride_t, stride_h, num_heads, eps, HEAD_DIM: tl.constexpr,
+                   HEADS_PAD: tl.constexpr):
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    mask = (h < num_heads)[:, None]
+    offs = t * stride_t + h[:, None] * stride_h + d[None, :]
+    x = tl.load(base + offs, mask=mask, other=0.0)
+    x32 = x.to(tl.float32)
+    variance = tl.sum(x32 * x32, 1) / HEAD_DIM
+    normed = (x32 * tl.rsqrt(variance + eps)[:, None]).to(x.dtype)
+    w = tl.load(weight_ptr + d)[None, :]
+    tl.store(base + offs, w * normed, mask=mask)
+
+
+@triton.jit
+def _qk_rms_norm_kernel(q_ptr, k_ptr, q_weight, k_weight, stride_qt, stride_qh, stride_kt, stride_kh,
+                        num_q_heads, num_k_heads, eps, HEAD_DIM: tl.constexpr, Q_PAD: tl.constexpr,
+                        K_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    _head_rms_norm(q_ptr, q_weight, t, stride_qt, stride_qh, num_q_heads, eps, HEAD_DIM, Q_PAD)
+    _head_rms_norm(k_ptr, k_weight, t, stride_kt, stride_kh, num_k_heads, eps, HEAD_DIM, K_PAD)
+
+
+def qk_rms_norm_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 eps: float) -> None:
+    """q [T, H, D] and k [T, KVH, D] (views with unit last stride, D a power of two) RMS-normed per head, in
+    place; the same arithmetic as RMSNorm (float32 statistics, weight applied in the input dtype)."""
+    tokens, num_heads, dim = q.shape
+    if tokens == 0:
+        return
+    _qk_rms_norm_kernel[(tokens,)](q, k, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                   num_heads, k.shape[1], eps, HEAD_DIM=dim,
+                                   Q_PAD=triton.next_power_of_2(num_heads), K_PAD=triton.next_power_of_2(k.shape[1]))
 
 
 @triton.jit
