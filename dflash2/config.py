@@ -148,11 +148,21 @@ class CacheConfig:
     page_bytes: int = 1 << 20
     kv_cache_memory_bytes: int | None = None  # None: derived (CPU default below, GPU from utilization)
     gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (a converted checkpoint's choice, else the model dtype), bf16, fp16,
+    # fp32, fp8, int8, int4 (engine/kv/layout.py)
+    kv_layout: str = "head_major"  # order inside a page: head_major or token_major (for measuring)
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 0  # pinned host memory for the KV of paused requests
 
     CPU_DEFAULT_KV_BYTES = 1 << 30
+
+    def __post_init__(self) -> None:
+        from dflash2.engine.kv.layout import kv_dtype_name
+
+        if self.kv_cache_dtype != "auto":
+            kv_dtype_name(self.kv_cache_dtype)  # ValueError naming the supported dtypes
+        if self.kv_layout not in ("head_major", "token_major"):
+            raise ValueError(f"kv_layout must be head_major or token_major, got {self.kv_layout!r}")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-new-tokens", type=int, default=32)
     add_flag(parser, "--eval-text", default=None, help="a text file to score (default: a built-in held-out text)")
     add_flag(parser, "--max-eval-tokens", type=int, default=1024)
-    add_flag(parser, "--kv-cache-dtype", default=None, help="KV dtype for the memory figures (default: the config's)")
+    add_flag(parser, "--kv-cache-dtype", default=None, help="KV cache dtype for the engine, the perplexity and the memory figures (default: the config's)")
     add_flag(parser, "--context-tokens", type=int, default=1024, help="context length of the roofline step time")
     add_flag(parser, "--output", default=None, help="write the report as JSON here")
     add_flag(parser, "--log-level", default="warning")

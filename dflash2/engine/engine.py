@@ -82,8 +82,10 @@ class Engine:
                                 config.scheduler.max_model_len, config.seed, config.tokenizer)
         self.tokenizer = self.model.tokenizer
         self.max_model_len = self._max_model_len()
-        layout = KVLayout.for_model(self.model.arch, resolve_kv_dtype(config.cache.kv_cache_dtype, self.model.dtype),
-                                    config.cache.page_bytes)
+        checkpoint_kv = self.model.quant.kv_cache_dtype if self.model.quant is not None else None
+        kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, self.model.dtype, checkpoint_kv)
+        layout = KVLayout.for_model(self.model.arch, kv_dtype, config.cache.page_bytes,
+                                    head_major=config.cache.kv_layout == "head_major")
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
@@ -342,8 +344,8 @@ class Engine:
                 budget = gpu_pool_bytes(self.model, layout, options, cache.gpu_memory_utilization,
                                         sched.max_num_batched_tokens, sched.max_num_seqs)
             else:
-                needed = self.max_model_len * sched.max_num_seqs * layout.bytes_per_token
-                budget = min(CacheConfig.CPU_DEFAULT_KV_BYTES, needed)
+                needed_pages = -(-self.max_model_len * sched.max_num_seqs // layout.tokens_per_page)
+                budget = min(CacheConfig.CPU_DEFAULT_KV_BYTES, needed_pages * layout.page_bytes)
         num_pages = budget // layout.page_bytes
         capacity = num_pages * layout.tokens_per_page
         if capacity < self.max_model_len:

@@ -44,3 +44,30 @@ class AttentionMetadata:
     @property
     def decode_slots(self) -> torch.Tensor:
         return self.token_slots[: self.num_decode_tokens]
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """One layer's paged K and V: typed views of the byte pool (engine/kv/layout.py says where they lie).
+
+    k, v      [num_pages, tokens_per_page, kv_heads, head_dim] of the KV dtype; int4: [..., head_dim // 2]
+              uint8, value 2j in the low nibble and 2j + 1 in the high one, each stored as q + 8
+    k_scale   [num_pages, tokens_per_page, kv_heads] fp16 for quantized KV (x = q * scale), else None
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> str:
+        return kv_kind(self.k.dtype)
+
+
+KV_KINDS = {torch.int8: "int8", torch.uint8: "int4", torch.float8_e4m3fn: "fp8"}
+
+
+def kv_kind(dtype: torch.dtype) -> str:
+    """"float" for a plain floating-point cache, else the quantized format its storage dtype stands for."""
+    return KV_KINDS.get(dtype, "float")

@@ -28,7 +28,7 @@ class ForwardContext:
 
     positions: torch.Tensor  # [num_tokens] long
     attention: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) page views
+    kv_caches: list  # per layer: a KVCache (K/V page views and scales), or what the backend takes
     attention_backend: object
 
 
@@ -65,13 +65,13 @@ class LlamaAttention(nn.Module):
                 qk_rms_norm_(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # in the qkv output
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
-        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        cache = ctx.kv_caches[self.layer_index]
         backend = ctx.attention_backend
         if q.is_cuda and getattr(backend, "fuses_rotary", False):  # rotary applied while writing the cache
-            out = backend.forward_rotary(q, k, v, k_cache, v_cache, ctx.attention, self.scale, rotary.cos, rotary.sin)
+            out = backend.forward_rotary(q, k, v, cache, ctx.attention, self.scale, rotary.cos, rotary.sin)
         else:
             q, k = rotary(ctx.positions, q, k)
-            out = backend.forward(q, k, v, k_cache, v_cache, ctx.attention, self.scale)
+            out = backend.forward(q, k, v, cache, ctx.attention, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     @property

@@ -1,7 +1,11 @@
 """Run a loaded model over one whole token sequence, outside the engine, for calibration and validation.
 
 The model's forward takes an attention backend in its context; `DenseCausalAttention` ignores the paged
-cache and attends causally over the sequence itself, so no pages, pool or scheduler are involved.
+cache and attends causally over the sequence itself, so no pages, pool or scheduler are involved. With a
+quantized KV dtype it reads K and V through the cache format's own quantize -> dequantize
+(kernels/torch_ref/kv_quant.py, the functions TorchAttention writes and reads pages with): the engine
+writes every token's K/V before attending and reads all of them back from the pages, so this is the same
+arithmetic as the engine's KV path, without the pages.
 """
 from __future__ import annotations
 
@@ -11,15 +15,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash2.kernels.torch_ref.kv_quant import QMAX, fake_quantize_kv
 from dflash2.models.llama import ForwardContext
 
 
 class DenseCausalAttention:
     name = "dense"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: object, v_cache: object,
-                meta: object, scale: float) -> torch.Tensor:
+    def __init__(self, kv_cache_dtype: str | None = None) -> None:
+        self.kv_cache_dtype = kv_cache_dtype  # None or a float name: K/V as computed; int8/int4/fp8: quantized
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: object, meta: object,
+                scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] of one sequence -> [T, H, D]."""
+        if self.kv_cache_dtype in QMAX:
+            k, v = fake_quantize_kv(k, self.kv_cache_dtype), fake_quantize_kv(v, self.kv_cache_dtype)
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(qh, kh.to(q.dtype), vh.to(q.dtype), is_causal=True, scale=scale,
                                              enable_gqa=True)
@@ -27,19 +37,20 @@ class DenseCausalAttention:
 
 
 @torch.inference_mode()
-def hidden_states(module: nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
-    """Final hidden states [T, hidden] of one sequence."""
+def hidden_states(module: nn.Module, token_ids: Sequence[int], kv_cache_dtype: str | None = None) -> torch.Tensor:
+    """Final hidden states [T, hidden] of one sequence (K/V read back as `kv_cache_dtype` stores them)."""
     device = next(module.parameters()).device
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
     ctx = ForwardContext(positions=torch.arange(len(ids), device=device), attention=None,
-                         kv_caches=[(None, None)] * len(module.layers), attention_backend=DenseCausalAttention())
+                         kv_caches=[None] * len(module.layers),
+                         attention_backend=DenseCausalAttention(kv_cache_dtype))
     return module(ids, ctx)
 
 
 @torch.inference_mode()
-def log_probs(module: nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
+def log_probs(module: nn.Module, token_ids: Sequence[int], kv_cache_dtype: str | None = None) -> torch.Tensor:
     """log_softmax of the logits at every position: [T, vocab] float32."""
-    return torch.log_softmax(module.compute_logits(hidden_states(module, token_ids)).float(), dim=-1)
+    return torch.log_softmax(module.compute_logits(hidden_states(module, token_ids, kv_cache_dtype)).float(), dim=-1)
 
 
 def perplexity_and_kl(logprobs: torch.Tensor, token_ids: Sequence[int],

@@ -24,8 +24,6 @@ from dflash2.quantization.eval_text import EVAL_TEXT
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
                       "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}
-# bytes of one K or V element including its scales (int8/int4: one fp16 scale per token and head)
-KV_ELEMENT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 ROOFLINES_GBS = {"h200": 4270.0, "this_cpu": 23.0}  # measured copy / bf16-matmul streaming rates (DESIGN.md)
 
 
@@ -128,10 +126,17 @@ def _check_one(f: Any, name: str, want: tuple[tuple[int, ...], torch.dtype] | No
     return []
 
 
-def kv_bytes_per_token(arch: ModelArchConfig, kv_dtype: str, model_dtype_bytes: int = 2) -> float:
-    element = KV_ELEMENT_BYTES.get(kv_dtype, float(model_dtype_bytes))
-    per_head = arch.head_dim * element + (2 if kv_dtype in ("int8", "int4") else 0)
-    return 2 * arch.num_layers * arch.num_kv_heads * per_head
+def kv_bytes_per_token(arch: ModelArchConfig, kv_dtype: str) -> int:
+    """One token's K and V in the engine's page layout, scales included (engine/kv/layout.py)."""
+    from dflash2.engine.kv.layout import KVLayout
+
+    return KVLayout.for_model(arch, kv_dtype, 1 << 30).bytes_per_token
+
+
+def _kv_dtype(options: ValidateOptions, quant: QuantConfig | None) -> str:
+    """The KV dtype the report is about: --kv-cache-dtype, else the config's, else bf16 (a GPU deployment)."""
+    kv_dtype = options.kv_cache_dtype or (quant.kv_cache_dtype if quant else "auto")
+    return "bf16" if kv_dtype == "auto" else kv_dtype
 
 
 def memory_report(arch: ModelArchConfig, quant: QuantConfig | None,
@@ -143,8 +148,7 @@ def memory_report(arch: ModelArchConfig, quant: QuantConfig | None,
     total = sum(by_group.values())
     tied = "lm_head" not in by_group
     streamed = total - (0 if tied else by_group["embed"])  # a lookup reads a few rows, the head all of them
-    kv_dtype = options.kv_cache_dtype or (quant.kv_cache_dtype if quant else "auto")
-    kv_dtype = "bf16" if kv_dtype == "auto" else kv_dtype
+    kv_dtype = _kv_dtype(options, quant)
     per_token = kv_bytes_per_token(arch, kv_dtype)
     step_bytes = streamed + per_token * options.context_tokens
     return {"weight_bytes": total, "weight_bytes_by_group": dict(by_group),
@@ -169,7 +173,7 @@ def _run_models(options: ValidateOptions, quant: QuantConfig | None, report: dic
     from dflash2.quantization.scoring import log_probs, perplexity_and_kl
 
     try:
-        llm = LLM(options.model_path, max_num_seqs=4)
+        llm = LLM(options.model_path, max_num_seqs=4, kv_cache_dtype=options.kv_cache_dtype or "auto")
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         report["errors"].append(f"the model does not load: {e}")
         return
@@ -180,11 +184,13 @@ def _run_models(options: ValidateOptions, quant: QuantConfig | None, report: dic
         return
     text = options.eval_text or EVAL_TEXT
     token_ids = llm.tokenizer.encode(text)[:min(options.max_eval_tokens, llm.engine.max_model_len)]
-    logprobs = log_probs(module, token_ids)
+    # the engine's KV dtype (quantized KV is read back through its own format; scoring.py), float for "auto"
+    kv_dtype = llm.engine.runner.layout.kv_dtype
+    logprobs = log_probs(module, token_ids, kv_dtype)
     reference_path = options.reference_model or (quant.source if quant else None)
     reference = _reference_logprobs(reference_path, token_ids, report) if reference_path else None
     ppl, kl = perplexity_and_kl(logprobs, token_ids, reference)
-    report["quality"] = {"eval_tokens": len(token_ids), "perplexity": round(ppl, 4),
+    report["quality"] = {"eval_tokens": len(token_ids), "perplexity": round(ppl, 4), "kv_cache_dtype": kv_dtype,
                          "mean_kl_divergence": None if kl is None else round(kl, 6),
                          "reference_model": reference_path}
     if reference is not None:

@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 # the interpreter warns about log(0) = -inf and numpy scalar conversions
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-from dflash2.kernels.attention_metadata import AttentionMetadata, PrefillSegment  # noqa: E402
+from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, PrefillSegment  # noqa: E402
 from dflash2.kernels.torch_ref import attention as ref  # noqa: E402
 from dflash2.kernels.triton import attention as tri  # noqa: E402
 
@@ -102,8 +102,8 @@ def test_mixed_batch_matches_reference(group):
     meta.prefill_block_segments = torch.tensor([b[0] for b in blocks], dtype=torch.int32)
     meta.prefill_block_starts = torch.tensor([b[1] for b in blocks], dtype=torch.int32)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    expected = ref.TorchAttention().forward(q, k, v, k_ref, v_ref, meta, 0.3)
-    got = tri.TritonAttention(num_sms=4).forward(q, k, v, k_cache, v_cache, meta, 0.3)
+    expected = ref.TorchAttention().forward(q, k, v, KVCache(k_ref, v_ref), meta, 0.3)
+    got = tri.TritonAttention(num_sms=4).forward(q, k, v, KVCache(k_cache, v_cache), meta, 0.3)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -144,7 +144,7 @@ def test_fused_rotary_write_matches_rotary_then_write():
     k_ref, v_ref = torch.zeros(12, TOKENS_PER_PAGE, NUM_KV_HEADS, HEAD_DIM), torch.zeros(12, TOKENS_PER_PAGE, NUM_KV_HEADS, HEAD_DIM)
     ref.write_kv(expected_k, v, k_ref, v_ref, table, meta.token_slots, meta.positions)
     k_cache, v_cache = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
-    tri.rotary_write_kv(q, k, v, k_cache, v_cache, rotary.cos, rotary.sin, meta)
+    tri.rotary_write_kv(q, k, v, KVCache(k_cache, v_cache), rotary.cos, rotary.sin, meta)
     torch.testing.assert_close(q, expected_q)
     torch.testing.assert_close(k_cache, k_ref)
     assert torch.equal(v_cache, v_ref)

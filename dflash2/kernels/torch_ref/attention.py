@@ -1,49 +1,76 @@
-"""TorchAttention: paged attention in plain PyTorch (the CPU backend and the tests' reference)."""
+"""TorchAttention: paged attention in plain PyTorch (the CPU backend and the tests' reference).
+
+Reads any KVCache kind: a float cache is cast to the query dtype; a quantized one (int8, int4, fp8) is
+dequantized page by page after the gather (kernels/torch_ref/kv_quant.py has the formats).
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from dflash2.kernels.attention_metadata import AttentionMetadata
+from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
+from dflash2.kernels.torch_ref.kv_quant import dequantize_kv, quantize_kv
 
 
 class TorchAttention:
     name = "torch"
     supports_graphs = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D]; caches [num_pages, tokens_per_page, KVH, D]. Returns [T, H, D]."""
-        write_kv(k, v, k_cache, v_cache, meta.page_table, meta.token_slots, meta.positions)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D]; cache views [num_pages, tokens_per_page, KVH, D]. Returns [T, H, D]."""
+        write_kv(k, v, cache.k, cache.v, meta.page_table, meta.token_slots, meta.positions,
+                 cache.k_scale, cache.v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.page_table, meta.decode_slots,
-                                        meta.decode_lengths, meta.max_decode_length, scale)
+            out[:nd] = decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots,
+                                        meta.decode_lengths, meta.max_decode_length, scale,
+                                        cache.k_scale, cache.v_scale)
+        # a chunk with nothing cached before it may use its new K/V as is, when they read back unchanged
+        reads_back_exactly = cache.kind == "float" and cache.k.dtype == k.dtype
         for seg in meta.prefills:
             rows = slice(seg.query_start, seg.query_start + seg.query_len)
-            if seg.context_len == seg.query_len:  # nothing cached before this chunk: use the new K/V as is
+            if seg.context_len == seg.query_len and reads_back_exactly:
                 keys, values = k[rows], v[rows]
             else:
-                keys = gather_pages(k_cache, meta.page_table[seg.slot], seg.context_len)
-                values = gather_pages(v_cache, meta.page_table[seg.slot], seg.context_len)
+                table = meta.page_table[seg.slot]
+                keys = gather_pages(cache.k, table, seg.context_len, cache.k_scale, q.dtype)
+                values = gather_pages(cache.v, table, seg.context_len, cache.v_scale, q.dtype)
             out[rows] = prefill_attention(q[rows], keys, values, scale)
         return out
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             page_table: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor) -> None:
+             page_table: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     tokens_per_page = k_cache.shape[1]
     pages = page_table[token_slots.long(), positions // tokens_per_page].long()
     offsets = positions % tokens_per_page
-    k_cache[pages, offsets] = k.to(k_cache.dtype)
-    v_cache[pages, offsets] = v.to(v_cache.dtype)
+    kind = kv_kind(k_cache.dtype)
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if kind == "float":
+            cache[pages, offsets] = x.to(cache.dtype)
+        else:
+            data, row_scales = quantize_kv(x, kind)
+            cache[pages, offsets] = data
+            scales[pages, offsets] = row_scales
 
 
-def gather_pages(cache: torch.Tensor, page_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first `num_tokens` tokens of one request's pages, as [num_tokens, KVH, D]."""
+def _dequantized(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    kind = kv_kind(data.dtype)
+    return data.to(dtype) if kind == "float" else dequantize_kv(data, scales, kind, dtype)
+
+
+def gather_pages(cache: torch.Tensor, page_row: torch.Tensor, num_tokens: int,
+                 scales: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The first `num_tokens` tokens of one request's pages, as [num_tokens, KVH, D] (dequantized to
+    `dtype`; default: the cache's own dtype, float caches only)."""
     num_pages = -(-num_tokens // cache.shape[1])
-    return cache[page_row[:num_pages].long()].flatten(0, 1)[:num_tokens]
+    pages = page_row[:num_pages].long()
+    data = cache[pages].flatten(0, 1)[:num_tokens]
+    row_scales = None if scales is None else scales[pages].flatten(0, 1)[:num_tokens]
+    return _dequantized(data, row_scales, dtype or cache.dtype)
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -61,15 +88,20 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                     slots: torch.Tensor, lengths: torch.Tensor, max_length: int, scale: float) -> torch.Tensor:
+                     slots: torch.Tensor, lengths: torch.Tensor, max_length: int, scale: float,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per request over its pages. q [B, H, D] -> [B, H, D]."""
     batch, num_heads, dim = q.shape
     num_kv_heads = k_cache.shape[2]
     tokens_per_page = k_cache.shape[1]
     num_pages = -(-max_length // tokens_per_page)
     table = page_table[slots.long(), :num_pages].long()
-    keys = k_cache[table].view(batch, num_pages * tokens_per_page, num_kv_heads, dim).to(q.dtype)
-    values = v_cache[table].view(batch, num_pages * tokens_per_page, num_kv_heads, dim).to(q.dtype)
+
+    def gathered(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        values = _dequantized(cache[table], None if scales is None else scales[table], q.dtype)
+        return values.reshape(batch, num_pages * tokens_per_page, num_kv_heads, dim)
+
+    keys, values = gathered(k_cache, k_scale), gathered(v_cache, v_scale)
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, dim)
     scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
     beyond = torch.arange(keys.shape[1], device=q.device)[None, :] >= lengths[:, None]

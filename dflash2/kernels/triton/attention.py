@@ -1,10 +1,15 @@
 """TritonAttention: paged KV write, split-K paged decode attention, and varlen paged prefill attention.
 
-Cache layout (one layer): [num_pages, tokens_per_page, kv_heads, head_dim], any tokens_per_page.
-Token t of a request in slot s lives in page page_table[s, t // tokens_per_page] at offset
-t % tokens_per_page. Decode splits each sequence into NUM_SPLITS equal pieces (so one graph serves every
-length), each program handling all query heads of one KV head; a second kernel merges the pieces by their
-log-sum-exp. Prefill programs each take BLOCK_M queries of one head of one request's chunk.
+Cache (one layer, KVCache): views [num_pages, tokens_per_page, kv_heads, head_dim] with any strides (the
+layout is head-major by default, engine/kv/layout.py), any tokens_per_page. Token t of a request in slot s
+lives in page page_table[s, t // tokens_per_page] at offset t % tokens_per_page. Quantized caches (int8,
+int4 packed two a byte, fp8 e4m3) carry an fp16 scale per token and head: the write kernels quantize
+(absmax / qmax, round half up), and `_load_kv_tile` hands the stored values and the scales to the
+attention loops, which fold the K scale into the scores and the V scale into the probabilities, since a
+per-token scale commutes with both dot products: no per-element dequantize multiply.
+Decode splits each sequence into NUM_SPLITS equal pieces (so one graph serves every length), each
+program handling all query heads of one KV head; a second kernel merges the pieces by their log-sum-exp.
+Prefill programs each take BLOCK_M queries of one head of one request's chunk.
 """
 from __future__ import annotations
 
@@ -12,53 +17,137 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash2.kernels.attention_metadata import AttentionMetadata
+from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
 
 PREFILL_BLOCK_M = 64
 DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}  # best of benchmarks/tune_decode.py on H200
+# per KV kind where tuning found better (benchmarks/tune_decode.py prints the dict to paste); else DECODE_CONFIG
+DECODE_CONFIGS: dict[str, dict[str, int]] = {}
+
+
+# KV kinds as kernel constants (KVCache.kind): a float cache, or one quantized format with fp16 row scales
+KIND_IDS = {"float": 0, "int8": 1, "int4": 2, "fp8": 3}
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, page_table, token_slots, positions,
-                     stride_kt, stride_vt, stride_cache_page, stride_cache_token, stride_pt,
-                     tokens_per_page, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
-    t = tl.program_id(0)
+def _row_scales(absmax, KIND: tl.constexpr):
+    """fp16 scale of each row from its absolute maximum: absmax / qmax (kv_quant.py is the reference)."""
+    if KIND == 1:
+        qmax = 127.0
+    elif KIND == 2:
+        qmax = 7.0
+    else:
+        qmax = 448.0
+    return tl.minimum(absmax / qmax, 65504.0).to(tl.float16)
+
+
+@triton.jit
+def _store_rows(cache, row_offs, x, inv_scale, mask, COL0: tl.constexpr, WIDTH: tl.constexpr, KIND: tl.constexpr):
+    """Store x [R, WIDTH] (values COL0.. of each row) at cache + row_offs[r]; quantized kinds divide by
+    `inv_scale` [R] (the row scale, 1 where it is 0) and round first. int4 packs pairs into bytes."""
+    if KIND == 0:
+        cols = COL0 + tl.arange(0, WIDTH)
+        tl.store(cache + row_offs[:, None] + cols[None, :], x.to(cache.dtype.element_ty), mask=mask[:, None])
+    else:
+        scaled = x.to(tl.float32) / inv_scale[:, None]
+        if KIND == 3:
+            cols = COL0 + tl.arange(0, WIDTH)
+            tl.store(cache + row_offs[:, None] + cols[None, :],
+                     tl.clamp(scaled, -448.0, 448.0).to(cache.dtype.element_ty), mask=mask[:, None])
+        elif KIND == 1:
+            cols = COL0 + tl.arange(0, WIDTH)
+            q = tl.clamp(tl.floor(scaled + 0.5), -127.0, 127.0)
+            tl.store(cache + row_offs[:, None] + cols[None, :], q.to(tl.int8), mask=mask[:, None])
+        else:
+            q = tl.clamp(tl.floor(scaled + 0.5), -7.0, 7.0).to(tl.int32) + 8
+            lo, hi = tl.split(tl.reshape(q, [q.shape[0], WIDTH // 2, 2]))
+            cols = COL0 // 2 + tl.arange(0, WIDTH // 2)
+            tl.store(cache + row_offs[:, None] + cols[None, :], (lo | (hi << 4)).to(tl.uint8), mask=mask[:, None])
+
+
+@triton.jit
+def _store_scales(scales, scale_offs, absmax, mask, KIND: tl.constexpr):
+    """Write each row's fp16 scale; returns the divisor for _store_rows (the scale, or 1 for a zero row)."""
+    s = _row_scales(absmax, KIND)
+    tl.store(scales + scale_offs, s, mask=mask)
+    sf = s.to(tl.float32)
+    return tl.where(sf == 0.0, 1.0, sf)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, page_table, token_slots, positions,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cache_page, stride_cache_token,
+                     stride_cache_head, stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
+                     tokens_per_page, num_kv_heads,
+                     HEAD_DIM: tl.constexpr, KV_HEADS_PAD: tl.constexpr, KIND: tl.constexpr):
+    """One token: its K and V rows (every KV head) into the token's page slot, quantized for KIND > 0."""
+    t = tl.program_id(0).to(tl.int64)
     slot = tl.load(token_slots + t).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     page = tl.load(page_table + slot * stride_pt + pos // tokens_per_page).to(tl.int64)
-    dest = page * stride_cache_page + (pos % tokens_per_page) * stride_cache_token
-    cols = tl.arange(0, ROW_PAD)
-    mask = cols < ROW
-    k = tl.load(k_ptr + t * stride_kt + cols, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + cols, mask=mask)
-    tl.store(k_cache + dest + cols, k.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(v_cache + dest + cols, v.to(v_cache.dtype.element_ty), mask=mask)
+    heads = tl.arange(0, KV_HEADS_PAD)
+    mask = heads < num_kv_heads
+    d = tl.arange(0, HEAD_DIM)
+    row_offs = page * stride_cache_page + (pos % tokens_per_page) * stride_cache_token + heads * stride_cache_head
+    k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask[:, None], other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask[:, None], other=0.0)
+    k_div = tl.full([KV_HEADS_PAD], 1.0, tl.float32)
+    v_div = k_div
+    if KIND != 0:
+        scale_offs = page * stride_scale_page + (pos % tokens_per_page) * stride_scale_token \
+            + heads * stride_scale_head
+        k_div = _store_scales(k_scales, scale_offs, tl.max(tl.abs(k.to(tl.float32)), 1), mask, KIND)
+        v_div = _store_scales(v_scales, scale_offs, tl.max(tl.abs(v.to(tl.float32)), 1), mask, KIND)
+    _store_rows(k_cache, row_offs, k, k_div, mask, 0, HEAD_DIM, KIND)
+    _store_rows(v_cache, row_offs, v, v_div, mask, 0, HEAD_DIM, KIND)
 
 
 @triton.jit
-def _load_kv_tile(k_cache, v_cache, page_table, slot, tokens, token_mask, d, kv_head, stride_pt,
-                  stride_cache_page, stride_cache_token, stride_cache_head, tokens_per_page):
-    """K and V [len(tokens), head_dim] of one KV head, gathered through the request's page-table row."""
-    page = tl.load(page_table + slot * stride_pt + tokens // tokens_per_page, mask=token_mask, other=0)
-    offs = page.to(tl.int64) * stride_cache_page + (tokens % tokens_per_page) * stride_cache_token \
-        + kv_head * stride_cache_head
-    k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
-    v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
-    return k, v
+def _load_kv_tile(k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+                  stride_cache_page, stride_cache_token, stride_cache_head,
+                  stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page,
+                  HEAD_DIM: tl.constexpr, KIND: tl.constexpr):
+    """K and V [len(tokens), HEAD_DIM] of one KV head, gathered through the request's page-table row, with
+    their row scales [len(tokens)] (ones for a float cache). Quantized tiles hold the stored integers / fp8
+    values: the scales are applied by the caller to the scores and probabilities (they are per token, so
+    they factor out of both dot products)."""
+    page = tl.load(page_table + slot * stride_pt + tokens // tokens_per_page, mask=token_mask, other=0).to(tl.int64)
+    in_page = tokens % tokens_per_page
+    offs = page * stride_cache_page + in_page * stride_cache_token + kv_head * stride_cache_head
+    if KIND == 2:
+        j = tl.arange(0, HEAD_DIM // 2)
+        kb = tl.load(k_cache + offs[:, None] + j[None, :], mask=token_mask[:, None], other=0).to(tl.int32)
+        vb = tl.load(v_cache + offs[:, None] + j[None, :], mask=token_mask[:, None], other=0).to(tl.int32)
+        k = tl.interleave((kb & 15) - 8, (kb >> 4) - 8)
+        v = tl.interleave((vb & 15) - 8, (vb >> 4) - 8)
+    else:
+        d = tl.arange(0, HEAD_DIM)
+        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
+        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
+    if KIND == 0:
+        k_scale = tl.full(tokens.shape, 1.0, tl.float32)
+        v_scale = k_scale
+    else:
+        scale_offs = page * stride_scale_page + in_page * stride_scale_token + kv_head * stride_scale_head
+        k_scale = tl.load(k_scales + scale_offs, mask=token_mask, other=0.0).to(tl.float32)
+        v_scale = tl.load(v_scales + scale_offs, mask=token_mask, other=0.0).to(tl.float32)
+    return k, v, k_scale, v_scale
 
 
 @triton.jit
-def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, cos_ptr, sin_ptr, page_table, token_slots,
-                            positions, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                            stride_cache_page, stride_cache_token, stride_cache_head, stride_pt, stride_cos,
+def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, cos_ptr, sin_ptr,
+                            page_table, token_slots, positions,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_cache_page, stride_cache_token, stride_cache_head,
+                            stride_scale_page, stride_scale_token, stride_scale_head, stride_pt, stride_cos,
                             tokens_per_page, num_heads, num_kv_heads,
-                            HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr):
+                            HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+                            KIND: tl.constexpr):
     """One token: rotate q in place; rotate k and write it, and v, into the token's page slot."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     slot = tl.load(token_slots + t).to(tl.int64)
     page = tl.load(page_table + slot * stride_pt + pos // tokens_per_page).to(tl.int64)
-    dest = page * stride_cache_page + (pos % tokens_per_page) * stride_cache_token
     d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * stride_cos + d)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cos + d)[None, :]
@@ -71,28 +160,38 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, cos_ptr, sin_
     tl.store(q_ptr + q_offs, q1 * c - q2 * s, mask=q_mask)
     tl.store(q_ptr + q_offs + HALF, q2 * c + q1 * s, mask=q_mask)
     hk = tl.arange(0, KV_HEADS_PAD)
-    kv_mask = (hk < num_kv_heads)[:, None]
+    kv_mask = hk < num_kv_heads
     k_offs = t * stride_kt + hk[:, None] * stride_kh + d[None, :]
-    k1 = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0)
-    k2 = tl.load(k_ptr + k_offs + HALF, mask=kv_mask, other=0.0)
-    cache_offs = dest + hk[:, None] * stride_cache_head + d[None, :]
-    out_ty = k_cache.dtype.element_ty
-    tl.store(k_cache + cache_offs, (k1 * c - k2 * s).to(out_ty), mask=kv_mask)
-    tl.store(k_cache + cache_offs + HALF, (k2 * c + k1 * s).to(out_ty), mask=kv_mask)
+    k1 = tl.load(k_ptr + k_offs, mask=kv_mask[:, None], other=0.0)
+    k2 = tl.load(k_ptr + k_offs + HALF, mask=kv_mask[:, None], other=0.0)
+    k1, k2 = (k1 * c - k2 * s).to(k1.dtype), (k2 * c + k1 * s).to(k1.dtype)  # rounded as a separate rotary would
     v_offs = t * stride_vt + hk[:, None] * stride_vh + d[None, :]
-    v1 = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0)
-    v2 = tl.load(v_ptr + v_offs + HALF, mask=kv_mask, other=0.0)
-    tl.store(v_cache + cache_offs, v1.to(out_ty), mask=kv_mask)
-    tl.store(v_cache + cache_offs + HALF, v2.to(out_ty), mask=kv_mask)
+    v1 = tl.load(v_ptr + v_offs, mask=kv_mask[:, None], other=0.0)
+    v2 = tl.load(v_ptr + v_offs + HALF, mask=kv_mask[:, None], other=0.0)
+    row_offs = page * stride_cache_page + (pos % tokens_per_page) * stride_cache_token + hk * stride_cache_head
+    k_div = tl.full([KV_HEADS_PAD], 1.0, tl.float32)
+    v_div = k_div
+    if KIND != 0:
+        scale_offs = page * stride_scale_page + (pos % tokens_per_page) * stride_scale_token + hk * stride_scale_head
+        k_abs = tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), 1), tl.max(tl.abs(k2.to(tl.float32)), 1))
+        v_abs = tl.maximum(tl.max(tl.abs(v1.to(tl.float32)), 1), tl.max(tl.abs(v2.to(tl.float32)), 1))
+        k_div = _store_scales(k_scales, scale_offs, k_abs, kv_mask, KIND)
+        v_div = _store_scales(v_scales, scale_offs, v_abs, kv_mask, KIND)
+    _store_rows(k_cache, row_offs, k1, k_div, kv_mask, 0, HALF, KIND)
+    _store_rows(k_cache, row_offs, k2, k_div, kv_mask, HALF, HALF, KIND)
+    _store_rows(v_cache, row_offs, v1, v_div, kv_mask, 0, HALF, KIND)
+    _store_rows(v_cache, row_offs, v2, v_div, kv_mask, HALF, HALF, KIND)
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache, v_cache, page_table, slots, lengths, out_ptr, lse_ptr,
-                         stride_qt, stride_qh, stride_cache_page, stride_cache_token, stride_cache_head, stride_pt,
+def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, out_ptr, lse_ptr,
+                         stride_qt, stride_qh, stride_cache_page, stride_cache_token, stride_cache_head,
+                         stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                          scale, tokens_per_page,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                         KIND: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -113,14 +212,20 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, page_table, slots, lengths, ou
     for n0 in range(start, end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        k, v = _load_kv_tile(k_cache, v_cache, page_table, slot, tokens, token_mask, d, kv_head, stride_pt,
-                             stride_cache_page, stride_cache_token, stride_cache_head, tokens_per_page)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
-        s = tl.where(token_mask[None, :], s, float("-inf"))
+        k, v, k_scale, v_scale = _load_kv_tile(
+            k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+            stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+            stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        if KIND != 0:
+            s = s * k_scale[None, :]
+        s = tl.where(token_mask[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KIND != 0:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
     empty = start >= length
@@ -150,13 +255,14 @@ def _decode_merge_kernel(partial_ptr, lse_ptr, out_ptr, stride_pb, stride_ph, st
 
 
 @triton.jit(do_not_specialize=["row_offset"])  # varies every step: no recompile per value class
-def _prefill_kernel(q_ptr, k_cache, v_cache, page_table, out_ptr, query_starts, context_lens, seg_slots,
-                    block_segments, block_starts,
+def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, out_ptr, query_starts, context_lens,
+                    seg_slots, block_segments, block_starts,
                     stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_cache_page, stride_cache_token, stride_cache_head, stride_pt,
+                    stride_cache_page, stride_cache_token, stride_cache_head,
+                    stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                     scale, tokens_per_page, row_offset,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, KIND: tl.constexpr):
     block = tl.program_id(0)
     head = tl.program_id(1)
     seg = tl.load(block_segments + block)
@@ -180,9 +286,14 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, page_table, out_ptr, query_starts, 
     for n0 in range(0, kv_end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
-        k, v = _load_kv_tile(k_cache, v_cache, page_table, slot, tokens, token_mask, d, kv_head, stride_pt,
-                             stride_cache_page, stride_cache_token, stride_cache_head, tokens_per_page)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+        k, v, k_scale, v_scale = _load_kv_tile(
+            k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+            stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+            stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+        if KIND != 0:
+            s = s * k_scale[None, :]
+        s = s * scale
         allowed = (tokens[None, :] <= q_pos[:, None]) & token_mask[None, :]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -190,6 +301,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, page_table, out_ptr, query_starts, 
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KIND != 0:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -202,32 +315,45 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def _scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
+    """(kind id, k scales, v scales, their three strides); a float cache passes the cache and zero strides."""
+    kind = KIND_IDS[kv_kind(k_cache.dtype)]
+    if kind == 0:
+        return kind, k_cache, k_cache, 0, 0, 0
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {kv_kind(k_cache.dtype)} KV cache needs its scale views")
+    return (kind, k_scale, v_scale, *k_scale.stride())
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             page_table: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor) -> None:
-    num_tokens = k.shape[0]
+             page_table: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    num_tokens, num_kv_heads, dim = k.shape
     if num_tokens == 0:
         return
-    row = k.shape[1] * k.shape[2]
-    k2, v2 = k.reshape(num_tokens, row), v.reshape(num_tokens, row)
+    kind, k_scales, v_scales, *scale_strides = _scale_args(k_cache, k_scale, v_scale)
     _write_kv_kernel[(num_tokens,)](
-        k2, v2, k_cache, v_cache, page_table, token_slots, positions,
-        k2.stride(0), v2.stride(0), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-        k_cache.shape[1], ROW=row, ROW_PAD=triton.next_power_of_2(row))
+        k, v, k_cache, v_cache, k_scales, v_scales, page_table, token_slots, positions,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *scale_strides,
+        page_table.stride(0), k_cache.shape[1], num_kv_heads,
+        HEAD_DIM=dim, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), KIND=kind)
 
 
-def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> None:
     """Rotate q in place and write rotated k and v into the pages (one launch instead of two)."""
     tokens, num_heads, dim = q.shape
     if tokens == 0:
         return
     num_kv_heads = k.shape[1]
+    kind, k_scales, v_scales, *scale_strides = _scale_args(cache.k, cache.k_scale, cache.v_scale)
     _rotary_write_kv_kernel[(tokens,)](
-        q, k, v, k_cache, v_cache, cos, sin, meta.page_table, meta.token_slots, meta.positions,
+        q, k, v, cache.k, cache.v, k_scales, v_scales, cos, sin, meta.page_table, meta.token_slots, meta.positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.page_table.stride(0), cos.stride(0),
-        k_cache.shape[1], num_heads, num_kv_heads, HALF=dim // 2,
-        Q_HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads))
+        *cache.k.stride()[:3], *scale_strides, meta.page_table.stride(0), cos.stride(0),
+        cache.k.shape[1], num_heads, num_kv_heads, HALF=dim // 2,
+        Q_HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        KIND=kind)
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
@@ -239,23 +365,27 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, num_splits: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D] over each request's first lengths[b] cached positions -> [B, H, D]."""
+                     out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """q [B, H, D] over each request's first lengths[b] cached positions -> [B, H, D]. `config` overrides
+    DECODE_CONFIG (benchmarks/tune_decode.py)."""
     batch, num_heads, dim = q.shape
+    config = DECODE_CONFIGS.get(kv_kind(k_cache.dtype), DECODE_CONFIG) if config is None else config
+    kind, k_scales, v_scales, *scale_strides = _scale_args(k_cache, k_scale, v_scale)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     partial = torch.empty((batch, num_heads, num_splits, dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q) if out is None else out
-    block_n = DECODE_CONFIG["BLOCK_N"] if dim <= 128 else 32
+    block_n = config["BLOCK_N"] if dim <= 128 else 32
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, slots, lengths, partial, lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
+        q, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, partial, lse,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *scale_strides, page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         scale, k_cache.shape[1],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, PRECISION=_precision(q), num_warps=DECODE_CONFIG["num_warps"],
-        num_stages=DECODE_CONFIG["num_stages"])
+        NUM_SPLITS=num_splits, PRECISION=_precision(q), KIND=kind, num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
     _decode_merge_kernel[(batch, num_heads)](
         partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=num_splits,
@@ -263,19 +393,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+def prefill_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
                       scale: float, out: torch.Tensor, row_offset: int) -> None:
     """Every prefill chunk's queries (rows from `row_offset` on) attend causally over their pages."""
     num_blocks = meta.prefill_block_segments.shape[0]
     num_heads, dim = q.shape[1], q.shape[2]
-    group = num_heads // k_cache.shape[2]
+    group = num_heads // cache.k.shape[2]
+    kind, k_scales, v_scales, *scale_strides = _scale_args(cache.k, cache.k_scale, cache.v_scale)
     _prefill_kernel[(num_blocks, num_heads)](
-        q, k_cache, v_cache, meta.page_table, out, meta.prefill_query_starts, meta.prefill_context_lens,
-        meta.prefill_slots, meta.prefill_block_segments, meta.prefill_block_starts,
+        q, cache.k, cache.v, k_scales, v_scales, meta.page_table, out, meta.prefill_query_starts,
+        meta.prefill_context_lens, meta.prefill_slots, meta.prefill_block_segments, meta.prefill_block_starts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.page_table.stride(0),
-        scale, k_cache.shape[1], row_offset,
-        GROUP=group, HEAD_DIM=dim, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64, PRECISION=_precision(q),
+        *cache.k.stride()[:3], *scale_strides, meta.page_table.stride(0),
+        scale, cache.k.shape[1], row_offset,
+        GROUP=group, HEAD_DIM=dim, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64, PRECISION=_precision(q), KIND=kind,
         num_warps=4, num_stages=2)
 
 
@@ -292,26 +423,25 @@ class TritonAttention:
 
     fuses_rotary = True
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.page_table, meta.token_slots, meta.positions)
-        return self._attend(q, k_cache, v_cache, meta, scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, cache.k, cache.v, meta.page_table, meta.token_slots, meta.positions,
+                 cache.k_scale, cache.v_scale)
+        return self._attend(q, cache, meta, scale)
 
-    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, cos: torch.Tensor,
-                       sin: torch.Tensor) -> torch.Tensor:
+    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                       meta: AttentionMetadata, scale: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """forward() for un-rotated q and k: the rotary embedding is applied while writing the cache."""
-        rotary_write_kv(q, k, v, k_cache, v_cache, cos, sin, meta)
-        return self._attend(q, k_cache, v_cache, meta, scale)
+        rotary_write_kv(q, k, v, cache, cos, sin, meta)
+        return self._attend(q, cache, meta, scale)
 
-    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            splits = self.graph_num_splits or decode_num_splits(nd, k_cache.shape[2], self.num_sms)
-            decode_attention(q[:nd], k_cache, v_cache, meta.page_table, meta.decode_slots, meta.decode_lengths,
-                             scale, splits, out=out[:nd])
+            splits = self.graph_num_splits or decode_num_splits(nd, cache.k.shape[2], self.num_sms)
+            decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots, meta.decode_lengths,
+                             scale, splits, out=out[:nd], k_scale=cache.k_scale, v_scale=cache.v_scale)
         if meta.prefills:
-            prefill_attention(q, k_cache, v_cache, meta, scale, out, row_offset=nd)
+            prefill_attention(q, cache, meta, scale, out, row_offset=nd)
         return out
