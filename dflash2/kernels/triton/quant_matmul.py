@@ -39,12 +39,14 @@ GEMV_MAX_M = 4  # more rows than this run the tl.dot kernel (16-bit: cuBLAS)
 # BLOCK_K is in weights (int4/int6: rounded to whole groups). (bits, N, K) keys override for one shape.
 GEMV_CONFIGS: dict[Any, dict[str, int]] = {
     16: {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
-    8: {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+    8: {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "WORDS": 1},
     6: {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
-    4: {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+    4: {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "WORDS": 1},
 }
-GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
-GEMM_SMALL_M_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3}
+# WORDS: read int4/int8 codes as int32 words (8 or 4 a word) rather than bytes; either works for any shape
+GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "WORDS": 1}
+GEMM_SMALL_M_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3,
+                       "WORDS": 1}
 GEMM_SMALL_M = 32  # up to this many rows the GEMM takes GEMM_SMALL_M_CONFIG (split along K for occupancy)
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -62,11 +64,36 @@ def _as_float(v):
 
 
 @triton.jit
+def _fields(w, SHIFT: tl.constexpr, MASK: tl.constexpr):
+    """int32 words -> [..., 4] fields of SHIFT bits at bits 0, SHIFT, 2 SHIFT, 3 SHIFT (low first)."""
+    f0, f1 = w & MASK, (w >> SHIFT) & MASK
+    f2, f3 = (w >> (2 * SHIFT)) & MASK, (w >> (3 * SHIFT)) & MASK
+    return tl.join(tl.join(f0, f2), tl.join(f1, f3)).reshape(w.shape[0], w.shape[1], w.shape[2] * 4)
+
+
+@triton.jit
+def _nibbles(w):
+    """int32 words [A, B, W] -> codes [A, B, 8 W] in 0..15: nibble i of word j goes to position 8 j + i
+    (each join adds a trailing axis: the outermost join picks bit 0 of i, the innermost bit 2)."""
+    q0, q1, q2, q3 = w & 15, (w >> 4) & 15, (w >> 8) & 15, (w >> 12) & 15
+    q4, q5, q6, q7 = (w >> 16) & 15, (w >> 20) & 15, (w >> 24) & 15, (w >> 28) & 15
+    even = tl.join(tl.join(q0, q4), tl.join(q2, q6))
+    odd = tl.join(tl.join(q1, q5), tl.join(q3, q7))
+    return tl.join(even, odd).reshape(w.shape[0], w.shape[1], w.shape[2] * 8)
+
+
+@triton.jit
 def _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS: tl.constexpr, T: tl.constexpr,
-           GS: tl.constexpr):
-    """The weight tile starting at column k0 as float32 [BLOCK_N, T, GS] (codes for 4/6 bits, else values)."""
+           GS: tl.constexpr, WORDS: tl.constexpr):
+    """The weight tile starting at column k0 as float32 [BLOCK_N, T, GS] (codes for 4/6 bits, else values).
+    WORDS: the packed weight is read as int32 words (4 int8 or 8 int4 codes each)."""
     t = tl.arange(0, T)[None, :, None]
     base = w_ptr + rows[:, None, None] * stride_wn
+    if BITS == 8 and WORDS:
+        mask = n_mask[:, None, None] & (k0 + t * GS < k_end)  # K is whole tiles when words are read
+        w = tl.load(base + (k0 + t * GS) // 4 + tl.arange(0, GS // 4)[None, None, :], mask=mask, other=0)
+        biased = _fields(w ^ -2139062144, 8, 255)  # ^ 0x80808080: every byte becomes q + 128
+        return (biased | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
     if BITS == 16 or BITS == 8:
         cols = k0 + t * GS + tl.arange(0, GS)[None, None, :]
         w = tl.load(base + cols, mask=n_mask[:, None, None] & (cols < k_end), other=0)
@@ -74,6 +101,9 @@ def _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS: t
             return w.to(tl.float32)
         return (w.to(tl.int32) + (0x4B000000 + 128)).to(tl.float32, bitcast=True) - 8388736.0
     mask = n_mask[:, None, None] & (k0 + t * GS < k_end)  # K is whole groups
+    if BITS == 4 and WORDS:
+        w = tl.load(base + (k0 + t * GS) // 8 + tl.arange(0, GS // 8)[None, None, :], mask=mask, other=0)
+        return _as_float(_nibbles(w))
     b = tl.load(base + (k0 + t * GS) // 2 + tl.arange(0, GS // 2)[None, None, :], mask=mask, other=0)
     q = tl.join(b & 15, b >> 4).reshape(b.shape[0], T, GS)  # byte j: codes 2j (low) and 2j + 1 (high)
     if BITS == 6:
@@ -130,7 +160,7 @@ def _k_range(K, pid_k, TILE_K: tl.constexpr, SPLIT_K: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                  stride_xm, stride_wn, stride_hn, stride_sn, stride_om,
                  BITS: tl.constexpr, GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, WORDS: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
@@ -145,7 +175,7 @@ def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
     for k0 in range(k_start, k_end, T * GS):
         cols = k0 + t * GS + tl.arange(0, GS)[None, :]  # [T, GS]
         k_mask = cols < k_end
-        w = _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS, T, GS)
+        w = _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS, T, GS, WORDS)
         if grouped:
             s_offs = rows[:, None] * stride_sn + k0 // GS + t.reshape(1, T)
             g_mask = n_mask[:, None] & (k0 + t.reshape(1, T) * GS < k_end)
@@ -172,7 +202,8 @@ def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
 def _gemm_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                  stride_xm, stride_wn, stride_hn, stride_sn, stride_om,
                  BITS: tl.constexpr, GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, WORDS: tl.constexpr,
+                 IEEE: tl.constexpr):
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -186,7 +217,7 @@ def _gemm_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     t = tl.arange(0, T)[:, None]
     for k0 in range(k_start, k_end, T * GS):
-        w = _codes(w_ptr, hi_ptr, rows64, stride_wn, stride_hn, k0, k_end, n_mask, BITS, T, GS)
+        w = _codes(w_ptr, hi_ptr, rows64, stride_wn, stride_hn, k0, k_end, n_mask, BITS, T, GS, WORDS)
         if grouped:
             s_offs = rows64[:, None] * stride_sn + k0 // GS + t.reshape(1, T)
             g_mask = n_mask[:, None] & (k0 + t.reshape(1, T) * GS < k_end)
@@ -231,8 +262,10 @@ def _launch(kernel: Any, x: torch.Tensor, weight: dict[str, Any], out: torch.Ten
             block_m: int, silu_mul: bool, **extra: Any) -> None:
     bits, n, k = weight["bits"], weight["n"], weight["k"]
     gs, t = _tile(bits, weight.get("group_size"), config["BLOCK_K"])
+    words = bool(config.get("WORDS", 1)) and weight.get("words") is not None and (bits == 4 or k % (gs * t) == 0)
     split_k = max(1, min(config["SPLIT_K"], triton.cdiv(k, gs * t)))
-    w, hi = weight["w"], weight.get("hi", weight["w"])
+    w = weight["words"] if words else weight["w"]
+    hi = weight.get("hi", w)
     scales, zeros = weight.get("scales", w), weight.get("zeros", w)
     m = x.shape[0]
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
@@ -240,7 +273,7 @@ def _launch(kernel: Any, x: torch.Tensor, weight: dict[str, Any], out: torch.Ten
     kernel[(grid_mn, split_k)](
         x, w, hi, scales, zeros, out, ws, counters, m, n, k, x.stride(0), w.stride(0), hi.stride(0),
         scales.stride(0) if scales.dim() == 2 else 0, out.stride(0), BITS=bits, GS=gs, T=t, BLOCK_M=block_m,
-        BLOCK_N=config["BLOCK_N"], SPLIT_K=split_k, SILU_MUL=silu_mul, num_warps=config["num_warps"],
+        BLOCK_N=config["BLOCK_N"], SPLIT_K=split_k, SILU_MUL=silu_mul, WORDS=words, num_warps=config["num_warps"],
         num_stages=config["num_stages"], **extra)
 
 
@@ -290,10 +323,11 @@ def gemv_16bit(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None =
 
 # -- the backend -----------------------------------------------------------------------------------------
 def device_tensors(packed: PackedWeight, dtype: torch.dtype) -> dict[str, Any]:
-    """The tensors the kernels read for one packed weight (int6 repacked into its two planes)."""
+    """The tensors the kernels read for one packed weight: the stored ones, int4/int8 also as an int32 view
+    (`words`, no copy; None where the row is not whole words), int6 repacked into its two planes."""
     fmt, tensors = packed.fmt, packed.tensors
     weight: dict[str, Any] = {"bits": fmt.bits, "n": packed.out_features, "k": packed.in_features,
-                              "group_size": fmt.group_size}
+                              "group_size": fmt.group_size, "words": None}
     if fmt.bits == 16:
         weight["w"] = tensors["weight"].to(dtype).contiguous()
     elif fmt.bits == 8:
@@ -304,6 +338,8 @@ def device_tensors(packed: PackedWeight, dtype: torch.dtype) -> dict[str, Any]:
             weight["w"] = tensors["qweight"].contiguous()
         else:
             weight["w"], weight["hi"] = int6_planes(tensors["qweight"])
+    if fmt.bits in (4, 8) and weight["w"].shape[1] % 4 == 0 and weight["w"].storage_offset() % 4 == 0:
+        weight["words"] = weight["w"].view(torch.int32)
     return weight
 
 
