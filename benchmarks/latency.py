@@ -1,8 +1,11 @@
 """W2 latency: llama-3-8b (dummy bf16), one request, 128-token prompt, 256 new tokens.
 
-    python3 benchmarks/latency.py [--peer-json peer_w2.json] [--save]
+    python3 benchmarks/latency.py [--peer-json peer_w2.json] [--save] [--weights bf16|int8|int4|int6]
 Prints JSON: tok/s over the whole request (as the peer measures it), decode-only tok/s,
 time-to-first-token, and the fraction of the weight-streaming roofline.
+`--weights int4` quantizes the dummy weights (round-to-nearest, layer by layer as they are drawn) to a
+QuantConfig with qkv, o_proj, ffn and lm_head at that width (group 128); the embedding stays bf16 (a decode
+step reads one row of it). The roofline then counts the quantized bytes.
 """
 from __future__ import annotations
 
@@ -18,6 +21,34 @@ import torch  # noqa: E402
 from benchmarks.common import finish, sync  # noqa: E402
 from benchmarks.roofline import H200_BYTES_PER_S, weight_bytes  # noqa: E402
 from dflash2 import LLM, SamplingParams  # noqa: E402
+from dflash2.quantization.config import QuantConfig, parse_bits  # noqa: E402
+
+WEIGHT_CHOICES = ("bf16", "int8", "int6", "int4")
+
+
+def quantize_dummy_weights(weights: str) -> QuantConfig | None:
+    """Make the engine load its dummy weights quantized (the Engine has no quantization option: its
+    load_model is wrapped for this process). None for bf16."""
+    if weights == "bf16":
+        return None
+    import dflash2.engine.engine as engine_module
+    from dflash2.loading.model_loader import load_model
+
+    config = QuantConfig.build(parse_bits(weights), group_bits={"embed": 16})
+    engine_module.load_model = lambda *args, **kwargs: load_model(*args, quantization=config, **kwargs)
+    return config
+
+
+def streamed_weight_bytes(llm: LLM) -> int:
+    """Bytes a decode step reads: every linear layer's stored tensors, the norms, one embedding row (ignored)."""
+    module = llm.engine.model.module
+    total = 0
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        if not name.startswith("embed_tokens") and not name.startswith("rotary"):
+            total += tensor.numel() * tensor.element_size()
+    if getattr(module, "lm_head", None) is None:  # tied: the head streams the embedding
+        total += sum(t.numel() * t.element_size() for t in module.embed_tokens.state_dict().values())
+    return total
 
 
 def one_request(llm: LLM, prompt: list[int], new_tokens: int) -> dict:
@@ -64,11 +95,14 @@ def main() -> None:
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of 20 decode steps")
     parser.add_argument("--blas", default=None, help="torch.backends.cuda.preferred_blas_library: cublas or cublaslt")
+    parser.add_argument("--weights", default="bf16", choices=WEIGHT_CHOICES,
+                        help="dummy weights quantized to this width (all linear layers and lm_head; embedding bf16)")
     parser.add_argument("--peer-json", default=None)
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
+    quant = quantize_dummy_weights(args.weights)
     llm = LLM(args.model, load_format="dummy", max_num_seqs=4, max_model_len=2048, max_num_batched_tokens=2048,
               enforce_eager=args.enforce_eager, overlap=False if args.no_overlap else None,
               enable_prefix_caching=False)
@@ -80,9 +114,12 @@ def main() -> None:
     runs = [one_request(llm, prompt, args.new_tokens) for _ in range(args.repeats)]
     best = min(runs, key=lambda r: r["total_s"])
     decode_s = best["total_s"] - best["ttft_s"]
-    ceiling = H200_BYTES_PER_S / weight_bytes(llm.engine.model.arch)
+    streamed = weight_bytes(llm.engine.model.arch) if quant is None else streamed_weight_bytes(llm)
+    ceiling = H200_BYTES_PER_S / streamed
     tok_s = best["tokens"] / best["total_s"]
-    result = {"workload": "w2", "engine": "dflash2", "model": args.model, "new_tokens": best["tokens"],
+    result = {"workload": "w2", "engine": "dflash2", "model": args.model, "weights": args.weights,
+              "quantization": None if quant is None else quant.to_dict(), "weight_bytes_per_step": streamed,
+              "new_tokens": best["tokens"],
               "seconds": round(best["total_s"], 4), "tok_s": round(tok_s, 1),
               "decode_tok_s": round((best["tokens"] - 1) / decode_s, 1),
               "ttft_ms": round(best["ttft_s"] * 1e3, 2), "roofline_tok_s": round(ceiling, 1),
