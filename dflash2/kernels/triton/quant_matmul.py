@@ -44,7 +44,7 @@ GEMV_CONFIGS: dict[Any, dict[str, int]] = {
     4: {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "WORDS": 1},
 }
 # WORDS: read int4/int8 codes as int32 words (8 or 4 a word) rather than bytes; either works for any shape
-GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3, "WORDS": 1}
+GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "WORDS": 1}
 GEMM_SMALL_M_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3,
                        "WORDS": 1}
 GEMM_SMALL_M = 32  # up to this many rows the GEMM takes GEMM_SMALL_M_CONFIG (split along K for occupancy)
