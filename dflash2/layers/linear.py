@@ -1,6 +1,14 @@
 """Linear layers: `Linear` holds a float weight in the model dtype (plain checkpoints); `make_linear` picks
-it or a `QuantLinear` by the weight format the model's quantization config gives the layer."""
+it or a `QuantLinear` by the weight format the model's quantization config gives the layer.
+
+Both take `silu_mul=True`: the input is the fused [gate | up] projection and the layer multiplies
+silu(gate) * up first (on CUDA inside the GEMV for decode-sized batches, one launch fewer a layer).
+On CUDA a float weight with at most `DECODE_GEMV_MAX_ROWS` input rows runs the Triton GEMV
+(kernels/triton/quant_matmul.py) instead of cuBLAS; `DFLASH2_DECODE_GEMV=0` turns that off.
+"""
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +25,28 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        if x.is_cuda and x.shape[0] <= DECODE_GEMV_MAX_ROWS and self.bias is None:
+            from dflash2.kernels.triton.quant_matmul import gemv_16bit
+
+            return gemv_16bit(x, self.weight, silu_mul=silu_mul)
+        return F.linear(silu_and_mul(x) if silu_mul else x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+DECODE_GEMV_MAX_ROWS = 4 if os.environ.get("DFLASH2_DECODE_GEMV", "1") == "1" else 0
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [gate | up] input (one Triton kernel on CUDA)."""
+    if gate_up.is_cuda:
+        from dflash2.kernels.triton.elementwise import silu_and_mul as fused
+
+        return fused(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def make_linear(in_features: int, out_features: int, fmt: WeightFormat | None, bias: bool = False) -> nn.Module:

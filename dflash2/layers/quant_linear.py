@@ -51,9 +51,16 @@ class QuantLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.fmt, self.packed().tensors, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """y = x W^T (+ bias); with `silu_mul`, x is a fused [gate | up] and silu(gate) * up goes in."""
+        if silu_mul and not getattr(self.runtime, "fuses_silu_mul", False):
+            from dflash2.layers.linear import silu_and_mul
+
+            x, silu_mul = silu_and_mul(x), False
         if self.runtime is None:
             y = torch.nn.functional.linear(x, self.dequantized(x.dtype))
+        elif silu_mul:
+            y = self.runtime.matmul(x, silu_mul=True)
         else:
             y = self.runtime.matmul(x)
         return y if self.bias is None else y + self.bias

@@ -9,7 +9,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash2.config import ModelArchConfig
@@ -92,13 +91,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = make_linear(inter, hidden, _format(quant, "ffn", inter, layer_index))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:
-            from dflash2.kernels.triton.elementwise import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up_proj(x), silu_mul=True)  # silu(gate) * up, fused where it can be
 
 
 class LlamaDecoderLayer(nn.Module):

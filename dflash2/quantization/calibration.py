@@ -77,13 +77,18 @@ class ActivationStats:
 def collect_activation_stats(module: nn.Module, token_sequences: list[list[int]],
                              progress: Callable[[int], Any] | None = None) -> dict[str, torch.Tensor]:
     """E[x^2] of the input of every linear layer, by module name; the tied head's input is "lm_head"."""
-    from dflash2.layers.linear import Linear
+    from dflash2.layers.linear import Linear, silu_and_mul
 
     stats = ActivationStats()
+
+    def record(name: str, args: tuple, kwargs: dict) -> None:  # down_proj is called on [gate | up], fused
+        stats.add(name, silu_and_mul(args[0]) if kwargs.get("silu_mul") else args[0])
+
     handles = []
     for name, layer in module.named_modules():
         if isinstance(layer, Linear):
-            handles.append(layer.register_forward_hook(lambda m, args, out, name=name: stats.add(name, args[0])))
+            handles.append(layer.register_forward_hook(
+                lambda m, args, kwargs, out, name=name: record(name, args, kwargs), with_kwargs=True))
     handles.append(module.norm.register_forward_hook(  # with a residual the norm returns (normed, residual)
         lambda m, args, out: stats.add("lm_head", out[0] if isinstance(out, tuple) else out)))
     try:

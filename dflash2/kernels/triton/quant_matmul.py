@@ -361,6 +361,8 @@ class TritonWeight:
         large = "F.linear" if fmt.bits == 16 else "Triton GEMM (dequantized tiles, tl.dot)"
         self.kernel = f"{small} for <= {GEMV_MAX_M} rows, {large} above ({fmt.name})"
 
+    fuses_silu_mul = True  # matmul(x, silu_mul=True) takes the [gate | up] input
+
     def matmul(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         if x.shape[0] <= GEMV_MAX_M:
             return gemv(x, self.weight, silu_mul=silu_mul)
