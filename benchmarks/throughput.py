@@ -119,7 +119,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--prefill-chunk-size", type=int, default=4096)
     parser.add_argument("--num-prompts", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16 here), bf16, fp16, fp8, int8, int4")
+    parser.add_argument("--kv-layout", default="head_major", choices=["head_major", "token_major"])
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also measure GPU busy time over steady decode")
@@ -146,7 +147,7 @@ def main() -> None:
     llm = LLM(args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               prefill_chunk_size=args.prefill_chunk_size,
-              kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+              kv_cache_dtype=args.kv_cache_dtype, kv_layout=args.kv_layout, enforce_eager=args.enforce_eager,
               overlap=False if args.no_overlap else None, enable_prefix_caching=False)
     load_seconds = time.perf_counter() - started
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0)
@@ -159,11 +160,18 @@ def main() -> None:
     sync()
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    ceiling = decode_ceiling_tok_s(llm.engine.model.arch, [len(p["prompt_token_ids"]) for p in prompts], new_tokens)
+    arch, layout = llm.engine.model.arch, llm.engine.runner.layout
+    prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
+    # KV bytes per element with the scales spread over it (int8: (128 + 2) / 128 for head_dim 128)
+    kv_element_bytes = layout.bytes_per_token / (2 * arch.num_layers * arch.num_kv_heads * arch.head_dim)
+    ceiling = decode_ceiling_tok_s(arch, prompt_lens, new_tokens, kv_element_bytes=kv_element_bytes)
     out_tok_s = generated / seconds
     result = {"workload": "w1", "engine": "dflash2", "model": args.model, "requests": len(prompts),
               "generated": generated, "seconds": round(seconds, 3), "out_tok_s": round(out_tok_s, 1),
+              "kv_cache_dtype": layout.kv_dtype, "kv_layout": "head_major" if layout.head_major else "token_major",
+              "kv_bytes_per_token": layout.bytes_per_token,
               "roofline_tok_s": round(ceiling, 1), "fraction_of_roofline": round(out_tok_s / ceiling, 3),
+              "roofline_tok_s_bf16_kv": round(decode_ceiling_tok_s(arch, prompt_lens, new_tokens), 1),
               "load_seconds": round(load_seconds, 1), "preemptions": llm.engine.scheduler.num_preemptions,
               "kv_pages": llm.engine.pool.num_pages, "tokens_per_page": llm.engine.kv.tokens_per_page,
               "cuda_graphs": llm.engine.runner.graphs is not None, "overlap": llm.engine.overlap,

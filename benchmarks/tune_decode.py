@@ -1,11 +1,16 @@
-"""Time the paged decode kernel on W1-like shapes for several tile configs; prints JSON rows, best first.
+"""Time the paged decode kernel on W1/W2-like shapes per KV dtype and page layout, for several tile configs.
 
-    python3 benchmarks/tune_decode.py     (GPU)
-Shapes: qwen3-0.6b (8 KV heads, GQA 2, head 128), bf16, 9 tokens a page, 256 requests of ~800 tokens,
-and llama-3-8b batch 1 at 384 tokens. Bandwidth counts K and V bytes read once.
+    PYTHONPATH=$PWD python3 benchmarks/tune_decode.py [--kinds bf16,int8,int4,fp8] [--layouts head_major,token_major]
+                                                      [--output tune.json]      (GPU)
+Caches are real engine pools: Qwen3-0.6B (28 layers, 8 KV heads, GQA 2, head 128) in 1 MiB pages (9 bf16
+tokens a page, 18 int8, 35 int4), 256 requests of 800 tokens, layer 0 read; W2 is llama-3-8b batch 1 at 384
+tokens (bf16 only). Bandwidth counts the K/V bytes (and scales) read once. Prints one JSON line per best
+config of each (case, kind, layout), then a summary: the best config per kind (paste into DECODE_CONFIGS
+in kernels/triton/attention.py), and head-major vs token-major per kind.
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -16,43 +21,95 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from dflash2.config import ModelArchConfig  # noqa: E402
+from dflash2.engine.kv.layout import KVLayout  # noqa: E402
 from dflash2.kernels.triton import attention as tri  # noqa: E402
 
+CASES = {"w1": dict(batch=256, length=800, layers=28, kv_heads=8, group=2, dim=128),
+         "w2": dict(batch=1, length=384, layers=32, kv_heads=8, group=4, dim=128)}
+GRID = list(itertools.product((16, 32, 64), (2, 4), (1, 2)))  # BLOCK_N, warps, stages: 12 compiles a run
 
-def case(batch: int, length: int, kv_heads: int, group: int, dim: int, tokens_per_page: int):
-    pages_each = -(-length // tokens_per_page)
+
+def case(kind: str, head_major: bool, batch: int, length: int, layers: int, kv_heads: int, group: int, dim: int):
+    arch = ModelArchConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=kv_heads * group * dim,
+                           intermediate_size=64, num_layers=layers, num_heads=kv_heads * group,
+                           num_kv_heads=kv_heads, head_dim=dim, max_position_embeddings=8192)
+    layout = KVLayout.for_model(arch, kind, 1 << 20, head_major=head_major)
+    pages_each = -(-length // layout.tokens_per_page)
     num_pages = batch * pages_each
-    k = torch.randn(num_pages, tokens_per_page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    pool = torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8, device="cuda")
+    cache = layout.layer_views(pool)[0]
+    for view in (cache.k, cache.v):
+        if kind in ("bf16", "fp8"):
+            view.copy_(torch.randn(view.shape, device="cuda").to(view.dtype))
+        else:
+            view.view(torch.uint8).copy_(torch.randint(0, 256, view.shape, device="cuda", dtype=torch.uint8))
+    for scales in (cache.k_scale, cache.v_scale):
+        if scales is not None:
+            scales.fill_(0.02)
     table = torch.randperm(num_pages, device="cuda", dtype=torch.int64).to(torch.int32).view(batch, pages_each)
     q = torch.randn(batch, kv_heads * group, dim, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(batch, device="cuda", dtype=torch.int32)
     lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-    kv_bytes = 2 * batch * length * kv_heads * dim * 2
-    return q, k, v, table, slots, lengths, kv_bytes
+    kv_bytes = 2 * batch * length * kv_heads * (layout.row_bytes + layout.scale_bytes)
+    return q, cache, table, slots, lengths, kv_bytes, layout.tokens_per_page
+
+
+def measure(name: str, kind: str, layout_name: str, grid: list) -> list[dict]:
+    shape = CASES[name]
+    q, cache, table, slots, lengths, kv_bytes, tpp = case(kind, layout_name == "head_major", **shape)
+    splits = tri.decode_num_splits(shape["batch"], shape["kv_heads"])
+    rows = []
+    for block_n, warps, stages in grid:
+        config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        row = {"case": name, "kind": kind, "layout": layout_name, "tokens_per_page": tpp, **config}
+        try:
+            ms = triton.testing.do_bench(
+                lambda: tri.decode_attention(q, cache.k, cache.v, table, slots, lengths, 0.088, splits,
+                                             k_scale=cache.k_scale, v_scale=cache.v_scale, config=config),
+                warmup=25, rep=100)
+        except Exception as e:  # a config that does not compile (shared memory)
+            rows.append({**row, "error": str(e)[:80]})
+            continue
+        rows.append({**row, "us": round(ms * 1e3, 1), "TB_s": round(kv_bytes / ms / 1e9, 2)})
+    del cache
+    torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> None:
-    results = []
-    for name, shape in {"w1": (256, 800, 8, 2, 128, 9), "w2": (1, 384, 8, 4, 128, 16)}.items():
-        q, k, v, table, slots, lengths, kv_bytes = case(*shape)
-        splits = tri.decode_num_splits(shape[0], shape[2])
-        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
-            tri.DECODE_CONFIG.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-            try:
-                ms = triton.testing.do_bench(
-                    lambda: tri.decode_attention(q, k, v, table, slots, lengths, 0.088, splits), warmup=25, rep=100)
-            except Exception as e:  # a config that does not compile (shared memory)
-                results.append({"case": name, "BLOCK_N": block_n, "warps": warps, "stages": stages, "error": str(e)[:80]})
-                continue
-            results.append({"case": name, "BLOCK_N": block_n, "warps": warps, "stages": stages,
-                            "us": round(ms * 1e3, 1), "TB_s": round(kv_bytes / ms / 1e9, 2)})
-    for name in ("w1", "w2"):
-        rows = sorted((r for r in results if r["case"] == name and "us" in r), key=lambda r: r["us"])
-        for row in rows[:6]:
-            print(json.dumps(row))
-        default = [r for r in rows if (r["BLOCK_N"], r["warps"], r["stages"]) == (32, 4, 2)]
-        print("default", json.dumps(default))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kinds", default="bf16,int8,int4,fp8")
+    parser.add_argument("--layouts", default="head_major,token_major")
+    parser.add_argument("--output", default=None, help="also write every row and the summary as JSON here")
+    args = parser.parse_args()
+    kinds, layouts = args.kinds.split(","), args.layouts.split(",")
+    results: list[dict] = []
+    for kind, layout_name in itertools.product(kinds, layouts):
+        results += measure("w1", kind, layout_name, GRID)
+    if "bf16" in kinds:
+        for layout_name in layouts:
+            results += measure("w2", "bf16", layout_name, GRID)
+    best: dict[tuple, dict] = {}
+    for row in results:
+        key = (row["case"], row["kind"], row["layout"])
+        if "us" in row and (key not in best or row["us"] < best[key]["us"]):
+            best[key] = row
+    for row in best.values():
+        default = next((r for r in results if (r["case"], r["kind"], r["layout"]) == (row["case"], row["kind"], row["layout"])
+                        and (r["BLOCK_N"], r["num_warps"], r["num_stages"]) == tuple(tri.DECODE_CONFIG.values())
+                        and "us" in r), None)
+        print(json.dumps({**row, "current_default_us": default and default["us"]}))
+    summary = {"decode_configs_w1_head_major": {
+        kind: {k: best[("w1", kind, "head_major")][k] for k in ("BLOCK_N", "num_warps", "num_stages")}
+        for kind in kinds if ("w1", kind, "head_major") in best},
+        "head_major_speedup_w1": {kind: round(best[("w1", kind, "token_major")]["us"] / best[("w1", kind, "head_major")]["us"], 3)
+                                  for kind in kinds if ("w1", kind, "token_major") in best and ("w1", kind, "head_major") in best},
+        "int8_vs_bf16_w1_us": [best.get(("w1", k, "head_major"), {}).get("us") for k in ("bf16", "int8")]}
+    print("summary", json.dumps(summary))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"rows": results, "summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":

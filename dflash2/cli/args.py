@@ -28,7 +28,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-num-seqs", type=int, default=64)
     add_flag(parser, "--max-num-batched-tokens", type=int, default=2048)
     add_flag(parser, "--prefill-chunk-size", type=int, default=512)
-    add_flag(parser, "--kv-cache-dtype", default="auto")
+    add_flag(parser, "--kv-cache-dtype", default="auto",
+             help="auto (a converted checkpoint's choice, else the model dtype), bf16, fp16, fp32, fp8, int8, int4; "
+                  "fp8/int8/int4 keep an fp16 scale per token and head in the page")
     add_flag(parser, "--kv-cache-memory", default=None, help="KV page pool size, e.g. 512MiB (overrides sizing)")
     add_flag(parser, "--gpu-memory-utilization", type=float, default=0.9)
     add_flag(parser, "--no-prefix-caching", dest="enable_prefix_caching", action="store_false")

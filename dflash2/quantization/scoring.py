@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash2.engine.kv.layout import KV_FORMATS
 from dflash2.kernels.torch_ref.kv_quant import QMAX, fake_quantize_kv
 from dflash2.models.llama import ForwardContext
 
@@ -30,6 +31,9 @@ class DenseCausalAttention:
         """q [T, H, D], k/v [T, KVH, D] of one sequence -> [T, H, D]."""
         if self.kv_cache_dtype in QMAX:
             k, v = fake_quantize_kv(k, self.kv_cache_dtype), fake_quantize_kv(v, self.kv_cache_dtype)
+        elif self.kv_cache_dtype is not None:  # a float cache: the round trip through its dtype
+            stored = KV_FORMATS[self.kv_cache_dtype].storage
+            k, v = k.to(stored).to(k.dtype), v.to(stored).to(v.dtype)
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(qh, kh.to(q.dtype), vh.to(q.dtype), is_causal=True, scale=scale,
                                              enable_gqa=True)

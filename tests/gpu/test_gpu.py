@@ -53,7 +53,7 @@ def test_decode_kernel_matches_reference(group, dim, tokens_per_page, num_splits
 
 @pytest.mark.parametrize("group", [2, 4])
 def test_mixed_batch_kernels_match_reference(group):
-    from dflash2.kernels.attention_metadata import AttentionMetadata, PrefillSegment
+    from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, PrefillSegment
     from dflash2.kernels.torch_ref.attention import TorchAttention
     from dflash2.kernels.triton import attention as tri
 
@@ -88,8 +88,8 @@ def test_mixed_batch_kernels_match_reference(group):
     meta.prefill_block_segments = as_int([b[0] for b in blocks])
     meta.prefill_block_starts = as_int([b[1] for b in blocks])
     k_ref, v_ref = k_cache.float(), v_cache.float()
-    expected = TorchAttention().forward(q.float(), k.float(), v.float(), k_ref, v_ref, meta, dim ** -0.5)
-    got = tri.TritonAttention().forward(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+    expected = TorchAttention().forward(q.float(), k.float(), v.float(), KVCache(k_ref, v_ref), meta, dim ** -0.5)
+    got = tri.TritonAttention().forward(q, k, v, KVCache(k_cache, v_cache), meta, dim ** -0.5)
     assert torch.equal(k_cache.float(), k_ref) and torch.equal(v_cache.float(), v_ref)
     error = (got.float() - expected).norm() / expected.norm()
     assert error < 1e-2, error

@@ -304,8 +304,8 @@ def test_chunking_prefix_hits_and_swap_do_not_change_quantized_results(tiny, kin
 def test_engine_on_triton_kernels_matches_torch_with_int8_kv(tiny):
     """The whole engine on the interpreted Triton backend (quantizing writes, fused rotary, decode and
     prefill reading int8 pages) gives the torch backend's tokens."""
-    batch = [{"prompt_token_ids": p} for p in prompts(3, seed=4)]
-    params = SamplingParams(max_tokens=5, min_tokens=5, temperature=0)
+    batch = [{"prompt_token_ids": p[:13]} for p in prompts(2, seed=4)]  # 13 and 9 tokens: chunks of 6
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0)
     options = dict(kv_cache_dtype="int8", page_bytes=PAGE_BYTES, prefill_chunk_size=6, max_num_batched_tokens=16,
                    kv_cache_memory=64 * PAGE_BYTES, max_model_len=48)
     expected = [o.outputs[0].token_ids for o in LLM(tiny, **options).generate(batch, params)]
