@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server.add_argument("--prefill-chunk-size", type=int, default=64)
     server.add_argument("--max-num-batched-tokens", type=int, default=128)
     server.add_argument("--preemption-threshold", type=int, default=1)
+    server.add_argument("--max-outranked-prefill-tokens", type=int, default=None,
+                        help="the server's cap on less urgent prefill chunks while an urgent request waits or "
+                             "prefills (default: the server's, 64)")
     server.add_argument("--torch-threads", type=int, default=None,
                         help="OMP_NUM_THREADS for the server (default on the CPU: cores - 1, leaving a core to "
                              "the HTTP loop and this client)")
@@ -95,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--timeout", type=float, default=600.0, help="seconds before a request counts as failed")
     load.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--transport", default="auto", choices=["auto", "raw", "httpx"],
+                      help="the bench client's HTTP transport (auto: the lean asyncio reader for http://; httpx "
+                           "costs ~3x the client CPU per token and adds its own queueing at GPU token rates)")
     p.add_argument("--output", default=None, help="write the JSON report here (also printed)")
     return p.parse_args(argv)
 
@@ -108,6 +114,8 @@ def server_flags(args: argparse.Namespace) -> list[str]:
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--preemption-threshold", str(args.preemption_threshold),
              "--disable-log-stats"]
+    if args.max_outranked_prefill_tokens is not None:
+        flags += ["--max-outranked-prefill-tokens", str(args.max_outranked_prefill_tokens)]
     if args.model:
         flags += ["--model", args.model]
     if args.tokenizer:
@@ -196,7 +204,8 @@ def run(args: argparse.Namespace, url: str) -> Phases:
     endpoint = args.endpoint or ("/generate" if args.synthetic else "/v1/completions")
     num_prompts = args.num_prompts or len(items)
     base = LoadConfig(url=url, endpoint=endpoint, concurrency=2 * args.max_num_seqs, num_prompts=num_prompts,
-                      timeout_s=args.timeout, ignore_eos=args.ignore_eos, seed=args.seed, progress=False)
+                      timeout_s=args.timeout, ignore_eos=args.ignore_eos, seed=args.seed, progress=False,
+                      transport=args.transport)
     urgent_items = [replace(item, priority=URGENT) for item in items if item.priority == URGENT] or \
         [replace(item, priority=URGENT) for item in items]
 

@@ -4,11 +4,20 @@ Supported endpoints (all streamed, SSE): /v1/completions (default), /v1/chat/com
 Output tokens are counted from the server's usage totals where it sends them, else from the chunks.
 A chunk counts as a token when it carries text, or (/generate) token ids: a model served without a
 tokenizer (dummy weights on a GPU) streams ids with empty text, and its TTFT is still measured.
+
+Two transports behind `send`: httpx (any URL), and for plain http:// a lean HTTP/1.1 reader on asyncio
+streams (`send_raw`: one connection per request, chunked SSE parsed by hand). The load generator runs every
+stream in one Python process, often beside the server on the same cores; with 128 streams at GPU token rates
+httpx's per-line cost (h11, anyio, line splitting: ~100 us a token) saturates that process and its queueing
+shows up as TTFT the server never caused. The lean reader costs a fraction of that.
 """
 from __future__ import annotations
 
+import asyncio
+import codecs
 import json
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,34 +83,120 @@ async def send(client: Any, url: str, endpoint: str, item: BenchItem, model: str
 
 
 async def _read_events(response: Any, endpoint: str, result: RequestResult) -> None:
-    last = result.started_at
-    chunks_with_text = 0
+    events = _Events(endpoint, result)
     async for line in response.aiter_lines():
+        if not events.line(line):
+            break
+    events.finish()
+
+
+class _Events:
+    """Turns SSE lines into the result's times and counts; `line()` is False once the stream is over
+    (an error event; `[DONE]` ends it too)."""
+
+    def __init__(self, endpoint: str, result: RequestResult) -> None:
+        self.endpoint = endpoint
+        self.result = result
+        self.last = result.started_at
+        self.chunks_with_text = 0
+        self.done = False
+
+    def line(self, line: str) -> bool:
         if not line.startswith("data:"):
-            continue
+            return True
         data = line[5:].strip()
         if data == "[DONE]":
-            break
+            self.done = True
+            return False
+        result = self.result
         chunk = json.loads(data)
         if "error" in chunk:
             result.error = str(chunk["error"].get("message", chunk["error"]))
-            return
-        if _has_tokens(chunk, endpoint):
+            return False
+        if _has_tokens(chunk, self.endpoint):
             now = time.perf_counter()
             if result.ttft_s is None:
                 result.ttft_s = now - result.started_at
             else:
-                result.itl_s.append(now - last)
-            last = now
-            chunks_with_text += 1
+                result.itl_s.append(now - self.last)
+            self.last = now
+            self.chunks_with_text += 1
         usage = chunk.get("usage")
         if usage:
             result.prompt_tokens = usage.get("prompt_tokens", 0)
             result.output_tokens = usage.get("completion_tokens", 0)
-    result.latency_s = time.perf_counter() - result.started_at
-    if not result.output_tokens:
-        result.output_tokens = chunks_with_text
-    result.ok = True
+        return True
+
+    def finish(self) -> None:
+        result = self.result
+        if result.error is not None:
+            return
+        result.latency_s = time.perf_counter() - result.started_at
+        if not result.output_tokens:
+            result.output_tokens = self.chunks_with_text
+        result.ok = True
+
+
+async def send_raw(url: str, endpoint: str, item: BenchItem, model: str | None, ignore_eos: bool,
+                   headers: dict[str, str]) -> RequestResult:
+    """`send` over a fresh HTTP/1.1 connection on asyncio streams (http:// only); never raises."""
+    result = RequestResult(item.priority, started_at=time.perf_counter())
+    writer = None
+    try:
+        parts = urllib.parse.urlsplit(url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
+        body = json.dumps(request_body(endpoint, item, model, ignore_eos)).encode()
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        writer.write((f"POST {parts.path.rstrip('/')}{endpoint} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{head}"
+                      f"Connection: close\r\n\r\n").encode() + body)
+        status, response_headers = await _read_head(reader)
+        if status != 200:
+            text = (await reader.read(4096)).decode(errors="replace")
+            result.error = f"HTTP {status}: {text[:200]}"
+            return result
+        events = _Events(endpoint, result)
+        pending = ""
+        async for piece in _body(reader, response_headers.get("transfer-encoding") == "chunked"):
+            pending += piece
+            *lines, pending = pending.split("\n")
+            if not all(events.line(line) for line in lines):
+                break
+        if result.error is None and not events.done:
+            events.line(pending)
+        events.finish()
+    except Exception as e:  # noqa: BLE001 - timeouts, refused connections, broken streams: all are failures
+        result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    finally:
+        if writer is not None:
+            writer.close()
+    return result
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    status = int(head[0].split()[1])
+    fields = {}
+    for line in head[1:]:
+        if ":" in line:
+            name, value = line.split(":", 1)
+            fields[name.strip().lower()] = value.strip().lower()
+    return status, fields
+
+
+async def _body(reader: asyncio.StreamReader, chunked: bool) -> Any:
+    """The response body as text pieces, as they arrive (chunked transfer decoded)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span two chunks
+    if not chunked:
+        while piece := await reader.read(65536):
+            yield decoder.decode(piece)
+        return
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        if size == 0:
+            return
+        data = await reader.readexactly(size + 2)
+        yield decoder.decode(data[:-2])
 
 
 def _has_tokens(chunk: dict[str, Any], endpoint: str) -> bool:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dflash2.bench.client import RequestResult, send
+from dflash2.bench.client import RequestResult, send, send_raw
 from dflash2.bench.dataset import BenchItem
 
 _SCRAPE_INTERVAL_S = 1.0
@@ -35,8 +35,11 @@ class LoadConfig:
     ignore_eos: bool = False
     seed: int = 0
     progress: bool = True
+    transport: str = "auto"  # "raw" (lean asyncio HTTP/1.1, http:// only), "httpx"; auto: raw for http://
 
     def __post_init__(self) -> None:
+        if self.transport not in ("auto", "raw", "httpx"):
+            raise ValueError(f"transport must be auto, raw or httpx, got {self.transport!r}")
         if self.concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
         if not self.request_rate > 0:
@@ -86,11 +89,16 @@ async def _drive(client: Any, config: LoadConfig, items: list[BenchItem],
     deadline = time.perf_counter() + config.duration_s if config.duration_s is not None else None
     bar = tqdm(total=config.num_prompts, unit="req", disable=not config.progress, leave=False)
 
+    url = config.url.rstrip("/")
+    raw = config.transport == "raw" or (config.transport == "auto" and url.startswith("http://"))
+
     async def one(item: BenchItem) -> RequestResult:
         try:
-            return await asyncio.wait_for(
-                send(client, config.url.rstrip("/"), config.endpoint, item, config.model, config.ignore_eos, headers),
-                config.timeout_s)
+            if raw:
+                sending = send_raw(url, config.endpoint, item, config.model, config.ignore_eos, headers)
+            else:
+                sending = send(client, url, config.endpoint, item, config.model, config.ignore_eos, headers)
+            return await asyncio.wait_for(sending, config.timeout_s)
         except asyncio.TimeoutError:
             return RequestResult(item.priority, error=f"timed out after {config.timeout_s:g} s")
         finally:

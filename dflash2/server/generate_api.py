@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -15,7 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from dflash2.request import RequestOutput
 from dflash2.server.generation import Generation
-from dflash2.server.openai_api import TRUNCATION_HEADER, collect, stream_events, usage
+from dflash2.server.openai_api import TRUNCATION_HEADER, collect, event_text, stream_events, usage
 from dflash2.server.protocol import GenerateRequest
 from dflash2.server.state import ServerState
 
@@ -46,6 +47,17 @@ class _GenerateFormat:
 
     def opening(self) -> list[dict[str, Any]]:
         return []
+
+    def event_text(self, output: RequestOutput, extra: dict[str, Any]) -> str:
+        """A token's event as text around json.dumps of its text (the hot path); the last one as a dict."""
+        if output.finished:
+            return event_text(self, output, extra)
+        prefix = getattr(self, "_prefix", None)
+        if prefix is None:
+            prefix = self._prefix = 'data: {"id": ' + json.dumps(self.generation.id) + ', "text": '
+        token_ids = ", ".join(map(str, output.delta_token_ids))
+        return f'{prefix}{json.dumps(output.delta_text, ensure_ascii=False)}, "token_ids": [{token_ids}], ' \
+               f'"finish_reason": null}}\n\n'
 
     def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
         completion = output.outputs[0]

@@ -65,10 +65,13 @@ class Generation:
         arrived by then (at least one): a handler that fell behind a busy event loop catches up with one
         write instead of one per token. StreamTimeout after timeout_s without an output."""
         while self._unfinished:
-            try:
-                first = await asyncio.wait_for(self.outputs.get(), timeout_s)
-            except asyncio.TimeoutError:
-                raise StreamTimeout(f"no token for {1000 * timeout_s:.0f} ms") from None
+            if self.outputs.empty():
+                try:  # (wait_for costs a task per token: only when there is a timeout, and nothing queued)
+                    first = await (asyncio.wait_for(self.outputs.get(), timeout_s) if timeout_s else self.outputs.get())
+                except asyncio.TimeoutError:
+                    raise StreamTimeout(f"no token for {1000 * timeout_s:.0f} ms") from None
+            else:
+                first = self.outputs.get_nowait()
             items = [first]
             while not self.outputs.empty():
                 items.append(self.outputs.get_nowait())
