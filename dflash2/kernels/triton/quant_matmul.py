@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
+from dflash2.kernels.triton.int4_gemv import int4_gemv, prepare_int4
 from dflash2.quantization.formats import WeightFormat, unpack_int6
 
 GEMV_MAX_M = 4  # more rows than this run the tl.dot kernel (16-bit: cuBLAS)
@@ -86,32 +87,37 @@ def _nibbles(w):
 def _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS: tl.constexpr, T: tl.constexpr,
            GS: tl.constexpr, WORDS: tl.constexpr):
     """The weight tile starting at column k0 as float32 [BLOCK_N, T, GS] (codes for 4/6 bits, else values).
-    WORDS: the packed weight is read as int32 words (4 int8 or 8 int4 codes each)."""
+    WORDS: the packed weight is read as int32 words (4 int8 or 8 int4 codes each). One if/else chain with a
+    single return: Triton compiles the statements after a return inside a constexpr branch as well."""
     t = tl.arange(0, T)[None, :, None]
     base = w_ptr + rows[:, None, None] * stride_wn
     if BITS == 8 and WORDS:
         mask = n_mask[:, None, None] & (k0 + t * GS < k_end)  # K is whole tiles when words are read
         w = tl.load(base + (k0 + t * GS) // 4 + tl.arange(0, GS // 4)[None, None, :], mask=mask, other=0)
         biased = _fields(w ^ -2139062144, 8, 255)  # ^ 0x80808080: every byte becomes q + 128
-        return (biased | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-    if BITS == 16 or BITS == 8:
+        result = (biased | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    elif BITS == 16:
+        cols = k0 + t * GS + tl.arange(0, GS)[None, None, :]
+        result = tl.load(base + cols, mask=n_mask[:, None, None] & (cols < k_end), other=0).to(tl.float32)
+    elif BITS == 8:
         cols = k0 + t * GS + tl.arange(0, GS)[None, None, :]
         w = tl.load(base + cols, mask=n_mask[:, None, None] & (cols < k_end), other=0)
-        if BITS == 16:
-            return w.to(tl.float32)
-        return (w.to(tl.int32) + (0x4B000000 + 128)).to(tl.float32, bitcast=True) - 8388736.0
-    mask = n_mask[:, None, None] & (k0 + t * GS < k_end)  # K is whole groups
-    if BITS == 4 and WORDS:
+        result = (w.to(tl.int32) + (0x4B000000 + 128)).to(tl.float32, bitcast=True) - 8388736.0
+    elif BITS == 4 and WORDS:
+        mask = n_mask[:, None, None] & (k0 + t * GS < k_end)  # K is whole groups
         w = tl.load(base + (k0 + t * GS) // 8 + tl.arange(0, GS // 8)[None, None, :], mask=mask, other=0)
-        return _as_float(_nibbles(w))
-    b = tl.load(base + (k0 + t * GS) // 2 + tl.arange(0, GS // 2)[None, None, :], mask=mask, other=0)
-    q = tl.join(b & 15, b >> 4).reshape(b.shape[0], T, GS)  # byte j: codes 2j (low) and 2j + 1 (high)
-    if BITS == 6:
-        hi_base = hi_ptr + rows[:, None, None] * stride_hn + (k0 + t * GS) // 4
-        c = tl.load(hi_base + tl.arange(0, GS // 4)[None, None, :], mask=mask, other=0)
-        high = tl.join(tl.join(c & 3, (c >> 4) & 3), tl.join((c >> 2) & 3, c >> 6)).reshape(b.shape[0], T, GS)
-        q = q | (high << 4)
-    return _as_float(q)
+        result = _as_float(_nibbles(w))
+    else:
+        mask = n_mask[:, None, None] & (k0 + t * GS < k_end)
+        b = tl.load(base + (k0 + t * GS) // 2 + tl.arange(0, GS // 2)[None, None, :], mask=mask, other=0)
+        q = tl.join(b & 15, b >> 4).reshape(b.shape[0], T, GS)  # byte j: codes 2j (low) and 2j + 1 (high)
+        if BITS == 6:
+            hi_base = hi_ptr + rows[:, None, None] * stride_hn + (k0 + t * GS) // 4
+            c = tl.load(hi_base + tl.arange(0, GS // 4)[None, None, :], mask=mask, other=0)
+            high = tl.join(tl.join(c & 3, (c >> 4) & 3), tl.join((c >> 2) & 3, c >> 6)).reshape(b.shape[0], T, GS)
+            q = q | (high << 4)
+        result = _as_float(q)
+    return result
 
 
 @triton.jit
@@ -340,6 +346,8 @@ def device_tensors(packed: PackedWeight, dtype: torch.dtype) -> dict[str, Any]:
             weight["w"], weight["hi"] = int6_planes(tensors["qweight"])
     if fmt.bits in (4, 8) and weight["w"].shape[1] % 4 == 0 and weight["w"].storage_offset() % 4 == 0:
         weight["words"] = weight["w"].view(torch.int32)
+    if fmt.bits == 4 and packed.in_features % fmt.group_size == 0 and fmt.group_size in (32, 64, 128, 256):
+        weight["int4"] = prepare_int4(weight["w"], weight["scales"], weight["zeros"], fmt.group_size)
     return weight
 
 
@@ -359,12 +367,17 @@ class TritonWeight:
         self.fmt, self.weight = fmt, weight
         small = "Triton GEMV" + (" (int6 as 4+2-bit planes)" if fmt.bits == 6 else "")
         large = "F.linear" if fmt.bits == 16 else "Triton GEMM (dequantized tiles, tl.dot)"
+        if "int4" in weight:
+            small = "Triton int4 GEMV (repacked words)"
         self.kernel = f"{small} for <= {GEMV_MAX_M} rows, {large} above ({fmt.name})"
-
-    fuses_silu_mul = True  # matmul(x, silu_mul=True) takes the [gate | up] input
+        # [gate | up] input: fused into the 16-bit GEMV, where spare instructions hide behind the bytes;
+        # at 8 and 4 bits recomputing silu in every row block costs more than the separate kernel
+        self.fuses_silu_mul = fmt.bits == 16
 
     def matmul(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         if x.shape[0] <= GEMV_MAX_M:
+            if "int4" in self.weight:
+                return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul)
             return gemv(x, self.weight, silu_mul=silu_mul)
         if self.fmt.bits != 16:
             return gemm(x, self.weight, silu_mul=silu_mul)
