@@ -134,7 +134,7 @@ def test_qwen3_graphs_agree_with_transformers(tmp_path):
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
     llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8, max_model_len=128,
               kv_cache_memory="64MiB", page_bytes=4096)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, min_tokens=16))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, min_tokens=16, temperature=0))
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 16) for p in prompts]
 
 

@@ -119,3 +119,18 @@ def test_dispatch_picks_triton_on_cuda_only():
 
     assert quant_matmul_backend("auto", "cuda").name == "triton"
     assert quant_matmul_backend("auto", "cpu").name == "torch_cpu"
+
+
+@pytest.mark.parametrize("split_k, block_n, t", [(1, 16, 1), (3, 16, 2), (2, 64, 1)])
+@pytest.mark.parametrize("rows, silu_mul", [(1, False), (3, False), (2, True)])
+def test_int4_gemv_repacked_words_with_split_k(split_k, block_n, t, rows, silu_mul):
+    """The int4 decode kernel: repacked words, 1 + q/16 floats, scales outside the inner loop, split along K."""
+    from dflash2.kernels.triton.int4_gemv import int4_gemv, prepare_int4
+
+    weight = packed(4, 64, 384, seed=rows)
+    tensors = weight.tensors
+    prepared = prepare_int4(tensors["qweight"], tensors["scales"], tensors["zeros"], 64)
+    x = torch.randn(rows, 768 if silu_mul else 384, generator=torch.Generator().manual_seed(7))
+    config = {"BLOCK_N": block_n, "T": t, "num_warps": 4, "num_stages": 1, "SPLIT_K": split_k}
+    got = int4_gemv(x, prepared, silu_mul=silu_mul, config=config)
+    torch.testing.assert_close(got, expected(x, weight, silu_mul), atol=2e-5, rtol=1e-5)

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash2.kernels.triton.split_k import _k_range, _store_or_reduce, split_counters
+
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ONE_BITS = tl.constexpr(0x3F800000)  # 1.0f
 NIBBLE_AT_19 = tl.constexpr(0x00780000)  # mantissa bits 19..22
@@ -71,12 +73,14 @@ def _x_slice(x_ptr, m, stride_xm, K, cols, mask, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                      GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SILU_MUL: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr):
+def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+                      stride_sn, stride_om, GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_N: tl.constexpr,
+                      ASM: tl.constexpr):
     """out[m, n] = sum_g s (16 F_g - c X_g) for every row m < M; s = scale, c = 16 + zero, both float32."""
     W: tl.constexpr = GS // 8
-    pid = tl.program_id(0)
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if EVEN_N:
         n_mask = rows < BLOCK_N * (pid + 1)  # all true; lets the loads drop their masks
@@ -93,8 +97,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, K, stride_xm, s
     s_base = rows[:, None] * stride_sn + t[None, :]
     col_base = t[:, None] * GS + j[None, :]  # [T, W]
     x_rows = x_ptr + m_idx[:, None, None] * stride_xm
-    for k0 in range(0, K, T * GS):
-        g_ok = (k0 + t * GS) < K  # whole groups
+    for k0 in range(k_start, k_end, T * GS):
+        g_ok = (k0 + t * GS) < k_end  # whole groups
         words = tl.load(w_base + k0 // 8, mask=n_mask[:, None, None] & g_ok[None, :, None], other=0)
         s = tl.load(s_ptr + s_base + k0 // GS, mask=n_mask[:, None] & g_ok[None, :], other=0.0)
         c = tl.load(c_ptr + s_base + k0 // GS, mask=n_mask[:, None] & g_ok[None, :], other=0.0)
@@ -108,17 +112,19 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, K, stride_xm, s
         wide += s[None, :, :, None] * f_sum
         corr += c[None, :, :] * s[None, :, :] * tl.sum(x_sum, axis=2)[:, None, :]
     result = 16.0 * tl.sum(tl.sum(wide, axis=3), axis=2) - tl.sum(corr, axis=2)  # [BM, BN]
-    out_offs = m_idx[:, None] * stride_om + rows[None, :]
-    tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_mask[None, :])
+    _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, pid * BLOCK_N + tl.arange(0, BLOCK_N), M, N,
+                     stride_om, pid, pid_k, SPLIT_K)
 
 
-INT4_GEMV_CONFIG = {"BLOCK_N": 32, "T": 1, "num_warps": 4, "num_stages": 3}
+INT4_GEMV_CONFIG = {"BLOCK_N": 32, "T": 1, "num_warps": 4, "num_stages": 3, "SPLIT_K": 0}  # 0: automatic
+PROGRAMS_WANTED = 4 * 132  # split K until about this many programs run (a few per SM keep loads in flight)
 
 
 def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> dict:
     """Device tensors for the kernel: repacked words, float32 scale s and c = 16 + zero per (row, group)."""
     if group_size % 8:
         raise ValueError(f"int4 GEMV needs a group size divisible by 8, got {group_size}")
+    split_counters(qweight.device, 1 << 16)  # allocated now, not inside a graph capture
     return {"words": repack_int4(qweight, group_size), "s": scales.float().contiguous(),
             "c": (16.0 + zeros.float()).contiguous(), "group_size": group_size,
             "n": qweight.shape[0], "k": qweight.shape[1] * 2}
@@ -140,8 +146,14 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     t = max(1, min(config["T"], k // gs))
     while (k // gs) % t:
         t //= 2
-    _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight["words"], weight["s"], weight["c"], out, m, n, k, x.stride(0), weight["words"].stride(0),
-        weight["s"].stride(0), out.stride(0), GS=gs, T=t, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n,
-        SILU_MUL=silu_mul, EVEN_N=n % block_n == 0, ASM=not _INTERPRETED, num_warps=config["num_warps"], num_stages=config["num_stages"])
+    tiles = triton.cdiv(n, block_n)
+    split_k = config.get("SPLIT_K") or max(1, min(16, triton.cdiv(PROGRAMS_WANTED, tiles), k // (gs * t)))
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    counters = split_counters(x.device, tiles) if split_k > 1 else out
+    _int4_gemv_kernel[(tiles, split_k)](
+        x, weight["words"], weight["s"], weight["c"], out, ws, counters, m, n, k, x.stride(0),
+        weight["words"].stride(0), weight["s"].stride(0), out.stride(0), GS=gs, T=t,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, SPLIT_K=split_k, SILU_MUL=silu_mul,
+        EVEN_N=n % block_n == 0, ASM=not _INTERPRETED, num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
     return out

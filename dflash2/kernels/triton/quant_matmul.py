@@ -33,6 +33,7 @@ import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
 from dflash2.kernels.triton.int4_gemv import int4_gemv, prepare_int4
+from dflash2.kernels.triton.split_k import _k_range, _store_or_reduce, split_counters
 from dflash2.quantization.formats import WeightFormat, unpack_int6
 
 GEMV_MAX_M = 4  # more rows than this run the tl.dot kernel (16-bit: cuBLAS)
@@ -132,35 +133,6 @@ def _activation(x_ptr, m, stride_xm, K, cols, mask, SILU_MUL: tl.constexpr):
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit
-def _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om, tile_id, pid_k,
-                     SPLIT_K: tl.constexpr):
-    """Store [BLOCK_M, BLOCK_N] fp32; split along K, park it in the workspace and let the last program of
-    this tile (a ticket from the tile's counter) sum all SPLIT_K partials, store, and reset the counter."""
-    mask = (m_idx < M)[:, None] & (rows < N)[None, :]
-    out_offs = m_idx[:, None] * stride_om + rows[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        ws_offs = m_idx[:, None] * N + rows[None, :]
-        tl.store(ws_ptr + pid_k * M * N + ws_offs, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
-        ticket = tl.atomic_add(cnt_ptr + tile_id, 1)
-        if ticket == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for split in range(SPLIT_K):
-                total += tl.load(ws_ptr + split * M * N + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tile_id, 0)
-
-
-@triton.jit
-def _k_range(K, pid_k, TILE_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    tiles_per_split = tl.cdiv(tl.cdiv(K, TILE_K), SPLIT_K)
-    k_start = pid_k * tiles_per_split * TILE_K
-    return k_start, tl.minimum(K, k_start + tiles_per_split * TILE_K)
-
-
 # -- kernels ---------------------------------------------------------------------------------------------
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
@@ -244,19 +216,6 @@ def _gemm_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
 
 
 # -- launchers -------------------------------------------------------------------------------------------
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, size: int) -> torch.Tensor:
-    """Zeroed int32 tickets for split-K (each tile's last program resets its own). Allocated outside any
-    graph capture: the first call with a new size should run eagerly (warm-up) before capturing."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < size:
-        counters = torch.zeros(max(size, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
-
-
 def _tile(bits: int, group_size: int | None, block_k: int) -> tuple[int, int]:
     """(GS, T) for a K tile of about block_k weights."""
     if bits in (4, 6):

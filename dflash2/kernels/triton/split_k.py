@@ -1,0 +1,53 @@
+"""Split-K for the GEMV kernels: several programs share one output tile along K, in one launch.
+
+Each program parks its fp32 partial in a workspace and takes a ticket from the tile's counter; the last one
+sums the partials, stores the tile and resets the counter, so the counters stay zero between calls and the
+whole thing is safe inside CUDA graphs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om, tile_id, pid_k,
+                     SPLIT_K: tl.constexpr):
+    """Store [BLOCK_M, BLOCK_N] fp32; split along K, park it in the workspace and let the last program of
+    this tile (a ticket from the tile's counter) sum all SPLIT_K partials, store, and reset the counter."""
+    mask = (m_idx < M)[:, None] & (rows < N)[None, :]
+    out_offs = m_idx[:, None] * stride_om + rows[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws_offs = m_idx[:, None] * N + rows[None, :]
+        tl.store(ws_ptr + pid_k * M * N + ws_offs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
+        ticket = tl.atomic_add(cnt_ptr + tile_id, 1)
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for split in range(SPLIT_K):
+                total += tl.load(ws_ptr + split * M * N + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+
+
+@triton.jit
+def _k_range(K, pid_k, TILE_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    tiles_per_split = tl.cdiv(tl.cdiv(K, TILE_K), SPLIT_K)
+    k_start = pid_k * tiles_per_split * TILE_K
+    return k_start, tl.minimum(K, k_start + tiles_per_split * TILE_K)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 tickets for split-K (each tile's last program resets its own). Allocated outside any
+    graph capture: the first call with a new size should run eagerly (warm-up) before capturing."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < size:
+        counters = torch.zeros(max(size, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
