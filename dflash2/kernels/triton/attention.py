@@ -8,7 +8,8 @@ int4 packed two a byte, fp8 e4m3) carry an fp16 scale per token and head: the wr
 attention loops, which fold the K scale into the scores and the V scale into the probabilities, since a
 per-token scale commutes with both dot products: no per-element dequantize multiply.
 Decode splits each sequence into NUM_SPLITS equal pieces (so one graph serves every length), each
-program handling all query heads of one KV head; a second kernel merges the pieces by their log-sum-exp.
+program handling all query heads of one KV head; a second kernel merges the pieces by their log-sum-exp
+(with one split, the W1 case, the split kernel writes the output itself and nothing is merged).
 Prefill programs each take BLOCK_M queries of one head of one request's chunk.
 """
 from __future__ import annotations
@@ -232,8 +233,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(l_i))
     out_offs = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
-    tl.store(out_ptr + out_offs, out, mask=head_mask[:, None])
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    if NUM_SPLITS > 1:  # one split: out_ptr is the final output and nothing is merged
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
 
 
 @triton.jit
@@ -374,9 +376,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kind, k_scales, v_scales, *scale_strides = _scale_args(k_cache, k_scale, v_scale)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    partial = torch.empty((batch, num_heads, num_splits, dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q) if out is None else out
+    if num_splits == 1:  # the split kernel writes the output itself: no partials, no merge launch
+        partial, lse = out.unsqueeze(2), out.new_empty((1, 1, 1), dtype=torch.float32)
+    else:
+        partial = torch.empty((batch, num_heads, num_splits, dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     block_n = config["BLOCK_N"] if dim <= 128 else 32
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, partial, lse,
@@ -386,6 +391,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION=_precision(q), KIND=kind, num_warps=config["num_warps"],
         num_stages=config["num_stages"])
+    if num_splits == 1:
+        return out
     _decode_merge_kernel[(batch, num_heads)](
         partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=num_splits,

@@ -116,7 +116,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
                      stride_om, pid, pid_k, SPLIT_K)
 
 
-INT4_GEMV_CONFIG = {"BLOCK_N": 32, "T": 1, "num_warps": 4, "num_stages": 3, "SPLIT_K": 0}  # 0: automatic
+INT4_GEMV_CONFIG = {"BLOCK_N": 64, "T": 1, "num_warps": 4, "num_stages": 3, "SPLIT_K": 0}  # 0: automatic
 PROGRAMS_WANTED = 4 * 132  # split K until about this many programs run (a few per SM keep loads in flight)
 
 
