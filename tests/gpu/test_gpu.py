@@ -7,6 +7,8 @@ import random
 import pytest
 import torch
 
+from tests.paging import mixed_batch_metadata, random_page_table
+
 pytestmark = pytest.mark.gpu
 
 
@@ -18,15 +20,7 @@ def _cache(num_pages: int, tokens_per_page: int, kv_heads: int, dim: int, seed: 
 
 
 def _table(lengths: list[int], tokens_per_page: int, num_pages: int, seed: int) -> torch.Tensor:
-    rng = random.Random(seed)
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    width = max(-(-n // tokens_per_page) for n in lengths)
-    table = torch.zeros((len(lengths), width), dtype=torch.int32)
-    for slot, n in enumerate(lengths):
-        for i in range(-(-n // tokens_per_page)):
-            table[slot, i] = pages.pop()
-    return table.cuda()
+    return random_page_table(lengths, tokens_per_page, num_pages, seed, device="cuda")
 
 
 @pytest.mark.parametrize("group, dim, tokens_per_page", [(2, 128, 18), (4, 128, 16), (3, 64, 45)])
@@ -53,7 +47,7 @@ def test_decode_kernel_matches_reference(group, dim, tokens_per_page, num_splits
 
 @pytest.mark.parametrize("group", [2, 4])
 def test_mixed_batch_kernels_match_reference(group):
-    from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, PrefillSegment
+    from dflash2.kernels.attention_metadata import KVCache
     from dflash2.kernels.torch_ref.attention import TorchAttention
     from dflash2.kernels.triton import attention as tri
 
@@ -67,26 +61,7 @@ def test_mixed_batch_kernels_match_reference(group):
     q = torch.randn(total, kv_heads * group, dim, device="cuda").bfloat16()
     k = torch.randn(total, kv_heads, dim, device="cuda").bfloat16()
     v = torch.randn(total, kv_heads, dim, device="cuda").bfloat16()
-    slots, positions, segments, row = [], [], [], 0
-    for slot, (context, qlen) in enumerate(shapes):
-        slots += [slot] * qlen
-        positions += list(range(context - qlen, context))
-        if qlen > 1:
-            segments.append(PrefillSegment(row, qlen, context, slot))
-        row += qlen
-    nd = 2
-    meta = AttentionMetadata(page_table=table, token_slots=torch.tensor(slots, dtype=torch.int32, device="cuda"),
-                             positions=torch.tensor(positions, device="cuda"), num_decode_tokens=nd,
-                             decode_lengths=torch.tensor(lengths[:nd], dtype=torch.int32, device="cuda"),
-                             max_decode_length=max(lengths[:nd]), prefills=segments)
-    starts = [s.query_start - nd for s in segments] + [segments[-1].query_start - nd + segments[-1].query_len]
-    blocks = [(i, m) for i, s in enumerate(segments) for m in range(0, s.query_len, tri.PREFILL_BLOCK_M)]
-    as_int = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")  # noqa: E731
-    meta.prefill_query_starts = as_int(starts)
-    meta.prefill_context_lens = as_int([s.context_len for s in segments])
-    meta.prefill_slots = as_int([s.slot for s in segments])
-    meta.prefill_block_segments = as_int([b[0] for b in blocks])
-    meta.prefill_block_starts = as_int([b[1] for b in blocks])
+    meta = mixed_batch_metadata(shapes, table, tri.PREFILL_BLOCK_M)
     k_ref, v_ref = k_cache.float(), v_cache.float()
     expected = TorchAttention().forward(q.float(), k.float(), v.float(), KVCache(k_ref, v_ref), meta, dim ** -0.5)
     got = tri.TritonAttention().forward(q, k, v, KVCache(k_cache, v_cache), meta, dim ** -0.5)

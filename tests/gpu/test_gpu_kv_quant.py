@@ -7,6 +7,8 @@ import random
 import pytest
 import torch
 
+from tests.paging import mixed_batch_metadata, random_page_table
+
 pytestmark = pytest.mark.gpu
 
 KINDS = ("int8", "int4", "fp8")
@@ -31,14 +33,7 @@ def _filled(kind: str, head_major: bool, lengths: list[int], tokens_per_page: in
     layout = _layout(kind, head_major, tokens_per_page)
     num_pages = sum(-(-n // tokens_per_page) for n in lengths) + 2
     cache = layout.layer_views(torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8, device="cuda"))[0]
-    rng = random.Random(seed)
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    table = torch.zeros((len(lengths), max(-(-n // tokens_per_page) for n in lengths)), dtype=torch.int32)
-    for slot, n in enumerate(lengths):
-        for i in range(-(-n // tokens_per_page)):
-            table[slot, i] = pages.pop()
-    table = table.cuda()
+    table = random_page_table(lengths, tokens_per_page, num_pages, seed, device="cuda")
     slots = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, n in enumerate(lengths)]).cuda()
     positions = torch.cat([torch.arange(n) for n in lengths]).cuda()
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -98,7 +93,7 @@ def test_decode_kernel_reads_the_quantized_cache(kind, head_major, num_splits):
 @pytest.mark.parametrize("kind", KINDS)
 def test_mixed_batch_with_fused_rotary_write_on_the_quantized_cache(kind):
     from dflash2.config import RopeConfig
-    from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, PrefillSegment
+    from dflash2.kernels.attention_metadata import KVCache
     from dflash2.kernels.torch_ref.attention import TorchAttention
     from dflash2.kernels.triton import attention as tri
     from dflash2.layers.rotary import RotaryEmbedding
@@ -111,25 +106,7 @@ def test_mixed_batch_with_fused_rotary_write_on_the_quantized_cache(kind):
     q = torch.randn(total, KV_HEADS * 2, DIM, device="cuda").bfloat16()
     k = torch.randn(total, KV_HEADS, DIM, device="cuda").bfloat16()
     v = torch.randn(total, KV_HEADS, DIM, device="cuda").bfloat16()
-    slots, positions, segments, row = [], [], [], 0
-    for slot, (context, qlen) in enumerate(shapes):
-        slots += [slot] * qlen
-        positions += list(range(context - qlen, context))
-        if qlen > 1:
-            segments.append(PrefillSegment(row, qlen, context, slot))
-        row += qlen
-    as_int = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")  # noqa: E731
-    nd = 2
-    meta = AttentionMetadata(page_table=table, token_slots=as_int(slots), positions=torch.tensor(positions, device="cuda"),
-                             num_decode_tokens=nd, decode_lengths=as_int(lengths[:nd]),
-                             max_decode_length=max(lengths[:nd]), prefills=segments)
-    starts = [s.query_start - nd for s in segments] + [segments[-1].query_start - nd + segments[-1].query_len]
-    blocks = [(i, m) for i, s in enumerate(segments) for m in range(0, s.query_len, tri.PREFILL_BLOCK_M)]
-    meta.prefill_query_starts = as_int(starts)
-    meta.prefill_context_lens = as_int([s.context_len for s in segments])
-    meta.prefill_slots = as_int([s.slot for s in segments])
-    meta.prefill_block_segments = as_int([b[0] for b in blocks])
-    meta.prefill_block_starts = as_int([b[1] for b in blocks])
+    meta = mixed_batch_metadata(shapes, table, tri.PREFILL_BLOCK_M)
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0), DIM, 4096).cuda()
     q_rot, k_rot = rotary(meta.positions, q.clone(), k.clone())
     expected = TorchAttention().forward(q_rot.float(), k_rot, v, torch_cache, meta, DIM ** -0.5)

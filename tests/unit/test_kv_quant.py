@@ -14,10 +14,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.
 from dflash2 import LLM, SamplingParams  # noqa: E402
 from dflash2.config import ModelArchConfig  # noqa: E402
 from dflash2.engine.kv.layout import KVLayout, resolve_kv_dtype  # noqa: E402
-from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, PrefillSegment  # noqa: E402
+from dflash2.kernels.attention_metadata import KVCache  # noqa: E402
 from dflash2.kernels.torch_ref import attention as ref  # noqa: E402
 from dflash2.kernels.torch_ref.kv_quant import dequantize_kv, fake_quantize_kv, quantize_kv  # noqa: E402
 from dflash2.kernels.triton import attention as tri  # noqa: E402
+from tests.paging import mixed_batch_metadata, random_page_table  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 
 QUANTIZED = ("int8", "int4", "fp8")
@@ -97,18 +98,6 @@ def test_round_trip_error_is_bounded(kind):
 
 
 # -- TorchAttention on a quantized cache ---------------------------------------------------------------
-def page_table_for(lengths: list[int], num_pages: int, tokens_per_page: int, seed: int) -> torch.Tensor:
-    rng = random.Random(seed)
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    width = max(-(-n // tokens_per_page) for n in lengths)
-    table = torch.zeros((len(lengths), width), dtype=torch.int32)
-    for slot, n in enumerate(lengths):
-        for i in range(-(-n // tokens_per_page)):
-            table[slot, i] = pages.pop()
-    return table
-
-
 def filled_caches(kind: str, lengths: list[int], head_major: bool = True, seed: int = 0):
     """A float cache and a `kind` cache (KVLayout views) holding the same random K/V for each request."""
     layout = KVLayout.for_model(arch(num_layers=1, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM), kind, 1024,
@@ -116,7 +105,7 @@ def filled_caches(kind: str, lengths: list[int], head_major: bool = True, seed: 
     tpp = layout.tokens_per_page
     num_pages = sum(-(-n // tpp) for n in lengths) + 2
     cache = layout.layer_views(torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8))[0]
-    table = page_table_for(lengths, num_pages, tpp, seed)
+    table = random_page_table(lengths, tpp, num_pages, seed)
     slots = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, n in enumerate(lengths)])
     positions = torch.cat([torch.arange(n) for n in lengths])
     g = torch.Generator().manual_seed(seed)
@@ -155,7 +144,7 @@ def test_triton_write_matches_torch_write(kind, head_major):
     layout = KVLayout.for_model(arch(num_layers=1, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM), kind, 1024,
                                 head_major=head_major)
     cache = layout.layer_views(torch.zeros(expected.k.shape[0] * 1024, dtype=torch.uint8))[0]
-    table = page_table_for(lengths, expected.k.shape[0], layout.tokens_per_page, 0)
+    table = random_page_table(lengths, layout.tokens_per_page, expected.k.shape[0], 0)
     slots = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, n in enumerate(lengths)])
     positions = torch.cat([torch.arange(n) for n in lengths])
     g = torch.Generator().manual_seed(0)
@@ -201,7 +190,7 @@ def test_triton_mixed_batch_and_fused_rotary_write_match_torch(kind):
     q = torch.randn(num_tokens, NUM_KV_HEADS * 2, HEAD_DIM, generator=g)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=g)
     v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=g)
-    meta = _metadata(shapes, table)
+    meta = mixed_batch_metadata(shapes, table, tri.PREFILL_BLOCK_M)
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0), HEAD_DIM, 64)
     q_rot, k_rot = rotary(meta.positions, q.clone(), k.clone())
     expected = ref.TorchAttention().forward(q_rot, k_rot, v, torch_cache, meta, 0.3)
@@ -210,32 +199,6 @@ def test_triton_mixed_batch_and_fused_rotary_write_match_torch(kind):
     assert float((cache.k.int() - torch_cache.k.int()).abs().max()) <= (17 if kind == "int4" else 1)  # ties
     assert torch.equal(cache.v, torch_cache.v)
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
-
-
-def _metadata(shapes: list[tuple[int, int]], table: torch.Tensor) -> AttentionMetadata:
-    slots, positions, segments = [], [], []
-    row = 0
-    for slot, (context, qlen) in enumerate(shapes):
-        slots += [slot] * qlen
-        positions += list(range(context - qlen, context))
-        if qlen > 1:
-            segments.append(PrefillSegment(row, qlen, context, slot))
-        row += qlen
-    num_decode = sum(1 for _, n in shapes if n == 1)
-    meta = AttentionMetadata(page_table=table, token_slots=torch.tensor(slots, dtype=torch.int32),
-                             positions=torch.tensor(positions), num_decode_tokens=num_decode,
-                             decode_lengths=torch.tensor(
-                                 [c for c, n in shapes if n == 1], dtype=torch.int32),
-                             max_decode_length=max(c for c, n in shapes if n == 1), prefills=segments)
-    starts = [s.query_start - num_decode for s in segments] + [segments[-1].query_start - num_decode
-                                                              + segments[-1].query_len]
-    blocks = [(i, m) for i, s in enumerate(segments) for m in range(0, s.query_len, tri.PREFILL_BLOCK_M)]
-    meta.prefill_query_starts = torch.tensor(starts, dtype=torch.int32)
-    meta.prefill_context_lens = torch.tensor([s.context_len for s in segments], dtype=torch.int32)
-    meta.prefill_slots = torch.tensor([s.slot for s in segments], dtype=torch.int32)
-    meta.prefill_block_segments = torch.tensor([b[0] for b in blocks], dtype=torch.int32)
-    meta.prefill_block_starts = torch.tensor([b[1] for b in blocks], dtype=torch.int32)
-    return meta
 
 
 # -- the engine ------------------------------------------------------------------------------------------

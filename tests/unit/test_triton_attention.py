@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -12,9 +11,10 @@ triton = pytest.importorskip("triton")
 # the interpreter warns about log(0) = -inf and numpy scalar conversions
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, PrefillSegment  # noqa: E402
+from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache  # noqa: E402
 from dflash2.kernels.torch_ref import attention as ref  # noqa: E402
 from dflash2.kernels.triton import attention as tri  # noqa: E402
+from tests.paging import mixed_batch_metadata, random_page_table  # noqa: E402
 
 HEAD_DIM = 16
 NUM_KV_HEADS = 2
@@ -28,16 +28,7 @@ def make_cache(num_pages: int, seed: int):
 
 
 def page_table_for(lengths: list[int], num_pages: int, seed: int) -> torch.Tensor:
-    """Each slot gets distinct random pages covering its length."""
-    rng = random.Random(seed)
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    width = max(-(-n // TOKENS_PER_PAGE) for n in lengths)
-    table = torch.zeros((len(lengths), width), dtype=torch.int32)
-    for slot, n in enumerate(lengths):
-        for i in range(-(-n // TOKENS_PER_PAGE)):
-            table[slot, i] = pages.pop()
-    return table
+    return random_page_table(lengths, TOKENS_PER_PAGE, num_pages, seed)
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -81,26 +72,7 @@ def test_mixed_batch_matches_reference(group):
     q = torch.randn(num_tokens, num_heads, HEAD_DIM)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    slots, positions, segments = [], [], []
-    row = 0
-    for slot, (context, qlen) in enumerate(shapes):
-        slots += [slot] * qlen
-        positions += list(range(context - qlen, context))
-        if qlen > 1:
-            segments.append(PrefillSegment(row, qlen, context, slot))
-        row += qlen
-    meta = AttentionMetadata(page_table=table, token_slots=torch.tensor(slots, dtype=torch.int32),
-                             positions=torch.tensor(positions), num_decode_tokens=2,
-                             decode_lengths=torch.tensor(lengths[:2], dtype=torch.int32), max_decode_length=40,
-                             prefills=segments)
-    nd = meta.num_decode_tokens
-    starts = [s.query_start - nd for s in segments] + [segments[-1].query_start - nd + segments[-1].query_len]
-    blocks = [(i, m) for i, s in enumerate(segments) for m in range(0, s.query_len, tri.PREFILL_BLOCK_M)]
-    meta.prefill_query_starts = torch.tensor(starts, dtype=torch.int32)
-    meta.prefill_context_lens = torch.tensor([s.context_len for s in segments], dtype=torch.int32)
-    meta.prefill_slots = torch.tensor([s.slot for s in segments], dtype=torch.int32)
-    meta.prefill_block_segments = torch.tensor([b[0] for b in blocks], dtype=torch.int32)
-    meta.prefill_block_starts = torch.tensor([b[1] for b in blocks], dtype=torch.int32)
+    meta = mixed_batch_metadata(shapes, table, tri.PREFILL_BLOCK_M)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     expected = ref.TorchAttention().forward(q, k, v, KVCache(k_ref, v_ref), meta, 0.3)
     got = tri.TritonAttention(num_sms=4).forward(q, k, v, KVCache(k_cache, v_cache), meta, 0.3)

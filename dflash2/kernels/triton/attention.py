@@ -136,6 +136,23 @@ def _load_kv_tile(k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens
 
 
 @triton.jit
+def _tile_scores(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+                 stride_cache_page, stride_cache_token, stride_cache_head,
+                 stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
+                 HEAD_DIM: tl.constexpr, KIND: tl.constexpr, PRECISION: tl.constexpr):
+    """One KV tile for the online softmax: the scores q K^T * scale (K scales folded in), with the tile's
+    V and V scales."""
+    k, v, k_scale, v_scale = _load_kv_tile(
+        k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+        stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+        stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+    if KIND != 0:
+        s = s * k_scale[None, :]
+    return s * scale, v, v_scale
+
+
+@triton.jit
 def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, cos_ptr, sin_ptr,
                             page_table, token_slots, positions,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -213,14 +230,11 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     for n0 in range(start, end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        k, v, k_scale, v_scale = _load_kv_tile(
-            k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+        s, v, v_scale = _tile_scores(
+            q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-            stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
-        if KIND != 0:
-            s = s * k_scale[None, :]
-        s = tl.where(token_mask[None, :], s * scale, float("-inf"))
+            stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
+        s = tl.where(token_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
@@ -288,14 +302,10 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, out
     for n0 in range(0, kv_end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
-        k, v, k_scale, v_scale = _load_kv_tile(
-            k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+        s, v, v_scale = _tile_scores(
+            q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-            stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
-        if KIND != 0:
-            s = s * k_scale[None, :]
-        s = s * scale
+            stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
         allowed = (tokens[None, :] <= q_pos[:, None]) & token_mask[None, :]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

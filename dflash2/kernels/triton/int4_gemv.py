@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash2.kernels.triton.split_k import _k_range, _store_or_reduce, split_counters
+from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, split_counters
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ONE_BITS = tl.constexpr(0x3F800000)  # 1.0f
@@ -60,19 +60,6 @@ def _nibble_as_float(w, P: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_slice(x_ptr, m, stride_xm, K, cols, mask, SILU_MUL: tl.constexpr):
-    ptrs = x_ptr + m * stride_xm + cols
-    if SILU_MUL:
-        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptrs + K, mask=mask, other=0.0)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
-        value = (silu * up.to(tl.float32)).to(up.dtype).to(tl.float32)  # as silu_and_mul rounds it
-    else:
-        value = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    return value
-
-
-@triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                       stride_sn, stride_om, GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_N: tl.constexpr,
@@ -106,7 +93,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
         f_sum = tl.zeros([BLOCK_M, BLOCK_N, T, W], tl.float32)
         x_sum = tl.zeros([BLOCK_M, T, W], tl.float32)
         for p in tl.static_range(8):
-            x = _x_slice(x_rows, 0, 0, K, (k0 + col_base + p * W)[None, :, :], x_mask, SILU_MUL)  # [BM, T, W]
+            x = _activation(x_rows, 0, 0, K, (k0 + col_base + p * W)[None, :, :], x_mask, SILU_MUL)  # [BM, T, W]
             f_sum += _nibble_as_float(words, p, ASM)[None, :, :, :] * x[:, None, :, :]
             x_sum += x
         wide += s[None, :, :, None] * f_sum

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
 from dflash2.kernels.triton.int4_gemv import int4_gemv, prepare_int4
-from dflash2.kernels.triton.split_k import _k_range, _store_or_reduce, split_counters
+from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, split_counters
 from dflash2.quantization.formats import WeightFormat, unpack_int6
 
 GEMV_MAX_M = 4  # more rows than this run the tl.dot kernel (16-bit: cuBLAS)
@@ -122,18 +122,6 @@ def _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS: t
             q = q | (high << 4)
         result = _as_float(q)
     return result
-
-
-@triton.jit
-def _activation(x_ptr, m, stride_xm, K, cols, mask, SILU_MUL: tl.constexpr):
-    """Activation row m at `cols` as float32; with SILU_MUL the row is [gate | up] and this is silu(gate) * up."""
-    ptrs = x_ptr + m * stride_xm + cols
-    if SILU_MUL:
-        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptrs + K, mask=mask, other=0.0)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
-        return (silu * up.to(tl.float32)).to(up.dtype).to(tl.float32)  # = the product in up's dtype
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 # -- kernels ---------------------------------------------------------------------------------------------
@@ -245,18 +233,21 @@ def _launch(kernel: Any, x: torch.Tensor, weight: dict[str, Any], out: torch.Ten
         num_stages=config["num_stages"], **extra)
 
 
-def _prepare_input(x: torch.Tensor, k: int, silu_mul: bool) -> torch.Tensor:
+def _prepare(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None,
+             silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation checked ([M, K], or [M, 2K] with silu_mul) with unit column stride, and the output."""
+    k = weight["k"]
     if x.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
         raise ValueError(f"expected x [M, {2 * k if silu_mul else k}], got {tuple(x.shape)}")
-    return x if x.stride(1) == 1 else x.contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    return x, torch.empty((x.shape[0], weight["n"]), dtype=x.dtype, device=x.device) if out is None else out
 
 
 def gemv(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
          config: dict[str, int] | None = None) -> torch.Tensor:
     """y = act(x) @ W^T for x [M, K] (M <= GEMV_MAX_M, or any M; the kernel is built for few rows)."""
-    x = _prepare_input(x, weight["k"], silu_mul)
-    m, n = x.shape[0], weight["n"]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    x, out = _prepare(x, weight, out, silu_mul)
+    m, n = out.shape
     if m == 0:
         return out
     config = config or gemv_config(weight["bits"], n, weight["k"])
@@ -268,9 +259,8 @@ def gemv(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = Non
 def gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
          config: dict[str, int] | None = None) -> torch.Tensor:
     """y = act(x) @ W^T with the weight dequantized tile by tile (tl.dot); for 8/6/4 bits."""
-    x = _prepare_input(x, weight["k"], silu_mul)
-    m, n = x.shape[0], weight["n"]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    x, out = _prepare(x, weight, out, silu_mul)
+    m, n = out.shape
     if m == 0:
         return out
     config = dict(config or (GEMM_SMALL_M_CONFIG if m <= GEMM_SMALL_M else GEMM_CONFIG))

@@ -1,4 +1,8 @@
-"""Split-K for the GEMV kernels: several programs share one output tile along K, in one launch.
+"""Pieces the GEMV kernels share (quant_matmul.py, int4_gemv.py).
+
+    _activation     one activation row at some columns as float32, optionally silu(gate) * up of a fused
+                    [gate | up] row, rounded as the unfused silu_and_mul would
+    split-K         several programs share one output tile along K, in one launch:
 
 Each program parks its fp32 partial in a workspace and takes a ticket from the tile's counter; the last one
 sums the partials, stores the tile and resets the counter, so the counters stay zero between calls and the
@@ -9,6 +13,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _activation(x_ptr, m, stride_xm, K, cols, mask, SILU_MUL: tl.constexpr):
+    """Activation row m at `cols` as float32; with SILU_MUL the row is [gate | up] and this is silu(gate) * up."""
+    ptrs = x_ptr + m * stride_xm + cols
+    if SILU_MUL:
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + K, mask=mask, other=0.0)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
+        value = (silu * up.to(tl.float32)).to(up.dtype).to(tl.float32)  # = the product in up's dtype
+    else:
+        value = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return value
 
 
 @triton.jit
