@@ -113,13 +113,16 @@ class _CompletionFormat:
         return self._hot_event(index, output.delta_text, extra)
 
     def _hot_event(self, index: int, text: str, extra: dict[str, Any]) -> str:
+        return self._sse_choice(index, f'"text": {json.dumps(text, ensure_ascii=False)}', extra)
+
+    def _sse_choice(self, index: int, content: str, extra: dict[str, Any]) -> str:
+        """One SSE event of one choice's text, written as text (byte-identical to the dict path)."""
         prefix = getattr(self, "_prefix", None)
         if prefix is None:
             prefix = self._prefix = "data: " + _json_prefix({k: v for k, v in self.header([]).items()
                                                              if k != "choices"}) + '"choices": [{"index": '
         tail = ', "usage": null}\n\n' if "usage" in extra else "}\n\n"
-        return (f'{prefix}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": null, '
-                f'"finish_reason": null}}]{tail}')
+        return f'{prefix}{index}, {content}, "logprobs": null, "finish_reason": null}}]{tail}'
 
     def opening(self) -> list[dict[str, Any]]:
         if self.echo is None:
@@ -194,13 +197,7 @@ class _ChatFormat(_CompletionFormat):
     def _hot_event(self, index: int, text: str, extra: dict[str, Any]) -> str:
         if not text:
             return ""
-        prefix = getattr(self, "_prefix", None)
-        if prefix is None:
-            prefix = self._prefix = "data: " + _json_prefix({k: v for k, v in self.header([]).items()
-                                                             if k != "choices"}) + '"choices": [{"index": '
-        tail = ', "usage": null}\n\n' if "usage" in extra else "}\n\n"
-        return (f'{prefix}{index}, "delta": {{"content": {json.dumps(text, ensure_ascii=False)}}}, '
-                f'"logprobs": null, "finish_reason": null}}]{tail}')
+        return self._sse_choice(index, f'"delta": {{"content": {json.dumps(text, ensure_ascii=False)}}}', extra)
 
     def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
         index = self.generation.index_of[output.request_id]
