@@ -97,17 +97,29 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def step_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """Engine step wall time over a phase: count, mean, and p50/p99 as histogram bucket upper bounds."""
+    """Engine step wall time over a phase: count, mean, and p50/p99 as histogram bucket upper bounds; the same
+    for its parts, launching (inputs + kernel launches) and finishing (waiting for results + committing)."""
+    stats = _histogram_stats(STEP_METRIC, before, after)
+    if stats["steps"]:
+        for part in ("launch", "finish"):
+            part_stats = _histogram_stats(f"dflash2_step_{part}_seconds", before, after)
+            part_stats.pop("steps")
+            if part_stats:
+                stats[part] = part_stats
+    return stats
+
+
+def _histogram_stats(metric: str, before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    count = delta(STEP_METRIC + "_count{}")
+    count = delta(metric + "_count{}")
     if count <= 0:
         return {"steps": 0}
-    buckets = sorted((float(key[len(STEP_METRIC) + 8:-1]), delta(key)) for key in after
-                     if key.startswith(STEP_METRIC + "_bucket{"))
+    buckets = sorted((float(key[len(metric) + 8:-1]), delta(key)) for key in after
+                     if key.startswith(metric + "_bucket{"))
     quantile = {q: next((le for le, n in buckets if n >= q * count), None) for q in (0.5, 0.99)}
-    return {"steps": int(count), "mean_ms": round(1000 * delta(STEP_METRIC + "_sum{}") / count, 1),
+    return {"steps": int(count), "mean_ms": round(1000 * delta(metric + "_sum{}") / count, 1),
             "p50_le_ms": _ms(quantile[0.5]), "p99_le_ms": _ms(quantile[0.99])}
 
 

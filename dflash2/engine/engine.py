@@ -109,7 +109,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
-        self.last_plan_seconds = 0.0  # how long the latest Scheduler.plan() took (server metrics read it)
+        # where the latest step's host time went (server metrics read them): Scheduler.plan(), building inputs
+        # and launching the kernels, and waiting for a step's results (the device) and committing them
+        self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
         logger.info("model %s: %d layers, KV %s, %d pages of %d tokens (%d tokens), max_model_len %d",
                     self.model.name, self.model.arch.num_layers, layout.dtype, num_pages, layout.tokens_per_page,
                     num_pages * layout.tokens_per_page, self.max_model_len)
@@ -151,16 +153,23 @@ class Engine:
         """One iteration: plan and launch a step, and commit the previous one (overlapped) or this one."""
         started = time.perf_counter()
         plan = self.scheduler.plan()
-        self.last_plan_seconds = time.perf_counter() - started
+        planned = time.perf_counter()
+        self.last_plan_seconds = planned - started
+        self.last_launch_seconds = self.last_finish_seconds = 0.0
         outputs: list[RequestOutput] = []
         if plan and self._in_flight is not None and self._needs_token_values(plan):
             outputs += self._finish_in_flight()  # penalties read the real tokens, not placeholders
         launched = None
         if plan:
             self._mark_scheduled(plan)
+            launch_started = time.perf_counter()
             pending = self.runner.launch(plan, self.requests)
+            self.last_launch_seconds = time.perf_counter() - launch_started
             if not self.overlap:
-                return outputs + self._commit(plan, self.runner.collect(pending), None)
+                finish_started = time.perf_counter()
+                outputs += self._commit(plan, self.runner.collect(pending), None)
+                self.last_finish_seconds += time.perf_counter() - finish_started
+                return outputs
             self._add_placeholders(pending)
             launched = (plan, pending)
         if self._in_flight is not None:
@@ -192,9 +201,12 @@ class Engine:
                 request.finish_pending = True
 
     def _finish_in_flight(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         plan, pending = self._in_flight
         self._in_flight = None
-        return self._commit(plan, self.runner.collect(pending), pending.placeholders)
+        outputs = self._commit(plan, self.runner.collect(pending), pending.placeholders)
+        self.last_finish_seconds += time.perf_counter() - started
+        return outputs
 
     def _commit(self, plan: StepPlan, result: StepResult, placeholders: list[int] | None) -> list[RequestOutput]:
         outputs = []

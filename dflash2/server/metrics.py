@@ -97,6 +97,11 @@ class ServerMetrics:
         self.step_duration = histogram("dflash2_step_duration_seconds",
                                        "Wall time of one Engine.step() (plan, run, commit) on the engine thread",
                                        _STEP_BUCKETS)
+        self.step_launch = histogram("dflash2_step_launch_seconds",
+                                     "Part of a step spent building its inputs and launching its kernels", _STEP_BUCKETS)
+        self.step_finish = histogram("dflash2_step_finish_seconds",
+                                     "Part of a step spent waiting for a step's results (the device) and committing "
+                                     "them", _STEP_BUCKETS)
         self.scheduler_latency = histogram("dflash2_scheduler_latency_microseconds",
                                            "Time Scheduler.plan() takes per step", _SCHEDULER_BUCKETS_US)
 

@@ -134,6 +134,8 @@ class RequestObserver:
         self.metrics.scheduler_latency.observe(getattr(engine, "last_plan_seconds", 0.0) * 1e6)
         if step_seconds is not None:
             self.metrics.step_duration.observe(step_seconds)
+            self.metrics.step_launch.observe(getattr(engine, "last_launch_seconds", 0.0))
+            self.metrics.step_finish.observe(getattr(engine, "last_finish_seconds", 0.0))
         self._update_gauges()
 
     def tick(self, now: float) -> None:

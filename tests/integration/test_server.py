@@ -203,6 +203,15 @@ def test_metrics_are_labelled_and_count_requests(real_server, client):
     assert "# TYPE dflash2_gpu_memory_utilization gauge" in text
     after = real_server.metric("dflash2_generation_tokens_total", model_name=MODEL)
     assert after >= before + 3
+    # every step's host time is split into launch and finish (waiting for results, committing): one sample each
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name.startswith("dflash2_step_")}
+    steps = samples["dflash2_step_duration_seconds_count"]
+    for part in ("dflash2_step_launch_seconds", "dflash2_step_finish_seconds"):
+        assert samples[part + "_count"] == steps >= 3
+        assert samples[part + "_sum"] > 0
     assert real_server.metric("dflash2_request_success_total", model_name=MODEL, finished_reason="length") >= 1
 
 
