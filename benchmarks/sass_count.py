@@ -1,0 +1,103 @@
+"""Compile the hot Triton kernels for sm_90 on this machine (no GPU needed) and count the instructions of their
+main loop per element it processes: a proxy for whether a kernel can keep up with HBM on an H200.
+
+    .venv/bin/python benchmarks/sass_count.py            (prints JSON lines; CPU only, needs triton's ptxas)
+
+At full bandwidth (~4 TB/s) an H200 issues about 33e12 thread-instructions a second, so a kernel streaming
+B bytes an element stays memory-bound only below ~8 B instructions an element (bf16 KV: ~16; int8 KV: ~8;
+int4 weights at 0.5 B: ~4). Compiling also catches what TRITON_INTERPRET=1 does not (types the compiler
+rejects, code after a return inside a constexpr branch). Pointers and strides are declared divisible by 16, as
+Triton specializes them at launch.
+"""
+from __future__ import annotations
+
+import collections
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from dflash2.kernels.triton import attention as attn  # noqa: E402
+from dflash2.kernels.triton import int4_gemv, quant_matmul  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_sm90(kernel, types: dict[str, str], constants: dict, num_warps: int, num_stages: int):
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if n not in constants and (signature[n].startswith("*") or n.startswith("stride"))}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
+    return triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def loop_mix(compiled) -> tuple[int, collections.Counter]:
+    """Instructions of the longest backward-branch loop in the SASS, and their opcodes."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    instructions = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*);", line)
+        if m:
+            instructions.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    best: list = []
+    for address, op, rest in instructions:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < address:
+            body = [i for i in instructions if int(target.group(1), 16) <= i[0] <= address]
+            best = body if len(body) > len(best) else best
+    return len(best), collections.Counter(op.split(".")[0] for _, op, _ in best)
+
+
+def report(name: str, kernel, types: dict, constants: dict, elements_per_iteration: int, num_warps: int = 4,
+           num_stages: int = 2) -> None:
+    count, mix = loop_mix(compile_sm90(kernel, types, constants, num_warps, num_stages))
+    print(json.dumps({"kernel": name, "loop_instructions": count,
+                      "per_element": round(count * 32 * num_warps / elements_per_iteration, 2),
+                      "top": dict(mix.most_common(8))}), flush=True)
+
+
+def main() -> None:
+    for kind, cache in ((0, "*bf16"), (1, "*i8"), (3, "*fp8e4nv")):
+        types = {"q_ptr": "*bf16", "k_cache": cache, "v_cache": cache, "k_scales": "*fp16", "v_scales": "*fp16",
+                 "page_table": "*i32", "slots": "*i32", "lengths": "*i32", "out_ptr": "*fp32", "lse_ptr": "*fp32",
+                 "scale": "fp32"}
+        constants = {"GROUP": 2, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 32, "NUM_SPLITS": 4,
+                     "PRECISION": "tf32", "KIND": kind}
+        report(f"decode attention, KV kind {kind} (per K+V element)", attn._decode_split_kernel, types, constants,
+               elements_per_iteration=32 * 128 * 2)
+    gemv_types = {"x_ptr": "*bf16", "hi_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16",
+                  "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    for bits, weight, block_n, gs, t, words in ((16, "*bf16", 8, 512, 1, False), (8, "*i32", 8, 512, 1, True),
+                                               (4, "*i32", 16, 128, 4, True)):
+        constants = {"BITS": bits, "GS": gs, "T": t, "BLOCK_M": 1, "BLOCK_N": block_n, "SPLIT_K": 1,
+                     "SILU_MUL": False, "WORDS": words}
+        report(f"GEMV {bits}-bit, M=1 (per weight)", quant_matmul._gemv_kernel, {**gemv_types, "w_ptr": weight},
+               constants, elements_per_iteration=block_n * gs * t)
+    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "c_ptr": "*fp32", "out_ptr": "*bf16",
+             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    config = int4_gemv.INT4_GEMV_CONFIG
+    constants = {"GS": 128, "T": config["T"], "BLOCK_M": 1, "BLOCK_N": config["BLOCK_N"], "SPLIT_K": 4,
+                 "SILU_MUL": False, "EVEN_N": True, "ASM": True}
+    report("int4 GEMV, repacked (per weight)", int4_gemv._int4_gemv_kernel, types, constants,
+           elements_per_iteration=config["BLOCK_N"] * 128 * config["T"], num_warps=config["num_warps"],
+           num_stages=config["num_stages"])
+
+
+if __name__ == "__main__":
+    main()
