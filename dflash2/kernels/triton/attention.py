@@ -14,6 +14,8 @@ Prefill programs each take BLOCK_M queries of one head of one request's chunk.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -368,10 +370,16 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         KIND=kind)
 
 
+# How many programs per SM the decode grid aims at (DFLASH2_DECODE_WAVES): more splits make smaller work units,
+# which balance batches of mixed lengths better but bring back the merge launch. To measure on W1 (which runs
+# one split at 2); not tuned yet.
+DECODE_WAVES = int(os.environ.get("DFLASH2_DECODE_WAVES", "2"))
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """Enough splits that batch * kv_heads * splits fills the GPU about twice: a power of two, at most 32
-    (each value is a separately compiled kernel, so only six exist; graph capture compiles them all)."""
-    wanted = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    """Enough splits that batch * kv_heads * splits fills the GPU DECODE_WAVES times: a power of two, at most
+    32 (each value is a separately compiled kernel, so only six exist; graph capture compiles them all)."""
+    wanted = triton.cdiv(DECODE_WAVES * num_sms, max(1, batch * num_kv_heads))
     return min(32, triton.next_power_of_2(wanted))
 
 
