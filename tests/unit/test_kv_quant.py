@@ -18,6 +18,7 @@ from dflash2.kernels.attention_metadata import KVCache  # noqa: E402
 from dflash2.kernels.torch_ref import attention as ref  # noqa: E402
 from dflash2.kernels.torch_ref.kv_quant import dequantize_kv, fake_quantize_kv, quantize_kv  # noqa: E402
 from dflash2.kernels.triton import attention as tri  # noqa: E402
+from tests.engine_runs import run_with_urgent_arrivals  # noqa: E402
 from tests.paging import mixed_batch_metadata, random_page_table  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 
@@ -251,17 +252,9 @@ def test_chunking_prefix_hits_and_swap_do_not_change_quantized_results(tiny, kin
     llm = LLM(tiny, **common, kv_cache_memory=18 * PAGE_BYTES, prefill_chunk_size=5, max_num_batched_tokens=24,
               swap_space=f"{64 * PAGE_BYTES}B")
     engine = llm.engine
-    finished = {}
-    ids = [engine.add_request({"prompt_token_ids": p}, params, priority=0).request_id for p in low]
-    for _ in range(6):
-        for output in engine.step():
-            finished[output.request_id] = output
-    ids += [engine.add_request({"prompt_token_ids": p}, params, priority=1000).request_id for p in high]
-    while engine.has_unfinished():
-        for output in engine.step():
-            finished[output.request_id] = output
+    got = run_with_urgent_arrivals(engine, low, high, params, steps_before=6)
     assert engine.scheduler.num_swap_outs > 0 and engine.kv.num_prefix_hits > 0
-    assert [finished[i].outputs[0].token_ids for i in ids] == expected
+    assert got == expected
 
 
 def test_engine_on_triton_kernels_matches_torch_with_int8_kv(tiny):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dflash2 import LLM, SamplingParams
+from tests.engine_runs import run_with_urgent_arrivals
 from tests.tiny_models import ARCHS, build_tiny_model, hf_greedy, hf_logprobs
 
 PAGE_BYTES = 2048  # 2 layers * 2 (K,V) * 2 kv heads * 16 dims * 4 bytes = 512 bytes/token -> 4 tokens a page
@@ -138,16 +139,7 @@ def test_priority_preemption_with_swap_gives_the_same_tokens(tiny, overlap):
     low = prompts(4, seed=21)
     high = prompts(3, seed=22)
     params = SamplingParams(max_tokens=14, min_tokens=14, temperature=0)
-    finished = {}
-    ids = [engine.add_request({"prompt_token_ids": p}, params, priority=0).request_id for p in low]
-    for _ in range(4):
-        for output in engine.step():
-            finished[output.request_id] = output
-    ids += [engine.add_request({"prompt_token_ids": p}, params, priority=1000).request_id for p in high]
-    while engine.has_unfinished():
-        for output in engine.step():
-            finished[output.request_id] = output
+    got = run_with_urgent_arrivals(engine, low, high, params, steps_before=4)
     assert engine.scheduler.num_swap_outs > 0
-    for request_id, prompt in zip(ids, low + high):
-        assert finished[request_id].outputs[0].token_ids == hf_greedy(hf_model, prompt, 14)
+    assert got == [hf_greedy(hf_model, prompt, 14) for prompt in low + high]
     assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0
