@@ -13,6 +13,13 @@ if TYPE_CHECKING:
     from dflash2.engine.sampler import Logprob
 
 
+def check_priority(priority: object) -> int:
+    """A request priority: an integer in [0, MAX_PRIORITY] (bool is not one); ValueError otherwise."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority must be an integer in [0, {MAX_PRIORITY}], got {priority!r}")
+    return priority
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -36,8 +43,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  priority: int = 0, arrival_time: float | None = None, prompt: str | None = None,
                  model: str | None = None) -> None:
-        if not 0 <= priority <= MAX_PRIORITY:
-            raise ValueError(f"priority must be in [0, {MAX_PRIORITY}], got {priority}")
+        check_priority(priority)
         self.request_id = request_id
         self.prompt = prompt
         self.model = model

@@ -62,6 +62,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def has_penalty(self) -> bool:
+        """Repetition, frequency or presence penalty: sampling reads the request's token history."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:

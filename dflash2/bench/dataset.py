@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash2.sampling_params import MAX_PRIORITY
+from dflash2.request import check_priority
 
 # Shipped with the repository: 100 prompts, priorities 0 / 100 / 1000 in proportions 70 / 20 / 10.
 SAMPLE_DATASET = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "sample.jsonl"
@@ -53,6 +53,8 @@ def _item(row: dict, where: str, max_tokens: int | None) -> BenchItem:
     priority = row.get("priority", 0)
     if not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"{where}: max_tokens must be a positive integer, got {tokens!r}")
-    if not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
-        raise ValueError(f"{where}: priority must be an integer in [0, {MAX_PRIORITY}], got {priority!r}")
+    try:
+        check_priority(priority)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     return BenchItem(prompt, tokens, priority)

@@ -39,13 +39,9 @@ from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepR
 from dflash2.engine.sampler import make_generator
 from dflash2.engine.scheduler import Scheduler
 from dflash2.loading.model_loader import load_model
-from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenView
+from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenView, check_priority
 from dflash2.sampling_params import MAX_PRIORITY, SamplingParams
 
-
-def _has_penalty(params: SamplingParams) -> bool:
-    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0)
 
 logger = logging.getLogger("dflash2")
 
@@ -126,8 +122,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
-        if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= MAX_PRIORITY:
-            raise ValueError(f"priority must be an integer in [0, {MAX_PRIORITY}], got {priority!r}")
+        check_priority(priority)  # before the flip below, so the message names what the client sent
         if self.config.low_priority_values_first:
             priority = MAX_PRIORITY - priority
         request = Request(request_id, token_ids, params, priority=priority, prompt=prompt_text,
@@ -187,7 +182,7 @@ class Engine:
     def _needs_token_values(self, plan: StepPlan) -> bool:
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
-            if chunk.sample and request is not None and _has_penalty(request.sampling_params):
+            if chunk.sample and request is not None and request.sampling_params.has_penalty:
                 return True
         return False
 

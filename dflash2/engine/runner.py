@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from dflash2.engine.graphs import DecodeGraphs
@@ -259,8 +258,7 @@ class ModelRunner:
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params
         # the history is copied only for rows that read it (penalties, or min_tokens not yet reached)
-        needs_history = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                         or params.presence_penalty != 0.0 or request.num_output_tokens < params.min_tokens)
+        needs_history = params.has_penalty or request.num_output_tokens < params.min_tokens
         return SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
                            output_token_ids=request.output_token_ids if needs_history else (),
                            generator=request.generator, eos_token_ids=self.eos_token_ids)

@@ -74,7 +74,7 @@ class Sampler:
     def sample_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The sampled token ids as a tensor on logits.device, without waiting for the device."""
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if logits.dtype != torch.float32 and (random_rows or any(_has_penalty(row.params) for row in rows)):
+        if logits.dtype != torch.float32 and (random_rows or any(row.params.has_penalty for row in rows)):
             logits = logits.float()  # exact; temperature, top-p and penalties then compute in float32
         processed = apply_min_tokens(apply_penalties(logits, rows), rows)
         if not random_rows:
@@ -140,7 +140,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
     Returns `logits` itself when no row has a penalty, else a new tensor; the input is never modified.
     """
-    penalized = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+    penalized = [i for i, row in enumerate(rows) if row.params.has_penalty]
     if not penalized:
         return logits
     sub_rows = [rows[i] for i in penalized]
@@ -262,11 +262,6 @@ def _logprob_dicts(logits: torch.Tensor, token_ids: torch.Tensor,
             entries.setdefault(top_id, Logprob(value, rank))
         result.append(entries)
     return result
-
-
-def _has_penalty(params: SamplingParams) -> bool:
-    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0)
 
 
 def _token_counts(sequences: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:

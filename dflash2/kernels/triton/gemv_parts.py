@@ -2,6 +2,7 @@
 
     _activation     one activation row at some columns as float32, optionally silu(gate) * up of a fused
                     [gate | up] row, rounded as the unfused silu_and_mul would
+    prepare_io      the launchers' input check ([M, K], or [M, 2K] with SiLU-mul) and output allocation
     split-K         several programs share one output tile along K, in one launch:
 
 Each program parks its fp32 partial in a workspace and takes a ticket from the tile's counter; the last one
@@ -9,6 +10,8 @@ sums the partials, stores the tile and resets the counter, so the counters stay 
 whole thing is safe inside CUDA graphs.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -69,3 +72,13 @@ def split_counters(device: torch.device, size: int) -> torch.Tensor:
         counters = torch.zeros(max(size, 1 << 16), dtype=torch.int32, device=device)
         _COUNTERS[device] = counters
     return counters
+
+
+def prepare_io(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None,
+               silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation checked ([M, K], or [M, 2K] with silu_mul) with unit column stride, and the output."""
+    k = weight["k"]
+    if x.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
+        raise ValueError(f"expected x [M, {2 * k if silu_mul else k}], got {tuple(x.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    return x, torch.empty((x.shape[0], weight["n"]), dtype=x.dtype, device=x.device) if out is None else out

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, split_counters
+from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ONE_BITS = tl.constexpr(0x3F800000)  # 1.0f
@@ -120,11 +120,8 @@ def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, silu_mul: bool = False,
               config: dict | None = None) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with silu_mul; M small) @ W^T for a weight from prepare_int4."""
-    m, n, k = x.shape[0], weight["n"], weight["k"]
-    if x.shape[1] != (2 * k if silu_mul else k):
-        raise ValueError(f"expected x [M, {2 * k if silu_mul else k}], got {tuple(x.shape)}")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    x, out = prepare_io(x, weight, out, silu_mul)
+    (m, n), k = out.shape, weight["k"]
     if m == 0:
         return out
     config = config or INT4_GEMV_CONFIG

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
 from dflash2.kernels.triton.int4_gemv import int4_gemv, prepare_int4
-from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, split_counters
+from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
 from dflash2.quantization.formats import WeightFormat, unpack_int6
 
 GEMV_MAX_M = 4  # more rows than this run the tl.dot kernel (16-bit: cuBLAS)
@@ -233,20 +233,10 @@ def _launch(kernel: Any, x: torch.Tensor, weight: dict[str, Any], out: torch.Ten
         num_stages=config["num_stages"], **extra)
 
 
-def _prepare(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None,
-             silu_mul: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activation checked ([M, K], or [M, 2K] with silu_mul) with unit column stride, and the output."""
-    k = weight["k"]
-    if x.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
-        raise ValueError(f"expected x [M, {2 * k if silu_mul else k}], got {tuple(x.shape)}")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    return x, torch.empty((x.shape[0], weight["n"]), dtype=x.dtype, device=x.device) if out is None else out
-
-
 def gemv(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
          config: dict[str, int] | None = None) -> torch.Tensor:
     """y = act(x) @ W^T for x [M, K] (M <= GEMV_MAX_M, or any M; the kernel is built for few rows)."""
-    x, out = _prepare(x, weight, out, silu_mul)
+    x, out = prepare_io(x, weight, out, silu_mul)
     m, n = out.shape
     if m == 0:
         return out
@@ -259,7 +249,7 @@ def gemv(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = Non
 def gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
          config: dict[str, int] | None = None) -> torch.Tensor:
     """y = act(x) @ W^T with the weight dequantized tile by tile (tl.dot); for 8/6/4 bits."""
-    x, out = _prepare(x, weight, out, silu_mul)
+    x, out = prepare_io(x, weight, out, silu_mul)
     m, n = out.shape
     if m == 0:
         return out
