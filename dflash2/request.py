@@ -103,7 +103,9 @@ class TokenView(Sequence[int]):
         return self._stop - self._start
 
     def __getitem__(self, index):  # type: ignore[override]
-        return self._materialize()[index]
+        if isinstance(index, slice):
+            return self._materialize()[index]
+        return self._tokens[range(self._start, self._stop)[index]]  # one element, bounds as a list's
 
     def __iter__(self):
         return iter(self._materialize())

@@ -331,3 +331,31 @@ def test_namespaces_do_not_share_pages() -> None:
     assert n.pages_of("d") == [3, 4]
     assert [pool.refcount(p) for p in range(6)] == [2, 2, 1, 2, 2, 1]
     assert_state(pool, free=0, cached=0, used=6)
+
+
+def test_token_view_reads_like_the_list_it_windows():
+    from dflash2.request import TokenView
+
+    tokens = [10, 11, 12, 13, 14, 15]
+    view = TokenView(tokens, 2, 5)
+    assert list(view) == [12, 13, 14] and len(view) == 3
+    assert (view[0], view[2], view[-1], view[-3]) == (12, 14, 14, 12)
+    assert view[1:] == [13, 14] and view == [12, 13, 14]
+    for bad in (3, -4):
+        with pytest.raises(IndexError):
+            view[bad]
+
+
+def test_prefix_lookup_hashes_a_waiting_prompt_once_per_length():
+    pool = PagePool(8, 64)
+    kv = KVManager(pool, tokens_per_page=2, namespace="m")
+    request = Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
+    first = kv.lookup_prefix(request)
+    chain = kv._lookup_chains["r"][1]
+    assert kv.lookup_prefix(request) == first and kv._lookup_chains["r"][1] is chain  # not recomputed
+    assert len(chain) == 2  # the full pages of all tokens but the last
+    request.token_ids.append(6)
+    kv.lookup_prefix(request)
+    assert kv._lookup_chains["r"][0] == 6 and len(kv._lookup_chains["r"][1]) == 2
+    kv.free(request)
+    assert "r" not in kv._lookup_chains

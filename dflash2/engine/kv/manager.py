@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dflash2.engine.kv.host_pool import HostPagePool
 from dflash2.engine.kv.page_pool import PagePool
-from dflash2.engine.kv.prefix_hash import page_hash
+from dflash2.engine.kv.prefix_hash import chain_hashes, page_hash
 from dflash2.request import Request
 
 
@@ -41,6 +41,7 @@ class KVManager:
         self._num_synced: dict[str, int] = {}  # pages already handed to the runner
         self.host_pool = host_pool
         self._swapped: dict[str, list[int]] = {}  # request id -> host pages, in page-table order
+        self._lookup_chains: dict[str, tuple[int, list[bytes]]] = {}  # request id -> (num_tokens, page hashes)
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found
 
@@ -113,16 +114,23 @@ class KVManager:
         hashes: list[bytes] = []
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return pages, hashes
-        usable = request.num_tokens - 1
-        parent = None
-        for start in range(0, usable - self.tokens_per_page + 1, self.tokens_per_page):
-            parent = page_hash(parent, request.token_ids[start:start + self.tokens_per_page], self.namespace)
-            page = self.pool.lookup(parent)
+        for content_hash in self._lookup_chain(request):
+            page = self.pool.lookup(content_hash)
             if page is None:
                 break
             pages.append(page)
-            hashes.append(parent)
+            hashes.append(content_hash)
         return pages, hashes
+
+    def _lookup_chain(self, request: Request) -> list[bytes]:
+        """Hashes of the full pages of the request's tokens but the last, computed once per token count: the
+        scheduler asks about a waiting request every step (and once per candidate victim)."""
+        cached = self._lookup_chains.get(request.request_id)
+        if cached is None or cached[0] != request.num_tokens:
+            cached = (request.num_tokens, chain_hashes(request.token_ids[:request.num_tokens - 1],
+                                                       self.tokens_per_page, self.namespace))
+            self._lookup_chains[request.request_id] = cached
+        return cached[1]
 
     def pages_needed(self, request: Request, chunk_tokens: int) -> int:
         """Pages that admitting a request without pages, with a first chunk of `chunk_tokens` after its cached
@@ -139,6 +147,7 @@ class KVManager:
             self.pool.acquire(page)
         self._open(request.request_id).extend(pages)
         self._hashes[request.request_id] = hashes
+        self._lookup_chains.pop(request.request_id, None)
         return len(pages) * self.tokens_per_page
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -184,6 +193,7 @@ class KVManager:
             self.host_pool.release(host)
         pages = self._pages.pop(request.request_id, [])
         self._hashes.pop(request.request_id, None)
+        self._lookup_chains.pop(request.request_id, None)
         self._num_synced.pop(request.request_id, None)
         slot = self._slot.pop(request.request_id, None)
         if slot is not None:
