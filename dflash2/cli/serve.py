@@ -6,7 +6,6 @@ startup that names the flag, never a silent no-op.
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from typing import Any
 
@@ -68,8 +67,6 @@ def check_unbuilt(args: argparse.Namespace) -> None:
         (args.distributed_executor_backend == "ray", "--distributed-executor-backend ray",
          "the Ray executor is not built yet"),
         (args.ray_address is not None, "--ray-address", "the Ray executor is not built yet"),
-        (args.swap_space != 0 and not _llm_takes("swap_space"), f"--swap-space {args.swap_space:g}",
-         "swapping KV pages to host memory is not built yet; only 0 is supported"),
         (args.enable_l3_cache, "--enable-l3-cache", "the disk (L3) KV cache is not built yet"),
         (args.l3_cache_path is not None, "--l3-cache-path", "the disk (L3) KV cache is not built yet"),
     ]
@@ -86,11 +83,11 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if None not in (args.max_batch_size, args.max_num_seqs) and args.max_batch_size != args.max_num_seqs:
         raise ValueError(f"--max-batch-size {args.max_batch_size} contradicts --max-num-seqs {args.max_num_seqs}")
     kwargs["max_num_seqs"] = args.max_batch_size or args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-    if args.enforce_eager and _llm_takes("enforce_eager"):
-        kwargs["enforce_eager"] = True  # (a build without the parameter captures no CUDA graphs at all)
+    if args.enforce_eager:
+        kwargs["enforce_eager"] = True
     if args.swap_space < 0:
         raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space:g}")
-    if args.swap_space and _llm_takes("swap_space"):
+    if args.swap_space:
         kwargs["swap_space"] = args.swap_space
     if args.preemption_threshold < 1:
         raise ValueError(f"--preemption-threshold must be >= 1, got {args.preemption_threshold}")
@@ -105,12 +102,6 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   max_outranked_prefill_tokens=None if cap == -1 else cap,
                   low_priority_values_first=args.low_priority_values_first)
     return kwargs
-
-
-def _llm_takes(name: str) -> bool:
-    from dflash2 import LLM
-
-    return name in inspect.signature(LLM).parameters
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -91,7 +91,7 @@ class Engine:
                                 enforce_eager=config.enforce_eager, num_host_pages=num_host_pages)
         num_pages = self._num_pages(layout, device, options)
         self.pool = PagePool(num_pages, layout.page_bytes)
-        host_pool = HostPagePool(num_host_pages, layout.page_bytes) if num_host_pages else None
+        host_pool = HostPagePool(num_host_pages) if num_host_pages else None
         self.kv = KVManager(self.pool, layout.tokens_per_page, self.model.name, config.cache.enable_prefix_caching,
                             max_slots=config.scheduler.max_num_seqs, host_pool=host_pool)
         self.scheduler = Scheduler(config.scheduler, self.kv)

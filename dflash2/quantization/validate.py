@@ -134,9 +134,11 @@ def kv_bytes_per_token(arch: ModelArchConfig, kv_dtype: str) -> int:
 
 
 def _kv_dtype(options: ValidateOptions, quant: QuantConfig | None) -> str:
-    """The KV dtype the report is about: --kv-cache-dtype, else the config's, else bf16 (a GPU deployment)."""
-    kv_dtype = options.kv_cache_dtype or (quant.kv_cache_dtype if quant else "auto")
-    return "bf16" if kv_dtype == "auto" else kv_dtype
+    """The KV dtype the report is about, resolved as the engine does: --kv-cache-dtype, else the config's,
+    else the model dtype of a GPU deployment (bf16)."""
+    from dflash2.engine.kv.layout import resolve_kv_dtype
+
+    return resolve_kv_dtype(options.kv_cache_dtype or "auto", torch.bfloat16, quant.kv_cache_dtype if quant else None)
 
 
 def memory_report(arch: ModelArchConfig, quant: QuantConfig | None,

@@ -205,23 +205,21 @@ class EngineThread:
             return
         now = time.monotonic()
         self.observer.on_step(self.engine, now, now - started)
-        deliveries: list[tuple[asyncio.Queue, RequestOutput]] = []
-        priorities: dict[str, int] = {}
+        deliveries: list[tuple[int, asyncio.Queue, RequestOutput]] = []
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
             self.observer.on_output(tracked, output, now)
-            deliveries.append((tracked.outputs, output))
-            priorities[output.request_id] = tracked.request.priority
+            deliveries.append((tracked.request.priority, tracked.outputs, output))
             if output.finished:
                 del self._tracked[output.request_id]
                 self._finish_times.append(now)
                 self.observer.on_finished(tracked, output.outputs[0].finish_reason or "stop", now)
         if deliveries:
             # Most urgent first: their handlers wake first, so their tokens go out first on a busy loop.
-            deliveries.sort(key=lambda d: -priorities[d[1].request_id])
-            self._call_soon(_deliver, deliveries)
+            deliveries.sort(key=lambda d: -d[0])
+            self._call_soon(_deliver, [(queue, output) for _, queue, output in deliveries])
 
     def _drain_estimate_s(self, num_waiting: int) -> int:
         """Seconds until the queue has room, at the recent finish rate (whole seconds, clamped)."""

@@ -195,8 +195,6 @@ class _ChatFormat(_CompletionFormat):
                               "finish_reason": None}]) for i in range(len(self.generation.request_ids))]
 
     def _hot_event(self, index: int, text: str, extra: dict[str, Any]) -> str:
-        if not text:
-            return ""
         return self._sse_choice(index, f'"delta": {{"content": {json.dumps(text, ensure_ascii=False)}}}', extra)
 
     def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:

@@ -454,7 +454,7 @@ def test_the_waiting_queue_orders_by_effective_priority_then_arrival_number() ->
 # -- bugs ------------------------------------------------------------------------------------------------
 def test_the_scheduler_keeps_the_waiting_queue_it_is_given() -> None:
     queue = WaitingQueue(10.0, clock=lambda: 0.0)
-    kv = KVManager(PagePool(4, 1), 2, "m", max_slots=2, host_pool=HostPagePool(2, 1))
+    kv = KVManager(PagePool(4, 1), 2, "m", max_slots=2, host_pool=HostPagePool(2))
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, priority_aging_seconds=10.0), kv, queue)
     assert scheduler.waiting is queue
 

@@ -37,7 +37,7 @@ class FakeEngine:
                  clock: Callable[[], float] | None = None, **config: float) -> None:
         scheduler_config = SchedulerConfig(**config)
         self.pool = PagePool(num_pages, page_bytes=1)
-        self.host_pool = HostPagePool(host_pages, page_bytes=1)  # 0 pages: every preemption recomputes
+        self.host_pool = HostPagePool(host_pages)  # 0 pages: every preemption recomputes
         # One page-table slot per running request, as the engine sizes it.
         self.kv = KVManager(self.pool, tokens_per_page, "m", max_slots=scheduler_config.max_num_seqs,
                             host_pool=self.host_pool)

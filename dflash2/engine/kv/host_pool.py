@@ -1,15 +1,15 @@
 """HostPagePool: bookkeeping for the pinned host pages that swapped-out requests' KV lives in.
 
 Every host page is free or holds one swapped request's page: `num_free + num_swapped == num_pages`.
-Host pages are the same size in bytes as device pages, so a copy is one page-sized block either way.
+Host pages are the same size in bytes as device pages (the runner holds the bytes), so a copy is one
+page-sized block either way.
 """
 from __future__ import annotations
 
 
 class HostPagePool:
-    def __init__(self, num_pages: int, page_bytes: int) -> None:
+    def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
-        self.page_bytes = page_bytes
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._taken = [False] * num_pages
 
@@ -37,5 +37,6 @@ class HostPagePool:
             self._free.append(page)
 
     def check(self) -> None:
-        assert self.num_free + self.num_swapped == self.num_pages
+        """Every page is free or taken, never both, and the free list holds each free page once."""
+        assert len(set(self._free)) == len(self._free) and not any(self._taken[page] for page in self._free)
         assert sum(self._taken) == self.num_swapped
