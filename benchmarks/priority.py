@@ -38,8 +38,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.w3_server import (COUNTERS, GAUGES, Server, cuda_available, percentile_ms, scrape,  # noqa: E402
-                                  server_side, step_stats)
+from benchmarks.w3_server import (COUNTERS, GAUGES, cuda_available, percentile_ms, scrape,  # noqa: E402
+                                  server_side, step_stats, w3_server)
 from dflash2.bench.client import RequestResult  # noqa: E402
 from dflash2.bench.dataset import BenchItem, load_dataset  # noqa: E402
 from dflash2.bench.load import LoadConfig, run_load  # noqa: E402
@@ -308,12 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     server = None
     if args.url is None:
-        server = Server(server_flags(args), server_threads(args), args.server_log_dir)
+        server = w3_server(server_flags(args), server_threads(args), args.server_log_dir)
         print("starting:", " ".join(server.command), flush=True)
-        server.start()
+        server.start(timeout_s=900.0)
     try:
         phases = run(args, args.url or server.url)
-        report = build_report(args, phases, os.path.join(server.log_dir, "stdout.log") if server else None)
+        report = build_report(args, phases, str(server.stdout_path) if server else None)
     finally:
         if server is not None:
             server.stop()

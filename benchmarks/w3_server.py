@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from typing import Any
 
 import httpx
 import numpy as np
+
+from dflash2.bench.server_process import ServerProcess
 
 STEP_METRIC = "dflash2_step_duration_seconds"
 COUNTERS = ("dflash2_num_preemptions_total", "dflash2_num_swap_outs_total", "dflash2_swapped_bytes_total",
@@ -34,49 +31,10 @@ def cuda_available() -> bool:
         return False
 
 
-class Server:
-    """`dflash2 serve` on a free localhost port; its logs go to a temporary directory."""
-
-    def __init__(self, flags: list[str], threads: int | None = None, log_dir: str | None = None) -> None:
-        self.env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "dflash2.cli.main", "serve", "--port", str(self.port), *flags]
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="dflash2-w3-")
-        os.makedirs(self.log_dir, exist_ok=True)
-        self.process: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 900.0) -> Server:
-        with open(os.path.join(self.log_dir, "stdout.log"), "wb") as out, \
-                open(os.path.join(self.log_dir, "stderr.log"), "wb") as err:
-            self.process = subprocess.Popen(self.command, stdout=out, stderr=err, env=self.env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.stderr_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the server was not healthy after {timeout_s:.0f} s:\n{self.stderr_tail()}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-    def stderr_tail(self, num_lines: int = 40) -> str:
-        with open(os.path.join(self.log_dir, "stderr.log"), errors="replace") as f:
-            return "".join(f.readlines()[-num_lines:])
+def w3_server(flags: list[str], threads: int | None = None, log_dir: str | None = None) -> ServerProcess:
+    """`dflash2 serve` with these flags on a free localhost port (OMP_NUM_THREADS=threads if given)."""
+    return ServerProcess(*flags, env={"OMP_NUM_THREADS": str(threads)} if threads else None,
+                         log_dir=log_dir or tempfile.mkdtemp(prefix="dflash2-w3-"))
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -114,26 +113,6 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 # -- the client side --------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the server did not become healthy")
-
-
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
@@ -145,6 +124,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def client_main(args: argparse.Namespace) -> int:
     from dflash2.bench.dataset import BenchItem
     from dflash2.bench.load import LoadConfig, run_load
+    from dflash2.bench.server_process import free_port, wait_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -153,7 +133,8 @@ def client_main(args: argparse.Namespace) -> int:
                str(args.step_ms), "--max-running", str(args.max_running), "--first-tokens-path", first_tokens_path]
     server = subprocess.Popen(command)
     try:
-        wait_healthy(url)
+        if not wait_healthy(url, 60.0, server):
+            raise RuntimeError("the server did not become healthy")
         rng = random.Random(args.seed)
         items = [BenchItem([1000 + i, 5, 6, 7], args.output_len, rng.choice([0] * 7 + [100] * 2 + [1000]))
                  for i in range(args.num_prompts)]

@@ -2,25 +2,17 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from dflash2.bench.server_process import ServerProcess as BaseServerProcess
+from dflash2.bench.server_process import free_port  # noqa: F401  (the tests take ports from here)
 
 STARTUP_TIMEOUT_S = 180.0
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def console_script(name: str, command: str) -> list[str]:
@@ -31,50 +23,20 @@ def console_script(name: str, command: str) -> list[str]:
     return [sys.executable, "-m", "dflash2.cli.main", command]
 
 
-class ServerProcess:
+class ServerProcess(BaseServerProcess):
+    """The installed `dflash2-server` with these flags, logs in a temporary directory removed by cleanup()."""
+
     def __init__(self, *flags: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self._dir = tempfile.TemporaryDirectory(prefix="dflash2-server-")
-        self.stdout_path = Path(self._dir.name) / "stdout.log"
-        self.stderr_path = Path(self._dir.name) / "stderr.log"
-        self.command = [*console_script("dflash2-server", "serve"), "--port", str(self.port), *flags]
-        self.health_codes: list[int] = []  # every /health status seen while starting
-        self._process: subprocess.Popen | None = None
+        super().__init__(*flags, command=console_script("dflash2-server", "serve"), log_dir=self._dir.name)
 
-    def start(self) -> ServerProcess:
-        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self._process = subprocess.Popen(self.command, stdout=out, stderr=err, env={**os.environ})
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self._process.returncode}:\n{self.stderr()}")
-            try:
-                code = httpx.get(self.url + "/health", timeout=5).status_code
-                self.health_codes.append(code)
-                if code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"the server did not become healthy in {STARTUP_TIMEOUT_S} s:\n{self.stderr()}")
-
-    def stop(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(20)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+    def start(self) -> ServerProcess:  # type: ignore[override]
+        super().start(STARTUP_TIMEOUT_S)
+        return self
 
     def cleanup(self) -> None:
-        self.stop()
+        self.stop(20)
         self._dir.cleanup()
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
 
     def json_logs(self) -> list[dict[str, Any]]:
         """The JSON lines the server wrote to stdout (request and token records)."""
@@ -83,18 +45,6 @@ class ServerProcess:
             if line.startswith("{"):
                 records.append(json.loads(line))
         return records
-
-    def metric(self, name: str, port: int | None = None, **labels: str) -> float | None:
-        """One sample's value from /metrics (None if absent)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        url = f"http://127.0.0.1:{port}/metrics" if port else self.url + "/metrics"
-        text = httpx.get(url, timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    return sample.value
-        return None
 
     def wait_for_metric(self, name: str, predicate: Any, timeout_s: float = 30.0, **labels: str) -> float | None:
         deadline = time.monotonic() + timeout_s
