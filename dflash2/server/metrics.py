@@ -32,16 +32,19 @@ class ServerMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+
+        def family(kind: type, name: str, doc: str, extra_labels: tuple[str, ...] = (), **kwargs):
+            """A metric labelled model_name (+ extra_labels), in this server's registry."""
+            return kind(name, doc, ["model_name", *extra_labels], registry=self.registry, **kwargs)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+            return family(Gauge, name, doc).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+            return family(Counter, name, doc).labels(model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return family(Histogram, name, doc, buckets=buckets).labels(model_name)
 
         self.num_requests_running = gauge("dflash2_num_requests_running", "Requests in the running set")
         self.num_requests_waiting = gauge("dflash2_num_requests_waiting", "Requests waiting (incl. preempted)")
@@ -53,12 +56,10 @@ class ServerMetrics:
         self.cache_eviction_rate = gauge("dflash2_cache_eviction_rate",
                                          "Cached pages evicted per second over the last stats interval")
         # No child until a value is known, so that on the CPU these have no sample at all.
-        self._gpu_memory_utilization = Gauge("dflash2_gpu_memory_utilization",
-                                             "Fraction of the GPU's memory in use (absent on CPU)", labels,
-                                             registry=self.registry)
-        self._gpu_utilization_perc = Gauge("dflash2_gpu_utilization_perc",
-                                           "GPU busy percentage from NVML (absent on CPU or without NVML)", labels,
-                                           registry=self.registry)
+        self._gpu_memory_utilization = family(Gauge, "dflash2_gpu_memory_utilization",
+                                              "Fraction of the GPU's memory in use (absent on CPU)")
+        self._gpu_utilization_perc = family(Gauge, "dflash2_gpu_utilization_perc",
+                                            "GPU busy percentage from NVML (absent on CPU or without NVML)")
         self.prompt_tokens = counter("dflash2_prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("dflash2_generation_tokens", "Generated tokens")
         self.num_preemptions = counter("dflash2_num_preemptions", "Requests preempted")
@@ -74,16 +75,15 @@ class ServerMetrics:
         self.streaming_success = counter("dflash2_streaming_success", "Streams that ended normally")
         self.streaming_timeout = counter("dflash2_streaming_timeout",
                                          "Streams ended because no token came within --streaming-timeout-ms")
-        self._request_success = Counter("dflash2_request_success", "Finished requests by finish reason",
-                                        ["model_name", "finished_reason"], registry=self.registry)
+        self._request_success = family(Counter, "dflash2_request_success", "Finished requests by finish reason",
+                                       ("finished_reason",))
         for reason in ("stop", "length", "abort"):
             self._request_success.labels(model_name, reason)
         self.time_to_first_token = histogram("dflash2_time_to_first_token_seconds", "Time to first token",
                                              _TTFT_BUCKETS)
-        self._ttft_by_priority = Histogram("dflash2_time_to_first_token_by_priority_seconds",
-                                           "Time to first token per priority class (priority rounded down to "
-                                           "a power of ten)", ["model_name", "priority_class"],
-                                           buckets=_TTFT_BUCKETS, registry=self.registry)
+        self._ttft_by_priority = family(Histogram, "dflash2_time_to_first_token_by_priority_seconds",
+                                        "Time to first token per priority class (priority rounded down to a "
+                                        "power of ten)", ("priority_class",), buckets=_TTFT_BUCKETS)
         self.inter_token_latency = histogram("dflash2_inter_token_latency_seconds", "Time between tokens",
                                              _ITL_BUCKETS)
         self.e2e_request_latency = histogram("dflash2_e2e_request_latency_seconds", "Arrival to last token",
