@@ -90,13 +90,13 @@ def resolve_group_size(in_features: int, requested: int | None, where: str = "")
 
 # -- bit packing ---------------------------------------------------------------------------------------
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] integers 0..15 -> [N, K/2] uint8 (even k in the low nibble)."""
+    """[..., K] integers 0..15 -> [..., K/2] uint8 (even k in the low nibble)."""
     q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] uint8 -> [N, K] uint8 in 0..15."""
+    """[..., K/2] uint8 -> [..., K] uint8 in 0..15."""
     low, high = packed & 0x0F, packed >> 4
     return torch.stack((low, high), dim=-1).flatten(-2)
 

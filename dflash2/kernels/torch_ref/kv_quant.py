@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash2.quantization.formats import pack_int4, unpack_int4
+
 QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
 FP16_MAX = 65504.0
 
@@ -24,15 +26,13 @@ def quantize_kv(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]
     q = torch.floor(scaled + 0.5).clamp(-qmax, qmax)
     if kind == "int8":
         return q.to(torch.int8), scale
-    nibbles = (q.to(torch.int32) + 8).view(*q.shape[:-1], q.shape[-1] // 2, 2)
-    return (nibbles[..., 0] | (nibbles[..., 1] << 4)).to(torch.uint8), scale
+    return pack_int4(q.to(torch.int32) + 8), scale
 
 
 def dequantize_kv(data: torch.Tensor, scale: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of quantize_kv, as `dtype` (the product is formed in float32)."""
     if kind == "int4":
-        b = data.to(torch.int32)
-        values = torch.stack(((b & 15) - 8, (b >> 4) - 8), dim=-1).flatten(-2)
+        values = unpack_int4(data).to(torch.int32) - 8
     else:
         values = data
     return (values.float() * scale.float()[..., None]).to(dtype)
