@@ -11,7 +11,7 @@
 #     -d .whl fastapi==0.165.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 starlette==1.10.0 \
 #     annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 click==8.5.1 typing-extensions==4.16.0 \
 #     opentelemetry-api==1.45.2        (fastapi 0.165 imports it)
-# Overrides: PYTHON (default python3), W3_INSTALL=0 (skip the install), W3_TIMEOUT (seconds per run), W3_ARGS
+# Overrides: PYTHON (default python3), W3_RUNS (default "closed poisson"), W3_INSTALL=0 (skip the install), W3_TIMEOUT (seconds per run), W3_ARGS
 # (appended last to both runs, so they win, e.g. W3_ARGS="--kv-cache-memory 256MiB --overload 2").
 set -uo pipefail
 PYTHON=${PYTHON:-python3}
@@ -35,7 +35,7 @@ common=(--model qwen3-0.6b --load-format dummy --device cuda --synthetic 400 --p
   --max-model-len 512 --kv-cache-memory 384MiB --swap-space 4 --max-num-seqs 32 --prefill-chunk-size 512
   --max-num-batched-tokens 2048 --max-outranked-prefill-tokens 64 --idle-requests 30)
 status=0
-for run in closed poisson; do
+for run in ${W3_RUNS:-closed poisson}; do
   if [ $run = closed ]; then extra=(--concurrency 128); else extra=(--synthetic 800); fi
   timeout ${W3_TIMEOUT:-160} $PYTHON benchmarks/priority.py "${common[@]}" "${extra[@]}" \
     --server-log-dir "$OUT/w3_server_$run" --output "$OUT/w3_gpu_$run.json" ${W3_ARGS:-} > "$OUT/w3_gpu_$run.log" 2>&1

@@ -76,9 +76,9 @@ def main() -> None:
     for kind, cache in ((0, "*bf16"), (1, "*i8"), (3, "*fp8e4nv")):
         types = {"q_ptr": "*bf16", "k_cache": cache, "v_cache": cache, "k_scales": "*fp16", "v_scales": "*fp16",
                  "page_table": "*i32", "slots": "*i32", "lengths": "*i32", "out_ptr": "*fp32", "lse_ptr": "*fp32",
-                 "scale": "fp32"}
+                 "final_ptr": "*bf16", "cnt_ptr": "*i32", "scale": "fp32"}
         constants = {"GROUP": 2, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 32, "NUM_SPLITS": 4,
-                     "PRECISION": "tf32", "KIND": kind}
+                     "SPLITS_PAD": 4, "PRECISION": "tf32", "KIND": kind}
         report(f"decode attention, KV kind {kind} (per K+V element)", attn._decode_split_kernel, types, constants,
                elements_per_iteration=32 * 128 * 2)
     gemv_types = {"x_ptr": "*bf16", "hi_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16",

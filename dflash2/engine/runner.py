@@ -100,7 +100,9 @@ class ModelRunner:
         if not plan.chunks:
             return PendingStep([], [], None, None)
         self._update_page_table(plan.chunks)
-        decodes = [c for c in plan.chunks if c.num_tokens == 1 and c.start > 0]
+        # longest context first: the decode kernel starts programs in row order, so the longest sequences
+        # are not left running alone at the end of the kernel (sorting ~256 rows costs tens of us a step)
+        decodes = sorted((c for c in plan.chunks if c.num_tokens == 1 and c.start > 0), key=lambda c: -c.start)
         prefills = [c for c in plan.chunks if not (c.num_tokens == 1 and c.start > 0)]
         ordered = decodes + prefills
         host = _HostBatch.build(ordered, len(decodes))

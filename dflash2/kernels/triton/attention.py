@@ -8,8 +8,11 @@ int4 packed two a byte, fp8 e4m3) carry an fp16 scale per token and head: the wr
 attention loops, which fold the K scale into the scores and the V scale into the probabilities, since a
 per-token scale commutes with both dot products: no per-element dequantize multiply.
 Decode splits each sequence into NUM_SPLITS equal pieces (so one graph serves every length), each
-program handling all query heads of one KV head; a second kernel merges the pieces by their log-sum-exp
-(with one split, the W1 case, the split kernel writes the output itself and nothing is merged).
+program handling all query heads of one KV head; the last program of a row and KV head to finish (a ticket
+from a self-resetting counter) merges the pieces by their log-sum-exp, so decode is one launch (with one
+split, the W1 case, the program writes the output itself). The grid's fastest axis is the KV head, so
+programs start in batch-row order: the runner orders decode rows longest first, which keeps the longest
+sequences off the tail of a batch of mixed lengths.
 Prefill programs each take BLOCK_M queries of one head of one request's chunk.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
+from dflash2.kernels.triton.gemv_parts import split_counters
 
 PREFILL_BLOCK_M = 64
 DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}  # best of benchmarks/tune_decode.py on H200
@@ -205,15 +209,18 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, out_ptr, lse_ptr,
+                         final_ptr, cnt_ptr,
                          stride_qt, stride_qh, stride_cache_page, stride_cache_token, stride_cache_head,
                          stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
-                         stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
                          scale, tokens_per_page,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                         KIND: tl.constexpr):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                         PRECISION: tl.constexpr, KIND: tl.constexpr):
+    # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
+    # batch ordered longest-first (the runner's order) starts its longest programs first
+    kv_head = tl.program_id(0)
+    b = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lengths + b)
     slot = tl.load(slots + b).to(tl.int64)
@@ -252,24 +259,33 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
     if NUM_SPLITS > 1:  # one split: out_ptr is the final output and nothing is merged
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
+        counter = cnt_ptr + b * tl.num_programs(0) + kv_head
+        if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:  # the last split of this row and KV head merges
+            _merge_splits(out_ptr, lse_ptr, final_ptr, b, kv_head * GROUP, length, per_split,
+                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
+                          GROUP, HEAD_DIM, SPLITS_PAD)
+            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
-def _decode_merge_kernel(partial_ptr, lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                         stride_ot, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+def _merge_splits(partial_ptr, lse_ptr, out_ptr, b, first_head, length, per_split,
+                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Combine the non-empty splits' partial outputs of GROUP heads by their log-sum-exp (read past L1:
+    other SMs wrote them)."""
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    split_mask = s < NUM_SPLITS
-    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=split_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
-    parts = tl.load(partial_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                    mask=split_mask[:, None], other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    used = s < tl.cdiv(length, per_split)
+    for g in tl.static_range(GROUP):
+        h = first_head + g
+        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=used, other=float("-inf"),
+                      cache_modifier=".cg")
+        w = tl.where(used, tl.exp(lse - tl.max(lse, 0)), 0.0)
+        parts = tl.load(partial_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                        mask=used[:, None], other=0.0, cache_modifier=".cg")
+        merged = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, merged.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["row_offset"])  # varies every step: no recompile per value class
@@ -371,8 +387,8 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
 
 
 # How many programs per SM the decode grid aims at (DFLASH2_DECODE_WAVES): more splits make smaller work units,
-# which balance batches of mixed lengths better but bring back the merge launch. To measure on W1 (which runs
-# one split at 2); not tuned yet.
+# which balance batches of mixed lengths better but add a merge (in the last split's program). W1 (256 rows x
+# 8 KV heads) runs one split at any value up to 8.
 DECODE_WAVES = int(os.environ.get("DFLASH2_DECODE_WAVES", "2"))
 
 
@@ -395,26 +411,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
-    if num_splits == 1:  # the split kernel writes the output itself: no partials, no merge launch
+    if num_splits == 1:  # the split kernel writes the output itself: no partials, no merge
         partial, lse = out.unsqueeze(2), out.new_empty((1, 1, 1), dtype=torch.float32)
-    else:
+    else:  # the last split of each row and KV head merges them (a ticket from split_counters)
         partial = torch.empty((batch, num_heads, num_splits, dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    counters = split_counters(q.device, batch * num_kv_heads)
     block_n = config["BLOCK_N"] if dim <= 128 else 32
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, partial, lse,
+    _decode_split_kernel[(num_kv_heads, batch, num_splits)](
+        q, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, partial, lse, out, counters,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *scale_strides, page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        scale, k_cache.shape[1],
+        out.stride(0), out.stride(1), scale, k_cache.shape[1],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, PRECISION=_precision(q), KIND=kind, num_warps=config["num_warps"],
-        num_stages=config["num_stages"])
-    if num_splits == 1:
-        return out
-    _decode_merge_kernel[(batch, num_heads)](
-        partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits))
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), PRECISION=_precision(q), KIND=kind,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
 
 
