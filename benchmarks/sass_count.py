@@ -44,12 +44,7 @@ def compile_sm90(kernel, types: dict[str, str], constants: dict, num_warps: int,
 
 def loop_mix(compiled) -> tuple[int, collections.Counter]:
     """Instructions of the longest backward-branch loop in the SASS, and their opcodes."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
+    sass = cuobjdump(compiled, "-sass")
     instructions = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*);", line)
@@ -64,11 +59,24 @@ def loop_mix(compiled) -> tuple[int, collections.Counter]:
     return len(best), collections.Counter(op.split(".")[0] for _, op, _ in best)
 
 
+def cuobjdump(compiled, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        return subprocess.run([CUOBJDUMP, flag, f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
 def report(name: str, kernel, types: dict, constants: dict, elements_per_iteration: int, num_warps: int = 4,
            num_stages: int = 2) -> None:
-    count, mix = loop_mix(compile_sm90(kernel, types, constants, num_warps, num_stages))
+    compiled = compile_sm90(kernel, types, constants, num_warps, num_stages)
+    count, mix = loop_mix(compiled)
+    registers = re.search(r"REG:(\d+)", cuobjdump(compiled, "-res-usage"))
     print(json.dumps({"kernel": name, "loop_instructions": count,
                       "per_element": round(count * 32 * num_warps / elements_per_iteration, 2),
+                      "registers": int(registers.group(1)) if registers else None,
+                      "shared_memory_in_loop": any(mix[op] for op in ("STS", "LDS", "BAR", "LDSM")),
                       "top": dict(mix.most_common(8))}), flush=True)
 
 
@@ -78,7 +86,7 @@ def main() -> None:
                  "page_table": "*i32", "slots": "*i32", "lengths": "*i32", "out_ptr": "*fp32", "lse_ptr": "*fp32",
                  "final_ptr": "*bf16", "cnt_ptr": "*i32", "scale": "fp32"}
         constants = {"GROUP": 2, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 32, "NUM_SPLITS": 4,
-                     "SPLITS_PAD": 4, "PRECISION": "tf32", "KIND": kind}
+                     "SPLITS_PAD": 4, "GROUP_P2": 2, "PRECISION": "tf32", "KIND": kind}
         report(f"decode attention, KV kind {kind} (per K+V element)", attn._decode_split_kernel, types, constants,
                elements_per_iteration=32 * 128 * 2)
     gemv_types = {"x_ptr": "*bf16", "hi_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16",
@@ -89,14 +97,15 @@ def main() -> None:
                      "SILU_MUL": False, "WORDS": words}
         report(f"GEMV {bits}-bit, M=1 (per weight)", quant_matmul._gemv_kernel, {**gemv_types, "w_ptr": weight},
                constants, elements_per_iteration=block_n * gs * t)
-    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "c_ptr": "*fp32", "out_ptr": "*bf16",
-             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    config = int4_gemv.INT4_GEMV_CONFIG
-    constants = {"GS": 128, "T": config["T"], "BLOCK_M": 1, "BLOCK_N": config["BLOCK_N"], "SPLIT_K": 4,
-                 "SILU_MUL": False, "EVEN_N": True, "ASM": True}
-    report("int4 GEMV, repacked (per weight)", int4_gemv._int4_gemv_kernel, types, constants,
-           elements_per_iteration=config["BLOCK_N"] * 128 * config["T"], num_warps=config["num_warps"],
-           num_stages=config["num_stages"])
+    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+             "cnt_ptr": "*i32"}
+    for block_m, config in sorted(int4_gemv.INT4_GEMV_CONFIGS.items()):
+        for block_n in sorted({config["BLOCK_N"], 2 * config["BLOCK_N"]} if block_m == 1 else {config["BLOCK_N"]}):
+            constants = {"GS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNKS": config["CHUNKS"],
+                         "SPLIT_K": 1, "SILU_MUL": False, "EVEN_M": True, "EVEN_N": True, "EVEN_K": True, "ASM": True}
+            report(f"int4 GEMV, repacked, M={block_m}, BLOCK_N={block_n} (per weight)", int4_gemv._int4_gemv_kernel,
+                   types, constants, elements_per_iteration=block_n * config["CHUNKS"] * 32,
+                   num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 
 if __name__ == "__main__":

@@ -121,16 +121,73 @@ def test_dispatch_picks_triton_on_cuda_only():
     assert quant_matmul_backend("auto", "cpu").name == "torch_cpu"
 
 
-@pytest.mark.parametrize("split_k, block_n, t", [(1, 16, 1), (3, 16, 2), (2, 64, 1)])
-@pytest.mark.parametrize("rows, silu_mul", [(1, False), (3, False), (2, True)])
-def test_int4_gemv_repacked_words_with_split_k(split_k, block_n, t, rows, silu_mul):
-    """The int4 decode kernel: repacked words, 1 + q/16 floats, scales outside the inner loop, split along K."""
-    from dflash2.kernels.triton.int4_gemv import int4_gemv, prepare_int4
+def _int4_prepared(n: int, k: int, group_size: int, seed: int = 0):
+    from dflash2.kernels.triton.int4_gemv import prepare_int4
 
-    weight = packed(4, 64, 384, seed=rows)
+    g = torch.Generator().manual_seed(seed)
+    fmt = WeightFormat(4, group_size)
+    weight = PackedWeight(fmt, n, k, quantize(torch.randn(n, k, generator=g) * 0.05, fmt))
     tensors = weight.tensors
-    prepared = prepare_int4(tensors["qweight"], tensors["scales"], tensors["zeros"], 64)
-    x = torch.randn(rows, 768 if silu_mul else 384, generator=torch.Generator().manual_seed(7))
-    config = {"BLOCK_N": block_n, "T": t, "num_warps": 4, "num_stages": 1, "SPLIT_K": split_k}
-    got = int4_gemv(x, prepared, silu_mul=silu_mul, config=config)
-    torch.testing.assert_close(got, expected(x, weight, silu_mul), atol=2e-5, rtol=1e-5)
+    return weight, prepare_int4(tensors["qweight"], tensors["scales"], tensors["zeros"], group_size)
+
+
+def test_int4_repack_layout():
+    """Word j of chunk c holds column 32 c + 4 p + j in slot p, at SLOT_BITS[p] (rotated within 32 bits)."""
+    from dflash2.kernels.triton.int4_gemv import SLOT_BITS
+    from dflash2.quantization.formats import unpack_int4
+
+    weight, prepared = _int4_prepared(5, 128, 32)
+    codes = unpack_int4(weight.tensors["qweight"]).long()  # [N, K]
+    words = prepared["words"].long() & 0xFFFFFFFF  # [N, K / 8]
+    for p, bit in enumerate(SLOT_BITS):
+        rotated = ((words >> bit) | (words << (32 - bit))) & 15  # the slot's 4 bits at the bottom
+        got = rotated.reshape(5, 4, 4)  # [N, chunk, j]
+        assert torch.equal(got, codes.reshape(5, 4, 8, 4)[:, :, p, :])
+    sz = prepared["sz"]
+    assert torch.equal(sz.view(torch.float16).reshape(5, 4, 2)[..., 0], weight.tensors["scales"])
+    assert torch.equal(sz.view(torch.float16).reshape(5, 4, 2)[..., 1], weight.tensors["zeros"])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("group_size, k, block_n, chunks, split_k", [
+    (128, 512, 8, 4, 1),    # K a whole number of steps, N = 37 not of blocks
+    (64, 448, 4, 4, 1),     # K not a multiple of the step (the last step is part masked)
+    (32, 480, 8, 8, 3),     # split along K, ragged
+    (128, 256, 16, 2, 2),   # split along K, even
+])
+def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split_k):
+    """The int4 decode kernel (repacked words, 1 + q/16 and 16 + q/16 floats, scales outside the slot loop)
+    for 1..4 activation rows, ragged N and K, group sizes 32/64/128, split along K."""
+    from dflash2.kernels.triton.int4_gemv import int4_gemv
+
+    weight, prepared = _int4_prepared(N, k, group_size, seed=rows + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    config = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
+    got = int4_gemv(x, prepared, config=config)
+    torch.testing.assert_close(got, expected(x, weight), atol=2e-5, rtol=1e-5)
+    assert torch.equal(int4_gemv(x, prepared, config=config), got)  # the split-K tickets reset themselves
+    assert not qm.split_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("rows, split_k", [(1, 1), (3, 2), (4, 1)])
+def test_int4_gemv_silu_mul(rows, split_k):
+    from dflash2.kernels.triton.int4_gemv import int4_gemv
+
+    weight, prepared = _int4_prepared(N, 384, 128, seed=rows)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(7))
+    config = {"BLOCK_N": 8, "CHUNKS": 4, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
+    out = torch.empty(rows, N)
+    got = int4_gemv(x, prepared, out=out, silu_mul=True, config=config)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, expected(x, weight, silu_mul=True), atol=2e-5, rtol=1e-5)
+
+
+def test_int4_gemv_is_the_backend_default():
+    """TritonQuantMatmul prepares the repacked copy and runs M <= GEMV_MAX_M through it (unless
+    DFLASH2_INT4_GEMV=legacy); the default configs run (BLOCK_M 1, 2, 4)."""
+    weight = packed(4, 128, 256)
+    runtime = qm.TritonQuantMatmul().prepare(weight, torch.float32)
+    assert ("int4" in runtime.weight) == qm.INT4_REPACKED
+    for rows in (1, 2, 4):
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(runtime.matmul(x), expected(x, weight), atol=2e-5, rtol=1e-5)

@@ -1,19 +1,26 @@
-"""Decode GEMV for int4 weights (few activation rows), built to stay memory-bound on Hopper.
+"""Decode GEMV for int4 weights (M <= 4 activation rows), built to stay memory-bound on Hopper.
 
-At 4 bits a weight the bytes are so few that instructions, not bandwidth, limit a straightforward kernel:
-unpacking nibbles, converting them to floats, and reducing partial sums across threads every tile cost ~10
-instructions a weight, and the SMs issue about 4 a weight at full bandwidth. This kernel spends ~3:
+At 4 bits a weight the bytes are so few that instructions, not bandwidth, limit a plain kernel: an H200
+issues about 4 thread-instructions per weight at full bandwidth. This one spends about 3 (M = 1):
 
-- Repacked once at prepare() (same bytes as on disk): within each group of GS weights, int32 word j holds
-  the codes of columns j, W + j, ..., 7W + j (W = GS / 8 words), nibble p for column p W + j. Nibble p of
-  every word then multiplies one contiguous slice of the activation, x[p W : (p + 1) W], so activations are
-  plain vector loads and nothing is shuffled between threads.
-- A nibble becomes a float with one shift and one bitwise op: its 4 bits go to mantissa bits 19..22 of
-  1.0f, giving f = 1 + q / 16 exactly (no int->float conversion, no subtraction).
-- Per group g of a row:  sum_k s (q_k - z) x_k = s (16 F_g - (16 + z) X_g), with F_g = sum_k f_k x_k and
-  X_g = sum_k x_k. Each thread keeps s * F_g partials in registers across the whole K loop (scales commute
-  with the partial sums), and reduces across threads once at the end. F_g and X_g are of the same size, so
-  the subtraction loses nothing.
+Layout (repacked once at prepare(); the on-disk tensor stays as it is). Each row is cut into chunks of 32
+columns = 4 int32 words = one 16-byte vector a thread loads. Word j (0..3) of a chunk holds the 8 codes of
+columns 4 p + j (p = 0..7), so the codes of nibble slot p across the 4 words meet the 4 contiguous
+activations x[4 p : 4 p + 4] of the chunk (one 8-byte load, shared by all rows a thread holds).
+
+Codes to floats, one LOP3 each (plus 3 shifts a word): slots sit in pairs of 8 contiguous bits; a pair is
+brought to bits 15..22 (the word itself, >> 8, << 8, rotated by 16) and `(v & mask) | exponent` gives
+    slot A (bits 19..22): 1.0f with q in the top mantissa bits   = 1 + q / 16
+    slot B (bits 15..18): 16.0f with q right below                = 16 + q / 16
+so every float is exact and q / 16 carries the same weight in both. Per chunk and row:
+    F = sum f x = XA + 16 XB + (1 / 16) sum q x,      XA, XB = sums of x over the A / B slots
+    sum (q - z) s x = s (16 F - 16 XA - 256 XB - z X)  with X = XA + XB,
+where XA, XB and X depend on x only (computed once per chunk for all rows of a thread).
+
+Threads and reductions: a program holds BLOCK_N rows and CHUNKS chunks (32 CHUNKS columns) per step along K;
+with CHUNKS = 32 num_warps every thread owns one chunk of every row of the block, so all tensors share one
+blocked layout (no data crosses threads inside the K loop) and the reduction over K runs once, at the end.
+SPLIT_K > 1 splits K over programs (gemv_parts._store_or_reduce: the last one sums the partials).
 """
 from __future__ import annotations
 
@@ -26,95 +33,187 @@ import triton.language as tl
 from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-ONE_BITS = tl.constexpr(0x3F800000)  # 1.0f
-NIBBLE_AT_19 = tl.constexpr(0x00780000)  # mantissa bits 19..22
+CHUNK = 32  # columns a thread takes from a row per step (4 int32 words)
+# bit offset of slot p (0..7) in its word; p even: B slots, p odd: A slots (see the docstring)
+SLOT_BITS = (15, 19, 23, 27, 7, 11, 31, 3)
+MASK_A, ONE_A = tl.constexpr(0x00780000), tl.constexpr(0x3F800000)  # bits 19..22 | 1.0f
+MASK_B, ONE_B = tl.constexpr(0x00078000), tl.constexpr(0x41800000)  # bits 15..18 | 16.0f
 
 
-def repack_int4(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """On-disk int4 [N, K/2] u8 (byte j: codes 2j low, 2j + 1 high) -> [N, K/8] int32 in the layout above."""
+def repack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """On-disk int4 [N, K/2] u8 (byte i: codes 2i low, 2i + 1 high) -> [N, K/8] int32 in the layout above."""
     n, half = qweight.shape
     k = half * 2
-    words = group_size // 8
-    codes = torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(n, k // group_size, 8, words).to(torch.int32)
-    # codes[n, g, p, j] = q[g GS + p W + j]: nibble p of word (g, j)
-    packed = torch.zeros((n, k // group_size, words), dtype=torch.int32, device=qweight.device)
-    for p in range(8):
-        packed |= codes[:, :, p, :] << (4 * p)
-    return packed.reshape(n, k // 8).contiguous()
+    if k % CHUNK:
+        raise ValueError(f"int4 GEMV needs K divisible by {CHUNK}, got {k}")
+    codes = torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(n, k // CHUNK, 8, 4).to(torch.int64)
+    words = torch.zeros((n, k // CHUNK, 4), dtype=torch.int64, device=qweight.device)
+    for p, bit in enumerate(SLOT_BITS):  # codes[n, c, p, j] = q[32 c + 4 p + j] -> word j, slot p
+        q = codes[:, :, p, :]
+        words |= ((q << bit) | (q >> (32 - bit))) & 0xFFFFFFFF  # rotate left in 32 bits
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)
+    return words.to(torch.int32).reshape(n, k // 8).contiguous()
 
 
 @triton.jit
-def _nibble_as_float(w, P: tl.constexpr, ASM: tl.constexpr):
-    """Nibble P of int32 words as 1 + q / 16 (exact float32). ASM: the mask and the OR as one lop3
-    (ptxas keeps them as two instructions otherwise); the interpreter takes the plain ops."""
-    if P * 4 <= 19:
-        shifted = w << (19 - 4 * P)
-    else:
-        shifted = w >> (4 * P - 19)  # arithmetic shift: the sign bits fall outside the mask
+def _slot_floats(w, ASM: tl.constexpr):
+    """int32 words -> the 8 slot floats (B, A, B, A, ...), see the docstring. ASM: shifts and one LOP3 a
+    slot in PTX (ptxas splits `(v & m) | c` into two instructions otherwise); the interpreter takes plain ops."""
     if ASM:
-        bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00780000, 0x3F800000, 0xEA;", "=r,r", [shifted],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+        f0, f1, f2, f3, f4, f5, f6, f7 = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 v1, v2, v3;
+            shr.b32 v1, $8, 8;
+            shl.b32 v2, $8, 8;
+            shf.l.wrap.b32 v3, $8, $8, 16;
+            lop3.b32 $0, $8, 0x00078000, 0x41800000, 0xEA;
+            lop3.b32 $1, $8, 0x00780000, 0x3F800000, 0xEA;
+            lop3.b32 $2, v1, 0x00078000, 0x41800000, 0xEA;
+            lop3.b32 $3, v1, 0x00780000, 0x3F800000, 0xEA;
+            lop3.b32 $4, v2, 0x00078000, 0x41800000, 0xEA;
+            lop3.b32 $5, v2, 0x00780000, 0x3F800000, 0xEA;
+            lop3.b32 $6, v3, 0x00078000, 0x41800000, 0xEA;
+            lop3.b32 $7, v3, 0x00780000, 0x3F800000, 0xEA;
+            }""",
+            "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
     else:
-        bits = (shifted & NIBBLE_AT_19) | ONE_BITS
-    return bits.to(tl.float32, bitcast=True)
+        v1 = w >> 8
+        v2 = w << 8
+        v3 = ((w >> 16) & 0xFFFF) | (w << 16)
+        f0, f1 = (w & MASK_B) | ONE_B, (w & MASK_A) | ONE_A
+        f2, f3 = (v1 & MASK_B) | ONE_B, (v1 & MASK_A) | ONE_A
+        f4, f5 = (v2 & MASK_B) | ONE_B, (v2 & MASK_A) | ONE_A
+        f6, f7 = (v3 & MASK_B) | ONE_B, (v3 & MASK_A) | ONE_A
+    return (f0.to(tl.float32, bitcast=True), f1.to(tl.float32, bitcast=True), f2.to(tl.float32, bitcast=True),
+            f3.to(tl.float32, bitcast=True), f4.to(tl.float32, bitcast=True), f5.to(tl.float32, bitcast=True),
+            f6.to(tl.float32, bitcast=True), f7.to(tl.float32, bitcast=True))
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
-                      stride_sn, stride_om, GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_N: tl.constexpr,
-                      ASM: tl.constexpr):
-    """out[m, n] = sum_g s (16 F_g - c X_g) for every row m < M; s = scale, c = 16 + zero, both float32."""
-    W: tl.constexpr = GS // 8
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if EVEN_N:
-        n_mask = rows < BLOCK_N * (pid + 1)  # all true; lets the loads drop their masks
+def _bf16_pairs_to_float(v):
+    """bf16 -> float32, two values a 32-bit register: one SHL / one LOP3 each (ptxas extracts the high half
+    with a PRMT and then shifts it otherwise)."""
+    return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }", "=r,=r,r", [v],
+                                     dtype=tl.float32, is_pure=True, pack=2)
+
+
+@triton.jit
+def _x_slot(x_base, cols, mask, K, SILU_MUL: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr):
+    """The activations at `cols` as float32 (silu(gate) * up with SILU_MUL)."""
+    if SILU_MUL:
+        x = _activation(x_base, 0, 0, K, cols, mask, True)
     else:
-        n_mask = rows < N
-    rows = tl.where(n_mask, rows, 0).to(tl.int64)
-    t = tl.arange(0, T)
-    j = tl.arange(0, W)
+        if MASKED:
+            x = tl.load(x_base + cols, mask=mask, other=0.0)
+        else:
+            x = tl.load(x_base + cols)
+        if ASM and x.dtype == tl.bfloat16:
+            x = _bf16_pairs_to_float(x)
+        else:
+            x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+                      stride_sn, stride_om, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr,
+                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
+    axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
+    threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
+    low half and the fp16 zero in the high half. Offsets are int32 (the launcher checks they fit)."""
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    STEP: tl.constexpr = CHUNKS * 32
+    k_start, k_end = _k_range(K, pid_k, STEP, SPLIT_K)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rows < N
+    if not EVEN_N:
+        rows = tl.where(n_ok, rows, 0)
     m_idx = tl.arange(0, BLOCK_M)
     m_ok = m_idx < M
-    wide = tl.zeros([BLOCK_M, BLOCK_N, T, W], tl.float32)
-    corr = tl.zeros([BLOCK_M, BLOCK_N, T], tl.float32)
-    w_base = w_ptr + rows[:, None, None] * stride_wn + t[None, :, None] * W + j[None, None, :]
-    s_base = rows[:, None] * stride_sn + t[None, :]
-    col_base = t[:, None] * GS + j[None, :]  # [T, W]
-    x_rows = x_ptr + m_idx[:, None, None] * stride_xm
-    for k0 in range(k_start, k_end, T * GS):
-        g_ok = (k0 + t * GS) < k_end  # whole groups
-        words = tl.load(w_base + k0 // 8, mask=n_mask[:, None, None] & g_ok[None, :, None], other=0)
-        s = tl.load(s_ptr + s_base + k0 // GS, mask=n_mask[:, None] & g_ok[None, :], other=0.0)
-        c = tl.load(c_ptr + s_base + k0 // GS, mask=n_mask[:, None] & g_ok[None, :], other=0.0)
-        x_mask = m_ok[:, None, None] & g_ok[None, :, None]
-        f_sum = tl.zeros([BLOCK_M, BLOCK_N, T, W], tl.float32)
-        x_sum = tl.zeros([BLOCK_M, T, W], tl.float32)
-        for p in tl.static_range(8):
-            x = _activation(x_rows, 0, 0, K, (k0 + col_base + p * W)[None, :, :], x_mask, SILU_MUL)  # [BM, T, W]
-            f_sum += _nibble_as_float(words, p, ASM)[None, :, :, :] * x[:, None, :, :]
-            x_sum += x
-        wide += s[None, :, :, None] * f_sum
-        corr += c[None, :, :] * s[None, :, :] * tl.sum(x_sum, axis=2)[:, None, :]
-    result = 16.0 * tl.sum(tl.sum(wide, axis=3), axis=2) - tl.sum(corr, axis=2)  # [BM, BN]
+    c = tl.arange(0, CHUNKS)
+    c4 = c[:, None, None, None]
+    j4 = tl.arange(0, 4)[None, None, None, :]
+    w_base = w_ptr + (rows[None, None, :, None] * stride_wn + c4 * 4 + j4)  # [C, 1, BN, 4]
+    x_base = x_ptr + m_idx[None, :, None, None] * stride_xm  # [1, BM, 1, 1]
+    x_cols = c4 * 32 + j4  # [C, 1, 1, 4]; + 4 p for slot p
+    sz_base = sz_ptr + rows[None, None, :] * stride_sn  # [1, 1, BN]
+    acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, STEP):
+        c_ok = k0 + c * 32 < k_end
+        c_ok4 = c_ok[:, None, None, None]
+        if EVEN_K and EVEN_N:
+            words = tl.load(w_base + k0 // 8)
+        else:
+            words = tl.load(w_base + k0 // 8, mask=c_ok4 & n_ok[None, None, :, None], other=0)
+        f0, f1, f2, f3, f4, f5, f6, f7 = _slot_floats(words, ASM)
+        x_mask = c_ok4 & m_ok[None, :, None, None]
+        MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
+        cols = k0 + x_cols
+        x0 = _x_slot(x_base, cols, x_mask, K, SILU_MUL, MASKED, ASM)
+        x1 = _x_slot(x_base, cols + 4, x_mask, K, SILU_MUL, MASKED, ASM)
+        x2 = _x_slot(x_base, cols + 8, x_mask, K, SILU_MUL, MASKED, ASM)
+        x3 = _x_slot(x_base, cols + 12, x_mask, K, SILU_MUL, MASKED, ASM)
+        x4 = _x_slot(x_base, cols + 16, x_mask, K, SILU_MUL, MASKED, ASM)
+        x5 = _x_slot(x_base, cols + 20, x_mask, K, SILU_MUL, MASKED, ASM)
+        x6 = _x_slot(x_base, cols + 24, x_mask, K, SILU_MUL, MASKED, ASM)
+        x7 = _x_slot(x_base, cols + 28, x_mask, K, SILU_MUL, MASKED, ASM)
+        f = f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3 + f4 * x4 + f5 * x5 + f6 * x6 + f7 * x7  # [C, BM, BN, 4]
+        xa = tl.sum(x1 + x3 + x5 + x7, axis=3)  # [C, BM, 1]
+        xb = tl.sum(x0 + x2 + x4 + x6, axis=3)
+        t = 16.0 * xa + 256.0 * xb
+        xs = xa + xb
+        g = (k0 + c[:, None, None] * 32) // GS  # [C, 1, 1]
+        if EVEN_K and EVEN_N:
+            sz = tl.load(sz_base + g)
+        else:
+            sz = tl.load(sz_base + g, mask=c_ok[:, None, None] & n_ok[None, None, :], other=0)
+        s = sz.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        acc += s * (16.0 * tl.sum(f, axis=3) - t - z * xs)
+    result = tl.sum(acc, axis=0)  # [BM, BN]
     _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, pid * BLOCK_N + tl.arange(0, BLOCK_N), M, N,
                      stride_om, pid, pid_k, SPLIT_K)
 
 
-INT4_GEMV_CONFIG = {"BLOCK_N": 64, "T": 1, "num_warps": 4, "num_stages": 3, "SPLIT_K": 0}  # 0: automatic
-PROGRAMS_WANTED = 4 * 132  # split K until about this many programs run (a few per SM keep loads in flight)
+# Per BLOCK_M (activation rows rounded up to a power of two). BLOCK_N rows a program; CHUNKS = 32 num_warps
+# puts every thread on its own 32 columns of all BLOCK_N rows (a step of 32 CHUNKS columns along K); fewer
+# CHUNKS spread the rows over warps as well. More rows a thread share the activation work but take registers
+# (sm_90, M = 1: BLOCK_N 4 / 8 / 16 -> 96 / 128 / 255 registers).
+INT4_GEMV_CONFIGS: dict = {
+    1: {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
+    2: {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
+    4: {"BLOCK_N": 4, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
+}
+# (BLOCK_M, N, K) -> a config for one shape, over the above
+INT4_GEMV_SHAPE_CONFIGS: dict = {}
+
+
+def int4_config(n: int, k: int, m: int = 1) -> dict:
+    block_m = triton.next_power_of_2(max(1, m))
+    return INT4_GEMV_SHAPE_CONFIGS.get((block_m, n, k), INT4_GEMV_CONFIGS[min(block_m, 4)])
+
+
+def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether prepare_int4 takes this weight (whole 32-column chunks in every group, fp16 scales and zeros)."""
+    return (group_size % CHUNK == 0 and k % group_size == 0 and scales.dtype == torch.float16
+            and zeros.dtype == torch.float16)
 
 
 def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> dict:
-    """Device tensors for the kernel: repacked words, float32 scale s and c = 16 + zero per (row, group)."""
-    if group_size % 8:
-        raise ValueError(f"int4 GEMV needs a group size divisible by 8, got {group_size}")
+    """Device tensors for the kernel: the repacked words; scales and zeros as stored."""
+    if group_size % CHUNK:
+        raise ValueError(f"int4 GEMV needs a group size divisible by {CHUNK}, got {group_size}")
     split_counters(qweight.device, 1 << 16)  # allocated now, not inside a graph capture
-    return {"words": repack_int4(qweight, group_size), "s": scales.float().contiguous(),
-            "c": (16.0 + zeros.float()).contiguous(), "group_size": group_size,
-            "n": qweight.shape[0], "k": qweight.shape[1] * 2}
+    if scales.dtype != torch.float16 or zeros.dtype != torch.float16:
+        raise ValueError(f"int4 GEMV needs float16 scales and zeros, got {scales.dtype} and {zeros.dtype}")
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    if n * k // 8 >= 1 << 31:
+        raise ValueError(f"int4 GEMV indexes with int32 offsets: [{n}, {k}] is too large")
+    pairs = torch.stack((scales.contiguous().view(torch.int16), zeros.contiguous().view(torch.int16)), dim=-1)
+    return {"words": repack_int4(qweight), "sz": pairs.view(torch.int32).reshape(n, -1).contiguous(),
+            "group_size": group_size, "n": n, "k": k}
 
 
 def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, silu_mul: bool = False,
@@ -124,20 +223,20 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     (m, n), k = out.shape, weight["k"]
     if m == 0:
         return out
-    config = config or INT4_GEMV_CONFIG
-    block_n = config["BLOCK_N"]
-    gs = weight["group_size"]
-    t = max(1, min(config["T"], k // gs))
-    while (k // gs) % t:
-        t //= 2
+    config = config or int4_config(n, k, m)
+    block_n, chunks = config["BLOCK_N"], config["CHUNKS"]
+    block_m = triton.next_power_of_2(m)
+    if x.shape[0] * x.stride(0) >= 1 << 31:
+        raise ValueError("int4 GEMV indexes with int32 offsets: the activation is too large")
+    step = chunks * CHUNK
     tiles = triton.cdiv(n, block_n)
-    split_k = config.get("SPLIT_K") or max(1, min(16, triton.cdiv(PROGRAMS_WANTED, tiles), k // (gs * t)))
+    split_k = max(1, min(config.get("SPLIT_K", 1), triton.cdiv(k, step)))
+    even_k = k % (step * split_k) == 0
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = split_counters(x.device, tiles) if split_k > 1 else out
     _int4_gemv_kernel[(tiles, split_k)](
-        x, weight["words"], weight["s"], weight["c"], out, ws, counters, m, n, k, x.stride(0),
-        weight["words"].stride(0), weight["s"].stride(0), out.stride(0), GS=gs, T=t,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, SPLIT_K=split_k, SILU_MUL=silu_mul,
-        EVEN_N=n % block_n == 0, ASM=not _INTERPRETED, num_warps=config["num_warps"],
+        x, weight["words"], weight["sz"], out, ws, counters, m, n, k, x.stride(0), weight["words"].stride(0),
+        weight["sz"].stride(0), out.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
+        CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_N=n % block_n == 0, EVEN_K=even_k, ASM=not _INTERPRETED, num_warps=config["num_warps"],
         num_stages=config["num_stages"])
     return out

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
-from dflash2.kernels.triton.int4_gemv import int4_gemv, prepare_int4
+from dflash2.kernels.triton.int4_gemv import int4_gemv, int4_gemv_fits, prepare_int4
 from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
 from dflash2.quantization.formats import WeightFormat, unpack_int6
 
@@ -52,9 +52,10 @@ GEMM_SMALL_M_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 
 GEMM_SMALL_M = 32  # up to this many rows the GEMM takes GEMM_SMALL_M_CONFIG (split along K for occupancy)
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# DFLASH2_INT4_GEMV=repacked: int4 decode through kernels/triton/int4_gemv.py (a second, repacked copy of each
-# weight). Measured slower than _gemv_kernel on the H200 so far (W2 int4 171.7 vs 243 tok/s), so off by default.
-INT4_REPACKED = os.environ.get("DFLASH2_INT4_GEMV", "") == "repacked"
+# int4 decode (M <= GEMV_MAX_M) through kernels/triton/int4_gemv.py: a second, repacked copy of each weight,
+# ~3 sm_90 instructions a weight against ~8.6 for _gemv_kernel (benchmarks/sass_count.py), no shared memory in
+# its K loop. DFLASH2_INT4_GEMV=legacy keeps int4 decode on _gemv_kernel (and skips the repacked copy).
+INT4_REPACKED = os.environ.get("DFLASH2_INT4_GEMV", "repacked") != "legacy"
 
 
 def gemv_config(bits: int, n: int, k: int) -> dict[str, int]:
@@ -288,8 +289,8 @@ def device_tensors(packed: PackedWeight, dtype: torch.dtype) -> dict[str, Any]:
             weight["w"], weight["hi"] = int6_planes(tensors["qweight"])
     if fmt.bits in (4, 8) and weight["w"].shape[1] % 4 == 0 and weight["w"].storage_offset() % 4 == 0:
         weight["words"] = weight["w"].view(torch.int32)
-    if INT4_REPACKED and fmt.bits == 4 and packed.in_features % fmt.group_size == 0 \
-            and fmt.group_size in (32, 64, 128, 256):
+    if INT4_REPACKED and fmt.bits == 4 and int4_gemv_fits(packed.in_features, fmt.group_size, weight["scales"],
+                                                           weight["zeros"]):
         weight["int4"] = prepare_int4(weight["w"], weight["scales"], weight["zeros"], fmt.group_size)
     return weight
 
