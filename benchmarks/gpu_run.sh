@@ -11,8 +11,8 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout 150 python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
 fi
 timeout 150 python3 benchmarks/throughput.py --data .bench/w1_throughput.jsonl --save --profile ${W1_ARGS:-} \
-  2>&1 | tail -60 | tee "$OUT/w1.log"
-timeout 120 python3 benchmarks/latency.py --save ${W2_ARGS:-} 2>&1 | tail -40 | tee "$OUT/w2.log"
+  > "$OUT/w1.log" 2>&1; tail -45 "$OUT/w1.log"
+timeout 120 python3 benchmarks/latency.py --save ${W2_ARGS:-} > "$OUT/w2.log" 2>&1; tail -25 "$OUT/w2.log"
 find benchmarks/results -name "*.json" -newer "$MARK" -exec cp {} "$OUT/" \;
 if [ "${PEERS:-0}" = 1 ]; then
   timeout 150 python3 .bench/hf_peer.py w2 --compile 2>&1 | tail -3 | tee "$OUT/peer_w2.json"

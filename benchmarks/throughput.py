@@ -95,7 +95,8 @@ class StepLog:
         def step():
             start = time.perf_counter()
             out = step_fn()
-            self.rows.append((time.perf_counter() - start, current.get("tokens", 0), current.get("decodes", 0)))
+            self.rows.append((time.perf_counter() - start, current.get("tokens", 0), current.get("decodes", 0),
+                              engine.last_plan_seconds, engine.last_launch_seconds, engine.last_finish_seconds))
             return out
 
         engine.scheduler.plan, engine.step = plan, step
@@ -107,7 +108,10 @@ class StepLog:
                 "prefill_steps": len(mixed), "prefill_seconds": round(sum(r[0] for r in mixed), 3),
                 "prefill_tokens": sum(r[1] - r[2] for r in mixed),
                 "decode_steps": len(decode), "decode_seconds": round(sum(r[0] for r in decode), 3),
-                "decode_ms_first_last": [round(decode[0][0] * 1e3, 2), round(decode[-1][0] * 1e3, 2)] if decode else None}
+                "decode_ms_first_last": [round(decode[0][0] * 1e3, 2), round(decode[-1][0] * 1e3, 2)] if decode else None,
+                # host time of a decode step: Scheduler.plan(), building inputs + launching, waiting + committing
+                "decode_host_ms_mean": {name: round(sum(r[i] for r in decode) / len(decode) * 1e3, 3)
+                                        for i, name in ((3, "plan"), (4, "launch"), (5, "finish"))} if decode else None}
 
 
 def main() -> None:

@@ -88,7 +88,9 @@ class DecodeGraphs:
             resolved = torch.where(ids < 0, runner.future_tokens[(-ids - 1).clamp(min=0)], ids)
             return module.compute_logits(module(resolved, context))
 
-        attention.graph_num_splits = decode_num_splits(size, runner.layout.num_kv_heads, attention.num_sms)
+        layout = runner.layout
+        attention.graph_num_splits = decode_num_splits(size, layout.num_kv_heads, attention.num_sms,
+                                                       runner.model.arch.num_heads // layout.num_kv_heads)
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

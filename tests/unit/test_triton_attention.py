@@ -31,7 +31,7 @@ def page_table_for(lengths: list[int], num_pages: int, seed: int) -> torch.Tenso
     return random_page_table(lengths, TOKENS_PER_PAGE, num_pages, seed)
 
 
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_matches_reference(group, num_splits):
     lengths = [1, 7, 23, 64, 130]

@@ -214,8 +214,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
                          scale, tokens_per_page,
-                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                          PRECISION: tl.constexpr, KIND: tl.constexpr):
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
     # batch ordered longest-first (the runner's order) starts its longest programs first
@@ -264,28 +264,29 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
         if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:  # the last split of this row and KV head merges
             _merge_splits(out_ptr, lse_ptr, final_ptr, b, kv_head * GROUP, length, per_split,
                           stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
-                          GROUP, HEAD_DIM, SPLITS_PAD)
+                          GROUP, GROUP_P2, HEAD_DIM, SPLITS_PAD)
             tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
 def _merge_splits(partial_ptr, lse_ptr, out_ptr, b, first_head, length, per_split,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """Combine the non-empty splits' partial outputs of GROUP heads by their log-sum-exp (read past L1:
-    other SMs wrote them)."""
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    used = s < tl.cdiv(length, per_split)
-    for g in tl.static_range(GROUP):
-        h = first_head + g
-        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=used, other=float("-inf"),
-                      cache_modifier=".cg")
-        w = tl.where(used, tl.exp(lse - tl.max(lse, 0)), 0.0)
-        parts = tl.load(partial_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                        mask=used[:, None], other=0.0, cache_modifier=".cg")
-        merged = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, merged.to(out_ptr.dtype.element_ty))
+                  GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Combine the non-empty splits' partial outputs of the GROUP heads by their log-sum-exp, all heads in one
+    [heads, splits, dim] tile so their loads go out together (read past L1: other SMs wrote them)."""
+    g = tl.arange(0, GROUP_P2)[:, None]
+    s = tl.arange(0, SPLITS_PAD)[None, :]
+    used = (s < tl.cdiv(length, per_split)) & (g < GROUP)  # [heads, splits]
+    heads = first_head + g
+    lse = tl.load(lse_ptr + b * stride_lb + heads * stride_lh + s, mask=used, other=float("-inf"),
+                  cache_modifier=".cg")
+    w = tl.where(used, tl.exp(lse - tl.max(lse, 1)[:, None]), 0.0)
+    d = tl.arange(0, HEAD_DIM)[None, None, :]
+    parts = tl.load(partial_ptr + b * stride_pb + heads[:, :, None] * stride_ph + s[:, :, None] * stride_ps + d,
+                    mask=used[:, :, None], other=0.0, cache_modifier=".cg")
+    merged = tl.sum(parts * w[:, :, None], 1) / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]  # [heads, dim]
+    out_offs = b * stride_ob + (first_head + tl.arange(0, GROUP_P2))[:, None] * stride_oh + d.reshape(1, HEAD_DIM)
+    tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=(tl.arange(0, GROUP_P2) < GROUP)[:, None])
 
 
 @triton.jit(do_not_specialize=["row_offset"])  # varies every step: no recompile per value class
@@ -392,11 +393,15 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
 DECODE_WAVES = int(os.environ.get("DFLASH2_DECODE_WAVES", "2"))
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
+def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: int = 1) -> int:
     """Enough splits that batch * kv_heads * splits fills the GPU DECODE_WAVES times: a power of two, at most
-    32 (each value is a separately compiled kernel, so only six exist; graph capture compiles them all)."""
+    32, and at most MERGE_TILE / group (the last split merges [group, splits, head_dim] in registers). Each
+    value is a separately compiled kernel, so only six exist; graph capture compiles them all."""
     wanted = triton.cdiv(DECODE_WAVES * num_sms, max(1, batch * num_kv_heads))
-    return min(32, triton.next_power_of_2(wanted))
+    return min(32, max(1, MERGE_TILE // triton.next_power_of_2(group)), triton.next_power_of_2(wanted))
+
+
+MERGE_TILE = 64  # heads x splits the merging program holds at once (x head_dim fp32 values over its threads)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -423,8 +428,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *scale_strides, page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), scale, k_cache.shape[1],
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), PRECISION=_precision(q), KIND=kind,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), GROUP_P2=triton.next_power_of_2(group),
+        HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), PRECISION=_precision(q), KIND=kind,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
 
@@ -475,7 +480,9 @@ class TritonAttention:
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            splits = self.graph_num_splits or decode_num_splits(nd, cache.k.shape[2], self.num_sms)
+            num_kv_heads = cache.k.shape[2]
+            splits = self.graph_num_splits or decode_num_splits(nd, num_kv_heads, self.num_sms,
+                                                                q.shape[1] // num_kv_heads)
             decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots, meta.decode_lengths,
                              scale, splits, out=out[:nd], k_scale=cache.k_scale, v_scale=cache.v_scale)
         if meta.prefills:
