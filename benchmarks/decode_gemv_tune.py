@@ -1,8 +1,11 @@
-"""M=1 decode matmuls on llama-3-8b shapes: cuBLAS bf16 vs the Triton 16-bit GEMV vs the int4 GEMV
-(kernels/triton/int4_gemv.py), each over a few configs; prints one JSON line per (kernel, config, shape)
-and the best config per kernel (least total time over the shapes) to paste.
+"""Decode matmuls (M = 1 by default) on llama-3-8b shapes: cuBLAS bf16, the Triton 16-bit GEMV, the legacy int4
+GEMV (quant_matmul._gemv_kernel) and the int4 GEMV of kernels/triton/int4_gemv.py over a few configs; prints one
+JSON line per (kernel, config, shape), the best config per kernel (least total time over the shapes) and the
+best int4 config per shape. About a minute on an H200.
 
-    PYTHONPATH=$PWD python3 benchmarks/decode_gemv_tune.py [--output tune.json]        (GPU)
+    PYTHONPATH=$PWD python3 benchmarks/decode_gemv_tune.py [--rows 1] [--output tune.json] [--int4-only]   (GPU)
+
+GB/s counts the bytes each kernel reads for the weight (int4: 0.5 B a weight + 4 B a group of scale and zero).
 
 Timing as in gemv_bench.py: one CUDA graph of many calls cycling through L2-cold weight copies.
 """
@@ -19,12 +22,13 @@ import torch  # noqa: E402
 
 from benchmarks.gemv_bench import SHAPES, copies_for, cycle, random_packed, seconds_per_call  # noqa: E402
 from dflash2.kernels.triton import quant_matmul as qm  # noqa: E402
-from dflash2.kernels.triton.int4_gemv import int4_gemv, prepare_int4  # noqa: E402
+from dflash2.kernels.triton.int4_gemv import int4_config, int4_gemv, prepare_int4  # noqa: E402
 from dflash2.quantization.formats import WeightFormat  # noqa: E402
 
-INT4_CONFIGS = [dict(BLOCK_N=bn, T=t, num_warps=w, num_stages=st, SPLIT_K=0)
-                for bn, t, w, st in [(64, 1, 4, 3), (32, 1, 4, 3), (64, 2, 4, 3), (128, 1, 8, 3), (64, 1, 4, 4),
-                                     (32, 2, 4, 4), (64, 1, 8, 2), (128, 1, 4, 2)]]
+# CHUNKS = 32 num_warps (int4_gemv checks it); PREFETCH: the next K step's words loaded before this one's math
+INT4_CONFIGS = [dict(BLOCK_N=bn, CHUNKS=32 * w, num_warps=w, num_stages=1, SPLIT_K=sk, PREFETCH=pf)
+                for bn, w, sk, pf in [(8, 4, 1, 0), (4, 4, 1, 0), (16, 4, 1, 0), (2, 4, 1, 0), (8, 8, 1, 0),
+                                      (4, 4, 2, 0), (8, 2, 1, 0), (8, 2, 1, 1), (8, 1, 1, 1), (16, 1, 1, 1)]]
 GEMV16_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st)
                   for bn, bk, sk, w, st in [(8, 512, 1, 4, 2), (4, 1024, 1, 4, 3), (8, 1024, 1, 8, 3),
                                             (16, 512, 1, 8, 2), (8, 512, 2, 4, 3), (4, 512, 1, 4, 4)]]
@@ -33,36 +37,48 @@ GEMV16_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stag
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", default=None)
+    parser.add_argument("--rows", type=int, default=1, help="activation rows M (the GEMV takes M <= 4)")
+    parser.add_argument("--int4-only", action="store_true", help="skip cuBLAS and the 16-bit GEMV")
     args = parser.parse_args()
     rows, totals = [], {}
+    m = args.rows
     for shape, (n, k) in SHAPES.items():
-        x = torch.randn(1, k, device="cuda").bfloat16()
-        out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-        dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16() for _ in range(copies_for(n * k * 2))]
-        candidates = [("cublas_bf16", {}, lambda w, c: torch.mm(x, w.t(), out=out), dense, n * k * 2)]
-        candidates += [("gemv_bf16", c, lambda w, c: qm.gemv(x, {"bits": 16, "n": n, "k": k, "w": w}, out=out,
-                                                              config=c), dense, n * k * 2) for c in GEMV16_CONFIGS]
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        candidates = []
+        if not args.int4_only:
+            dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16() for _ in range(copies_for(n * k * 2))]
+            candidates += [("cublas_bf16", {}, lambda w, c: torch.mm(x, w.t(), out=out), dense, n * k * 2)]
+            candidates += [("gemv_bf16", c, lambda w, c: qm.gemv(x, {"bits": 16, "n": n, "k": k, "w": w}, out=out,
+                                                                  config=c), dense, n * k * 2)
+                           for c in GEMV16_CONFIGS[:1]]
         fmt = WeightFormat(4, 128)
-        int4 = []
+        int4, legacy = [], []
         for _ in range(copies_for(fmt.storage_bytes(n, k))):
             t = random_packed(fmt, n, k).tensors
             int4.append(prepare_int4(t["qweight"], t["scales"], t["zeros"], 128))
-        int4_bytes = n * k // 2 + 2 * 4 * n * (k // 128)
+            legacy.append({"bits": 4, "n": n, "k": k, "group_size": 128, "w": t["qweight"],
+                           "words": t["qweight"].view(torch.int32), "scales": t["scales"], "zeros": t["zeros"]})
+        int4_bytes = n * k // 2 + 4 * n * (k // 128)
+        legacy_config = qm.gemv_config(4, n, k)
+        candidates += [("legacy_gemv_int4", legacy_config, lambda w, c: qm.gemv(x, w, out=out, config=c), legacy,
+                        int4_bytes)]
+        configs = INT4_CONFIGS + [c for c in [int4_config(n, k, m)] if c not in INT4_CONFIGS]
         candidates += [("gemv_int4", c, lambda w, c: int4_gemv(x, w, out=out, config=c), int4, int4_bytes)
-                       for c in INT4_CONFIGS]
+                       for c in configs]
         for kernel, config, fn, weights, nbytes in candidates:
             try:
                 seconds = seconds_per_call(cycle(lambda w: fn(w, config), weights))
             except Exception as e:  # a config that does not compile
                 print(json.dumps({"shape": shape, "kernel": kernel, "config": config, "error": str(e)[:100]}))
                 continue
-            row = {"shape": shape, "kernel": kernel, "config": config, "us": round(seconds * 1e6, 2),
+            row = {"shape": shape, "M": m, "kernel": kernel, "config": config, "us": round(seconds * 1e6, 2),
                    "GB_s": round(nbytes / seconds / 1e9, 1)}
             rows.append(row)
             key = (kernel, json.dumps(config, sort_keys=True))
             totals.setdefault(key, {})[shape] = row["us"]
             print(json.dumps(row), flush=True)
-        del dense, int4
+        del candidates, int4, legacy
         torch.cuda.empty_cache()
     best = {}
     for (kernel, config), per_shape in totals.items():
@@ -71,9 +87,15 @@ def main() -> None:
             if kernel not in best or total < best[kernel]["total_us"]:
                 best[kernel] = {"config": json.loads(config), "total_us": round(total, 1), "per_shape": per_shape}
     print("best " + json.dumps(best), flush=True)
+    per_shape = {}
+    for row in rows:
+        if row["kernel"] == "gemv_int4" and (row["shape"] not in per_shape or row["us"] < per_shape[row["shape"]]["us"]):
+            per_shape[row["shape"]] = row
+    print("best_int4_per_shape " + json.dumps(per_shape), flush=True)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "rows": rows, "best": best}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(0), "M": m, "rows": rows, "best": best,
+                       "best_int4_per_shape": per_shape}, f, indent=1)
 
 
 if __name__ == "__main__":

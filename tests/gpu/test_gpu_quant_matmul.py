@@ -98,6 +98,81 @@ def test_graph_replay_matches_eager(split_k):
     assert not qm.split_counters(x.device, 1).any()
 
 
+LLAMA3_8B_INT4 = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]  # qkv .. lm_head
+
+
+def _int4_prepared(n: int, k: int, seed: int = 0):
+    from dflash2.kernels.triton.int4_gemv import prepare_int4
+    from dflash2.quantization.formats import dequantize
+
+    weight = _packed(4, 128, n, k, seed=seed)
+    tensors = weight.tensors
+    return dequantize(weight.fmt, tensors), prepare_int4(tensors["qweight"], tensors["scales"], tensors["zeros"], 128)
+
+
+@pytest.mark.parametrize("n, k", LLAMA3_8B_INT4)
+def test_int4_gemv_on_llama3_8b_shapes(n, k):
+    """The int4 decode kernel (kernels/triton/int4_gemv.py) at its default configs, M = 1..4, bf16."""
+    from dflash2.kernels.triton.int4_gemv import int4_gemv
+
+    reference, prepared = _int4_prepared(n, k, seed=n + k)
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, k, device="cuda").bfloat16()
+        error = _relative_error(int4_gemv(x, prepared), x.float() @ reference.T)
+        assert error < 5e-3, (rows, error)
+
+
+@pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 14336)])
+def test_int4_gemv_every_tuning_candidate(n, k):
+    """Every config benchmarks/decode_gemv_tune.py tries computes the right thing (a fast wrong one must not win)."""
+    from benchmarks.decode_gemv_tune import INT4_CONFIGS
+    from dflash2.kernels.triton.int4_gemv import int4_gemv
+
+    reference, prepared = _int4_prepared(n, k)
+    for rows in (1, 4):
+        x = torch.randn(rows, k, device="cuda").bfloat16()
+        expected = x.float() @ reference.T
+        for config in INT4_CONFIGS:
+            assert _relative_error(int4_gemv(x, prepared, config=config), expected) < 5e-3, (rows, config)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_int4_gemv_silu_mul_on_down_proj(rows):
+    from dflash2.kernels.triton.elementwise import silu_and_mul
+    from dflash2.kernels.triton.int4_gemv import int4_gemv
+
+    reference, prepared = _int4_prepared(4096, 14336)
+    gate_up = torch.randn(rows, 2 * 14336, device="cuda").bfloat16()
+    expected = silu_and_mul(gate_up).float() @ reference.T
+    assert _relative_error(int4_gemv(gate_up, prepared, silu_mul=True), expected) < 5e-3
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_int4_gemv_graph_replay_matches_eager(split_k):
+    from dflash2.kernels.triton import quant_matmul as qm
+    from dflash2.kernels.triton.int4_gemv import int4_config, int4_gemv
+
+    _, prepared = _int4_prepared(4096, 4096)
+    config = {**int4_config(4096, 4096), "SPLIT_K": split_k}
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    eager = int4_gemv(x, prepared, config=config)
+    out = torch.empty_like(eager)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        int4_gemv(x, prepared, out=out, config=config)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            int4_gemv(x, prepared, out=out, config=config)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    assert not qm.split_counters(x.device, 1).any()
+
+
 @pytest.fixture(scope="module")
 def tiny_int4(tmp_path_factory):
     from dflash2.cli.main import main as dflash2_main

@@ -149,20 +149,23 @@ def test_int4_repack_layout():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("group_size, k, block_n, chunks, split_k", [
-    (128, 512, 8, 4, 1),    # K a whole number of steps, N = 37 not of blocks
-    (64, 448, 4, 4, 1),     # K not a multiple of the step (the last step is part masked)
-    (32, 480, 8, 8, 3),     # split along K, ragged
-    (128, 256, 16, 2, 2),   # split along K, even
+@pytest.mark.parametrize("group_size, k, block_n, chunks, split_k, prefetch", [
+    (128, 512, 8, 4, 1, 0),    # K a whole number of steps, N = 37 not of blocks
+    (64, 448, 4, 4, 1, 0),     # K not a multiple of the step (the last step is part masked)
+    (32, 480, 8, 8, 3, 0),     # split along K, ragged
+    (128, 256, 16, 2, 2, 0),   # split along K, even
+    (64, 448, 8, 4, 1, 1),     # the next step's words loaded ahead, ragged K
+    (32, 512, 4, 2, 2, 1),     # ... even K, split
 ])
-def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split_k):
+def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split_k, prefetch):
     """The int4 decode kernel (repacked words, 1 + q/16 and 16 + q/16 floats, scales outside the slot loop)
     for 1..4 activation rows, ragged N and K, group sizes 32/64/128, split along K."""
     from dflash2.kernels.triton.int4_gemv import int4_gemv
 
     weight, prepared = _int4_prepared(N, k, group_size, seed=rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    config = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
+    config = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k,
+              "PREFETCH": prefetch}
     got = int4_gemv(x, prepared, config=config)
     torch.testing.assert_close(got, expected(x, weight), atol=2e-5, rtol=1e-5)
     assert torch.equal(int4_gemv(x, prepared, config=config), got)  # the split-K tickets reset themselves

@@ -40,19 +40,25 @@ MASK_A, ONE_A = tl.constexpr(0x00780000), tl.constexpr(0x3F800000)  # bits 19..2
 MASK_B, ONE_B = tl.constexpr(0x00078000), tl.constexpr(0x41800000)  # bits 15..18 | 16.0f
 
 
-def repack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """On-disk int4 [N, K/2] u8 (byte i: codes 2i low, 2i + 1 high) -> [N, K/8] int32 in the layout above."""
+def repack_int4(qweight: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
+    """On-disk int4 [N, K/2] u8 (byte i: codes 2i low, 2i + 1 high) -> [N, K/8] int32 in the layout above
+    (rows_at_once rows at a time: the int64 temporaries take 16 bytes a weight)."""
     n, half = qweight.shape
     k = half * 2
     if k % CHUNK:
         raise ValueError(f"int4 GEMV needs K divisible by {CHUNK}, got {k}")
-    codes = torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(n, k // CHUNK, 8, 4).to(torch.int64)
-    words = torch.zeros((n, k // CHUNK, 4), dtype=torch.int64, device=qweight.device)
-    for p, bit in enumerate(SLOT_BITS):  # codes[n, c, p, j] = q[32 c + 4 p + j] -> word j, slot p
-        q = codes[:, :, p, :]
-        words |= ((q << bit) | (q >> (32 - bit))) & 0xFFFFFFFF  # rotate left in 32 bits
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words)
-    return words.to(torch.int32).reshape(n, k // 8).contiguous()
+    out = torch.empty((n, k // 8), dtype=torch.int32, device=qweight.device)
+    for r0 in range(0, n, rows_at_once):
+        part = qweight[r0:r0 + rows_at_once]
+        rows = part.shape[0]
+        codes = torch.stack((part & 15, part >> 4), dim=-1).reshape(rows, k // CHUNK, 8, 4).to(torch.int64)
+        words = torch.zeros((rows, k // CHUNK, 4), dtype=torch.int64, device=qweight.device)
+        for p, bit in enumerate(SLOT_BITS):  # codes[n, c, p, j] = q[32 c + 4 p + j] -> word j, slot p
+            q = codes[:, :, p, :]
+            words |= ((q << bit) | (q >> (32 - bit))) & 0xFFFFFFFF  # rotated left within 32 bits
+        words = torch.where(words >= 1 << 31, words - (1 << 32), words)
+        out[r0:r0 + rows] = words.reshape(rows, k // 8).to(torch.int32)
+    return out
 
 
 @triton.jit
@@ -115,14 +121,31 @@ def _x_slot(x_base, cols, mask, K, SILU_MUL: tl.constexpr, MASKED: tl.constexpr,
 
 
 @triton.jit
+def _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+               BEYOND: tl.constexpr):
+    """The words [C, 1, BN, 4] and scale/zero pairs [C, 1, BN] of the step at column k0. BEYOND: k0 may be
+    past k_end (a prefetch after the last step), so the loads need their masks even for an even K."""
+    c_ok = k0 + c * 32 < k_end
+    g = (k0 + c[:, None, None] * 32) // GS  # [C, 1, 1]
+    if EVEN_K and EVEN_N and not BEYOND:
+        words = tl.load(w_base + k0 // 8)
+        sz = tl.load(sz_base + g)
+    else:
+        words = tl.load(w_base + k0 // 8, mask=c_ok[:, None, None, None] & n_ok[None, None, :, None], other=0)
+        sz = tl.load(sz_base + g, mask=c_ok[:, None, None] & n_ok[None, None, :], other=0)
+    return words, sz
+
+
+@triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                       stride_sn, stride_om, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr,
-                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
-    low half and the fp16 zero in the high half. Offsets are int32 (the launcher checks they fit)."""
+    low half and the fp16 zero in the high half. Offsets are int32 (the launcher checks they fit). PREFETCH: the
+    words and scales of step i + 1 are requested before step i is computed (registers for one more step)."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     STEP: tl.constexpr = CHUNKS * 32
     k_start, k_end = _k_range(K, pid_k, STEP, SPLIT_K)
@@ -140,13 +163,16 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     x_cols = c4 * 32 + j4  # [C, 1, 1, 4]; + 4 p for slot p
     sz_base = sz_ptr + rows[None, None, :] * stride_sn  # [1, 1, BN]
     acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
+    if PREFETCH:
+        words_next, sz_next = _load_step(w_base, sz_base, k_start, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
     for k0 in range(k_start, k_end, STEP):
         c_ok = k0 + c * 32 < k_end
         c_ok4 = c_ok[:, None, None, None]
-        if EVEN_K and EVEN_N:
-            words = tl.load(w_base + k0 // 8)
+        if PREFETCH:  # this step's words came with the previous one; ask for the next step's now
+            words, sz = words_next, sz_next
+            words_next, sz_next = _load_step(w_base, sz_base, k0 + STEP, k_end, c, n_ok, GS, EVEN_N, EVEN_K, True)
         else:
-            words = tl.load(w_base + k0 // 8, mask=c_ok4 & n_ok[None, None, :, None], other=0)
+            words, sz = _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
         f0, f1, f2, f3, f4, f5, f6, f7 = _slot_floats(words, ASM)
         x_mask = c_ok4 & m_ok[None, :, None, None]
         MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
@@ -164,11 +190,6 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         xb = tl.sum(x0 + x2 + x4 + x6, axis=3)
         t = 16.0 * xa + 256.0 * xb
         xs = xa + xb
-        g = (k0 + c[:, None, None] * 32) // GS  # [C, 1, 1]
-        if EVEN_K and EVEN_N:
-            sz = tl.load(sz_base + g)
-        else:
-            sz = tl.load(sz_base + g, mask=c_ok[:, None, None] & n_ok[None, None, :], other=0)
         s = sz.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         acc += s * (16.0 * tl.sum(f, axis=3) - t - z * xs)
@@ -226,6 +247,10 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     config = config or int4_config(n, k, m)
     block_n, chunks = config["BLOCK_N"], config["CHUNKS"]
     block_m = triton.next_power_of_2(m)
+    if not _INTERPRETED and chunks != CHUNK * config["num_warps"]:
+        # otherwise warps share chunks and split the rows, and the activations (one row for all n) cannot
+        # follow the weights' layout: Triton moves data through shared memory in the K loop
+        raise ValueError(f"int4 GEMV config needs CHUNKS = 32 num_warps, got {config}")
     if x.shape[0] * x.stride(0) >= 1 << 31:
         raise ValueError("int4 GEMV indexes with int32 offsets: the activation is too large")
     step = chunks * CHUNK
@@ -237,6 +262,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     _int4_gemv_kernel[(tiles, split_k)](
         x, weight["words"], weight["sz"], out, ws, counters, m, n, k, x.stride(0), weight["words"].stride(0),
         weight["sz"].stride(0), out.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
-        CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_N=n % block_n == 0, EVEN_K=even_k, ASM=not _INTERPRETED, num_warps=config["num_warps"],
+        CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
+        PREFETCH=bool(config.get("PREFETCH", 0)) and k > step * split_k, EVEN_K=even_k, ASM=not _INTERPRETED, num_warps=config["num_warps"],
         num_stages=config["num_stages"])
     return out
