@@ -102,7 +102,8 @@ def main() -> None:
     for block_m, config in sorted(int4_gemv.INT4_GEMV_CONFIGS.items()):
         for block_n in sorted({config["BLOCK_N"], 2 * config["BLOCK_N"]} if block_m == 1 else {config["BLOCK_N"]}):
             constants = {"GS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNKS": config["CHUNKS"],
-                         "SPLIT_K": 1, "SILU_MUL": False, "EVEN_M": True, "EVEN_N": True, "EVEN_K": True, "ASM": True}
+                         "SPLIT_K": 1, "SILU_MUL": False, "EVEN_M": True, "EVEN_N": True, "EVEN_K": True, "PREFETCH": False,
+                         "ASM": True}
             report(f"int4 GEMV, repacked, M={block_m}, BLOCK_N={block_n} (per weight)", int4_gemv._int4_gemv_kernel,
                    types, constants, elements_per_iteration=block_n * config["CHUNKS"] * 32,
                    num_warps=config["num_warps"], num_stages=config["num_stages"])
