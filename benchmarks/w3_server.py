@@ -12,6 +12,7 @@ import numpy as np
 from dflash2.bench.server_process import ServerProcess
 
 STEP_METRIC = "dflash2_step_duration_seconds"
+STEP_METRICS = (STEP_METRIC, "dflash2_step_launch_seconds", "dflash2_step_finish_seconds")  # histograms kept by `le`
 COUNTERS = ("dflash2_num_preemptions_total", "dflash2_num_swap_outs_total", "dflash2_swapped_bytes_total",
             "dflash2_num_requests_rejected_total")
 GAUGES = ("dflash2_num_requests_waiting", "dflash2_num_requests_running", "dflash2_num_requests_swapped",
@@ -46,7 +47,7 @@ def scrape(url: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
-            if name.startswith(STEP_METRIC):
+            if name.startswith(STEP_METRICS):
                 name += "{%s}" % sample.labels.get("le", "")
             elif name not in COUNTERS and name not in GAUGES:
                 continue

@@ -10,6 +10,10 @@ Overlapped (the default on GPU): step N+1 is planned and launched before step N 
     host:    plan N+1 | launch N+1 | collect+commit N | plan N+2 | launch N+2 | collect+commit N+1 ...
     device:  ...... step N ......  | ............ step N+1 ...........| ......... step N+2 ....
 
+A step that samples the first token of a request outranking another request in it is committed in the same
+call, right after its launch, so that token is not held back for the next step's launch (the next step then
+starts from an idle device; same-priority batches never take this path).
+
 Step N's sampled tokens are not known on the host when N+1 is planned, so each request gets a
 placeholder token (resolved on the device from the runner's future-token buffer, and on the host at
 commit). A request that hits max_tokens is marked finish_pending so it is not scheduled again; one that
@@ -155,8 +159,10 @@ class Engine:
         if plan and self._in_flight is not None and self._needs_token_values(plan):
             outputs += self._finish_in_flight()  # penalties read the real tokens, not placeholders
         launched = None
+        urgent_first_token = False
         if plan:
             self._mark_scheduled(plan)
+            urgent_first_token = self._has_outranking_first_token(plan)
             launch_started = time.perf_counter()
             pending = self.runner.launch(plan, self.requests)
             self.last_launch_seconds = time.perf_counter() - launch_started
@@ -170,7 +176,22 @@ class Engine:
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
         self._in_flight = launched
+        if urgent_first_token:  # deliver it now rather than after the next step's launch (an eager step's
+            outputs += self._finish_in_flight()  # host time): the device idles for one launch, only here
         return outputs
+
+    def _has_outranking_first_token(self, plan: StepPlan) -> bool:
+        """Whether this step samples the first token of a request that outranks another one in the step."""
+        priorities = [self.requests[c.request_id].priority for c in plan.chunks if c.request_id in self.requests]
+        if not priorities or min(priorities) == max(priorities):
+            return False
+        lowest = min(priorities)
+        for chunk in plan.chunks:
+            request = self.requests.get(chunk.request_id)
+            if chunk.sample and request is not None and request.num_output_tokens == 0 \
+                    and request.priority > lowest:
+                return True
+        return False
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         now = time.monotonic()

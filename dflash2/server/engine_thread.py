@@ -25,9 +25,7 @@ import asyncio
 import collections
 import logging
 import math
-import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,11 +41,6 @@ logger = logging.getLogger("dflash2.server")
 _IDLE_WAIT_S = 0.5  # how long the idle thread blocks on the command queue before a stats tick
 _RETRY_AFTER_RANGE_S = (1, 60)  # Retry-After is an estimate of the queue's drain time, clamped to this
 _FINISH_WINDOW = 64  # finishes the drain-rate estimate looks back over
-# The GIL hand-off interval while both threads want to run. Python's default (5 ms) lets a busy event loop
-# (SSE to a hundred clients) keep the GIL for 5 ms each time the engine thread gets back from a GIL-free
-# wait (a device sync, a copy), several times a step; at 0.2 ms the engine thread waits that long at most.
-# DFLASH2_SWITCH_INTERVAL_MS overrides it (benchmarks/gpu_w3.sh measures both).
-SWITCH_INTERVAL_S = float(os.environ.get("DFLASH2_SWITCH_INTERVAL_MS", "0.2")) / 1e3
 
 
 class EngineError(RuntimeError):
@@ -104,7 +97,6 @@ class EngineThread:
     def start(self, loop: asyncio.AbstractEventLoop, on_load_error: Callable[[BaseException], None]) -> None:
         self._loop = loop
         self._on_load_error = on_load_error
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="dflash2-engine", daemon=True)
         self._thread.start()
 

@@ -143,3 +143,26 @@ def test_priority_preemption_with_swap_gives_the_same_tokens(tiny, overlap):
     assert engine.scheduler.num_swap_outs > 0
     assert got == [hf_greedy(hf_model, prompt, 14) for prompt in low + high]
     assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0
+
+
+@pytest.mark.parametrize("urgent_priority", [0, 9])
+def test_an_outranking_first_token_is_delivered_by_the_step_that_samples_it(tiny, urgent_priority):
+    """Overlapped: a step's tokens normally come out of the next step() call; a step that samples the first
+    token of a request outranking another one in it is committed by the call that launched it."""
+    arch, hf_model, directory = tiny
+    llm = make_llm(directory, arch, overlap=True, max_num_batched_tokens=64, prefill_chunk_size=64,
+                   max_model_len=60)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+    low, urgent = prompts(2, seed=31)
+    engine.add_request({"prompt_token_ids": low}, params)
+    for _ in range(3):  # the low request is decoding (its outputs trail its steps by one call)
+        engine.step()
+    request = engine.add_request({"prompt_token_ids": urgent}, params, priority=urgent_priority)
+    produced = [out.request_id for out in engine.step() if out.outputs[0].token_ids]
+    assert (request.request_id in produced) == (urgent_priority > 0)
+    first = [request.output_token_ids[0]] if urgent_priority > 0 else []
+    while engine.has_unfinished():
+        engine.step()
+    assert request.output_token_ids == hf_greedy(hf_model, urgent, 8)
+    assert first in ([], request.output_token_ids[:1])
