@@ -35,6 +35,8 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 def compile_sm90(kernel, types: dict[str, str], constants: dict, num_warps: int, num_stages: int):
     names = list(inspect.signature(kernel.fn).parameters)
+    if "USE_PDL" in names:  # programmatic dependent launch as on the H200 (kernels/triton/pdl.py)
+        constants = {"USE_PDL": True, **constants}
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n not in constants and (signature[n].startswith("*") or n.startswith("stride"))}

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
 from dflash2.kernels.triton.gemv_parts import split_counters
+from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 PREFILL_BLOCK_M = 64
 DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}  # best of benchmarks/tune_decode.py on H200
@@ -86,8 +87,10 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, page_ta
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cache_page, stride_cache_token,
                      stride_cache_head, stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                      tokens_per_page, num_kv_heads,
-                     HEAD_DIM: tl.constexpr, KV_HEADS_PAD: tl.constexpr, KIND: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, KV_HEADS_PAD: tl.constexpr, KIND: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """One token: its K and V rows (every KV head) into the token's page slot, quantized for KIND > 0."""
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(token_slots + t).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
@@ -166,8 +169,9 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
                             stride_scale_page, stride_scale_token, stride_scale_head, stride_pt, stride_cos,
                             tokens_per_page, num_heads, num_kv_heads,
                             HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-                            KIND: tl.constexpr):
+                            KIND: tl.constexpr, USE_PDL: tl.constexpr):
     """One token: rotate q in place; rotate k and write it, and v, into the token's page slot."""
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     slot = tl.load(token_slots + t).to(tl.int64)
@@ -215,8 +219,10 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
                          scale, tokens_per_page,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                         PRECISION: tl.constexpr, KIND: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr,
+                         PRECISION: tl.constexpr, KIND: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
     # batch ordered longest-first (the runner's order) starts its longest programs first
     kv_head = tl.program_id(0)
@@ -297,7 +303,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, out
                     stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                     scale, tokens_per_page, row_offset,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, KIND: tl.constexpr):
+                    PRECISION: tl.constexpr, KIND: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     block = tl.program_id(0)
     head = tl.program_id(1)
     seg = tl.load(block_segments + block)
@@ -367,7 +374,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, k_scales, v_scales, page_table, token_slots, positions,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *scale_strides,
         page_table.stride(0), k_cache.shape[1], num_kv_heads,
-        HEAD_DIM=dim, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), KIND=kind)
+        HEAD_DIM=dim, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), KIND=kind, **pdl_args())
 
 
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
@@ -384,7 +391,7 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         *cache.k.stride()[:3], *scale_strides, meta.page_table.stride(0), cos.stride(0),
         cache.k.shape[1], num_heads, num_kv_heads, HALF=dim // 2,
         Q_HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        KIND=kind)
+        KIND=kind, **pdl_args())
 
 
 # How many programs per SM the decode grid aims at (DFLASH2_DECODE_WAVES): more splits make smaller work units,
@@ -429,8 +436,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), scale, k_cache.shape[1],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), GROUP_P2=triton.next_power_of_2(group),
-        HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), PRECISION=_precision(q), KIND=kind,
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        PRECISION=_precision(q), KIND=kind,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
     return out
 
 
@@ -448,7 +456,7 @@ def prefill_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
         *cache.k.stride()[:3], *scale_strides, meta.page_table.stride(0),
         scale, cache.k.shape[1], row_offset,
         GROUP=group, HEAD_DIM=dim, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64, PRECISION=_precision(q), KIND=kind,
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **pdl_args())
 
 
 class TritonAttention:

@@ -13,10 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash2.kernels.triton.pdl import pdl_args, pdl_start
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -40,7 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res = residual if residual is not None else x
     _rms_norm_kernel[(rows,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), cols, eps,
                               HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
-                              num_warps=4 if cols <= 2048 else 8)
+                              num_warps=4 if cols <= 2048 else 8, **pdl_args())
     return out
 
 
@@ -62,7 +65,8 @@ def _head_rms_norm(base, weight_ptr, t, stride_t, stride_h, num_heads, eps, HEAD
 @triton.jit
 def _qk_rms_norm_kernel(q_ptr, k_ptr, q_weight, k_weight, stride_qt, stride_qh, stride_kt, stride_kh,
                         num_q_heads, num_k_heads, eps, HEAD_DIM: tl.constexpr, Q_PAD: tl.constexpr,
-                        K_PAD: tl.constexpr):
+                        K_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     _head_rms_norm(q_ptr, q_weight, t, stride_qt, stride_qh, num_q_heads, eps, HEAD_DIM, Q_PAD)
     _head_rms_norm(k_ptr, k_weight, t, stride_kt, stride_kh, num_k_heads, eps, HEAD_DIM, K_PAD)
@@ -77,12 +81,15 @@ def qk_rms_norm_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
         return
     _qk_rms_norm_kernel[(tokens,)](q, k, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                    num_heads, k.shape[1], eps, HEAD_DIM=dim,
-                                   Q_PAD=triton.next_power_of_2(num_heads), K_PAD=triton.next_power_of_2(k.shape[1]))
+                                   Q_PAD=triton.next_power_of_2(num_heads), K_PAD=triton.next_power_of_2(k.shape[1]),
+                                   **pdl_args())
 
 
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, positions, stride_qt, stride_qh, stride_kt, stride_kh,
-                   stride_cos, num_q_heads, num_k_heads, HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+                   stride_cos, num_q_heads, num_k_heads, HALF: tl.constexpr, HEADS_PAD: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -112,11 +119,12 @@ def rotary_in_place(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         return
     _rotary_kernel[(tokens,)](q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                               cos.stride(0), num_heads, k.shape[1], HALF=dim // 2,
-                              HEADS_PAD=triton.next_power_of_2(max(num_heads, k.shape[1])))
+                              HEADS_PAD=triton.next_power_of_2(max(num_heads, k.shape[1])), **pdl_args())
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -134,5 +142,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = 1024
     _silu_and_mul_kernel[(rows, triton.cdiv(half, block))](gate_up, out, gate_up.stride(0), out.stride(0), half,
-                                                           BLOCK=block)
+                                                           BLOCK=block, **pdl_args())
     return out

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
+from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CHUNK = 32  # columns a thread takes from a row per step (4 int32 words)
@@ -140,12 +141,14 @@ def _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS: tl.constexpr, EVEN_N: tl
 def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                       stride_sn, stride_om, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr,
-                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr):
+                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
     low half and the fp16 zero in the high half. Offsets are int32 (the launcher checks they fit). PREFETCH: the
     words and scales of step i + 1 are requested before step i is computed (registers for one more step)."""
+    pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     STEP: tl.constexpr = CHUNKS * 32
     k_start, k_end = _k_range(K, pid_k, STEP, SPLIT_K)
@@ -263,6 +266,6 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         x, weight["words"], weight["sz"], out, ws, counters, m, n, k, x.stride(0), weight["words"].stride(0),
         weight["sz"].stride(0), out.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
         CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        PREFETCH=bool(config.get("PREFETCH", 0)) and k > step * split_k, EVEN_K=even_k, ASM=not _INTERPRETED, num_warps=config["num_warps"],
-        num_stages=config["num_stages"])
+        PREFETCH=bool(config.get("PREFETCH", 0)) and k > step * split_k, EVEN_K=even_k, ASM=not _INTERPRETED,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
     return out

@@ -34,6 +34,7 @@ import triton.language as tl
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
 from dflash2.kernels.triton.int4_gemv import int4_gemv, int4_gemv_fits, prepare_int4
 from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
+from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 from dflash2.quantization.formats import WeightFormat, unpack_int6
 
 GEMV_MAX_M = 4  # more rows than this run the tl.dot kernel (16-bit: cuBLAS)
@@ -130,7 +131,9 @@ def _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS: t
 def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                  stride_xm, stride_wn, stride_hn, stride_sn, stride_om,
                  BITS: tl.constexpr, GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, WORDS: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, WORDS: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
@@ -173,7 +176,8 @@ def _gemm_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
                  stride_xm, stride_wn, stride_hn, stride_sn, stride_om,
                  BITS: tl.constexpr, GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, WORDS: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -231,7 +235,7 @@ def _launch(kernel: Any, x: torch.Tensor, weight: dict[str, Any], out: torch.Ten
         x, w, hi, scales, zeros, out, ws, counters, m, n, k, x.stride(0), w.stride(0), hi.stride(0),
         scales.stride(0) if scales.dim() == 2 else 0, out.stride(0), BITS=bits, GS=gs, T=t, BLOCK_M=block_m,
         BLOCK_N=config["BLOCK_N"], SPLIT_K=split_k, SILU_MUL=silu_mul, WORDS=words, num_warps=config["num_warps"],
-        num_stages=config["num_stages"], **extra)
+        num_stages=config["num_stages"], **extra, **pdl_args())
 
 
 def gemv(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
