@@ -210,8 +210,15 @@ INT4_GEMV_CONFIGS: dict = {
     2: {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
     4: {"BLOCK_N": 4, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
 }
-# (BLOCK_M, N, K) -> a config for one shape, over the above
-INT4_GEMV_SHAPE_CONFIGS: dict = {}
+# (BLOCK_M, N, K) -> a config for one shape, over the above: the best of benchmarks/decode_gemv_tune.py on the
+# H200 for the llama-3-8b shapes where it beat the default (results/decode_gemv_tune_int4_2026-11-29.json):
+# o_proj 5.16 vs 5.75 us, gate_up 22.21 vs 23.9, lm_head 82.66 vs 85.5+ (qkv and down: the default)
+_ONE_WARP = {"BLOCK_N": 8, "CHUNKS": 32, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1, "PREFETCH": 1}
+INT4_GEMV_SHAPE_CONFIGS: dict = {
+    (1, 4096, 4096): {"BLOCK_N": 16, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
+    (1, 28672, 4096): _ONE_WARP,
+    (1, 128256, 4096): _ONE_WARP,
+}
 
 
 def int4_config(n: int, k: int, m: int = 1) -> dict:
