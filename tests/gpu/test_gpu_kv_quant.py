@@ -90,6 +90,31 @@ def test_decode_kernel_reads_the_quantized_cache(kind, head_major, num_splits):
     assert error < 1e-2, error
 
 
+@pytest.mark.parametrize("tokens_per_page", [1, 7, 18, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_int8_decode_dequantizes_to_fp16_exactly_enough(tokens_per_page, dtype, num_splits):
+    """The int8 decode loop (PTX byte -> fp16 conversion times the row scale, fp16 dots, page entries by a
+    multiply-high, scales loaded a tile ahead): any page size, tiles straddling pages and partial tails, close to
+    the float32 reference on the same cache (bf16 output rounding ~2^-9 dominates; fp16 is tighter)."""
+    from dflash2.kernels.torch_ref import attention as ref
+    from dflash2.kernels.triton import attention as tri
+
+    rng = random.Random(tokens_per_page)
+    lengths = [1, 2, 31, 32, 33, 300, 1025] + [rng.randrange(1, 2000) for _ in range(9)]
+    _, cache, table, _ = _filled("int8", True, lengths, tokens_per_page, seed=4)
+    q = (torch.randn(len(lengths), KV_HEADS * 2, DIM, device="cuda") * 3).to(dtype)
+    slots = torch.arange(len(lengths), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    expected = ref.decode_attention(q.float(), cache.k, cache.v, table, slots, lens, max(lengths), DIM ** -0.5,
+                                    cache.k_scale, cache.v_scale)
+    got = tri.decode_attention(q, cache.k, cache.v, table, slots, lens, DIM ** -0.5, num_splits,
+                               k_scale=cache.k_scale, v_scale=cache.v_scale)
+    assert bool(torch.isfinite(got).all())
+    error = float((got.float() - expected).norm() / expected.norm())
+    assert error < (4e-3 if dtype == torch.bfloat16 else 1e-3), error
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_mixed_batch_with_fused_rotary_write_on_the_quantized_cache(kind):
     from dflash2.config import RopeConfig

@@ -176,6 +176,25 @@ def test_triton_decode_matches_torch_on_the_quantized_cache(kind):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_int8_decode_in_half_precision(dtype, num_splits):
+    """The int8 decode loop for 16-bit models (tiles dequantized to fp16, fp16 dots, next tile's scales loaded
+    ahead, per-column softmax sums): many tiles over pages of 14 tokens, against the float32 reference on the
+    same cache, closer than a bf16 dot would get (the float32 test above takes the float32 dots)."""
+    lengths = [1, 33, 95, 200]
+    cache, *_, table = filled_caches("int8", lengths, seed=4)
+    assert cache.k.shape[1] % 32 != 0  # tiles straddle pages
+    q = torch.randn(len(lengths), NUM_KV_HEADS * 2, HEAD_DIM, generator=torch.Generator().manual_seed(5)) * 2
+    slots, lens = torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
+    args = (cache.k, cache.v, table, slots, lens)
+    expected = ref.decode_attention(q.to(dtype).float(), *args, max(lengths), 0.25, cache.k_scale, cache.v_scale)
+    got = tri.decode_attention(q.to(dtype), *args, 0.25, num_splits, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    assert got.dtype == dtype
+    error = float((got.float() - expected).norm() / expected.norm())
+    assert error < (4e-3 if dtype == torch.bfloat16 else 1e-3), error  # bf16: the output's own rounding dominates
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_triton_mixed_batch_and_fused_rotary_write_match_torch(kind):
     """Decodes and prefill chunks over a quantized cache; the rotary-fused write quantizes as the torch path."""

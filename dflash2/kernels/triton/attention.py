@@ -6,7 +6,8 @@ lives in page page_table[s, t // tokens_per_page] at offset t % tokens_per_page.
 int4 packed two a byte, fp8 e4m3) carry an fp16 scale per token and head: the write kernels quantize
 (absmax / qmax, round half up), and `_load_kv_tile` hands the stored values and the scales to the
 attention loops, which fold the K scale into the scores and the V scale into the probabilities, since a
-per-token scale commutes with both dot products: no per-element dequantize multiply.
+per-token scale commutes with both dot products: no per-element dequantize multiply (int8 decode instead
+dequantizes each tile in registers to fp16, which is free next to the conversion: _int8_decode_tiles).
 Decode splits each sequence into NUM_SPLITS equal pieces (so one graph serves every length), each
 program handling all query heads of one KV head; the last program of a row and KV head to finish (a ticket
 from a self-resetting counter) merges the pieces by their log-sum-exp, so decode is one launch (with one
@@ -161,6 +162,47 @@ def _tile_scores(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, toke
     return s * scale, v, v_scale
 
 
+# int8 decode (KIND 1): inline PTX converts the cached bytes (the interpreter, which cannot run PTX, takes the
+# plain Triton path computing the same values)
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic, stride_pt):
+    """Page entry and in-page offset of each token. t // tokens_per_page is a multiply-high by magic =
+    (2^32 - 1) // tokens_per_page, low by at most one for t < 2^31, and one correction: a few instructions a
+    token instead of a 32-bit division."""
+    page_idx = tl.umulhi(tokens.to(tl.uint32), magic).to(tl.int32)
+    in_page = tokens - page_idx * tokens_per_page
+    over = in_page >= tokens_per_page
+    page_idx = tl.where(over, page_idx + 1, page_idx)
+    in_page = tl.where(over, in_page - tokens_per_page, in_page)
+    page = tl.load(page_table + slot * stride_pt + page_idx, mask=token_mask, other=0)
+    return page.to(tl.int64), in_page
+
+
+@triton.jit
+def _int8_tile(x, row_scale, F32: tl.constexpr):
+    """int8 tile x [R, C] times its fp16 row scales [R] -> fp16 [R, C] (the dequantized values, as an fp16 cache
+    would hold them), or float32 [R, C] for F32 (float32 models). PTX: 4 bytes at a time, flip the sign bits
+    (q + 128 in 0..255), place each byte under an fp16 exponent of 1024 (prmt: 1024 + q + 128, exact),
+    subtract 1152, multiply by the scale: 1.75 instructions a value. Not pure on purpose: the compiler would
+    otherwise move the conversion past the layout change to the dot operand (converting there, after
+    byte-wise shared memory reads)."""
+    if F32:
+        y = x.to(tl.float32) * row_scale.to(tl.float32)[:, None]
+    elif _PTX:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 u, m, a, b; xor.b32 u, $2, 0x80808080; mov.b32 m, 0x64806480; "
+            "prmt.b32 a, u, 0x64646464, 0x5140; prmt.b32 b, u, 0x64646464, 0x7362; "
+            "sub.f16x2 a, a, m; sub.f16x2 b, b, m; mul.f16x2 $0, a, $3; mul.f16x2 $1, b, $4; }",
+            "=r,=r,r,r,r", [x, tl.broadcast_to(row_scale[:, None], x.shape)], dtype=tl.float16, is_pure=False,
+            pack=4)
+    else:
+        y = x.to(tl.float16) * row_scale[:, None]
+    return y
+
+
 @triton.jit
 def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, cos_ptr, sin_ptr,
                             page_table, token_slots, positions,
@@ -212,6 +254,63 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
 
 
 @triton.jit
+def _int8_decode_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head,
+                       stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
+                       stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
+                       GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """The decode loop over tokens start..end of an int8 cache: (m_i, l_i, acc) of the online softmax.
+    Each K/V tile is dequantized in registers to fp16 (values x row scale, _int8_tile) and goes to the dots
+    through shared memory as an fp16 tile would (ldmatrix, no byte-wise reads); q is cast to fp16 (clamped to
+    its range) and both dots run in fp16 with fp32 accumulation (float32 models: float32 tiles and dots).
+    The page entries are found once a token for K, V and the scales (no division a token), the scales of the
+    next tile are loaded one iteration ahead (the compiler pipelines the K/V tiles and the page entries but not
+    2-byte loads), and the softmax denominator is kept per score column and summed once after the loop (no
+    cross-warp reduction a tile)."""
+    magic = (4294967295 // (tokens_per_page + tl.zeros([], tl.int64))).to(tl.uint32)
+    d = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BLOCK_N)
+    F32: tl.constexpr = q.dtype == tl.float32
+    if F32:
+        q_dot = q
+    else:
+        q_dot = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    l_part = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
+    head_offs = kv_head * stride_cache_head
+    scale_head_offs = kv_head * stride_scale_head
+    tokens = start + cols
+    page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
+    scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
+    k_scale = tl.load(k_scales + scale_offs, mask=tokens < end, other=0.0)
+    v_scale = tl.load(v_scales + scale_offs, mask=tokens < end, other=0.0)
+    for n0 in range(start, end, BLOCK_N):
+        tokens = n0 + cols
+        token_mask = tokens < end
+        page, in_page = _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic, stride_pt)
+        offs = page * stride_cache_page + in_page * stride_cache_token + head_offs
+        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
+        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
+        next_tokens = tokens + BLOCK_N
+        next_mask = next_tokens < end
+        page, in_page = _int8_page_rows(page_table, slot, next_tokens, next_mask, tokens_per_page, magic,
+                                        stride_pt)
+        scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
+        next_k_scale = tl.load(k_scales + scale_offs, mask=next_mask, other=0.0)
+        next_v_scale = tl.load(v_scales + scale_offs, mask=next_mask, other=0.0)
+        s = tl.dot(q_dot, tl.trans(_int8_tile(k, k_scale, F32)), input_precision=PRECISION) * scale
+        s = tl.where(token_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_part = l_part * alpha[:, None] + p
+        acc = acc * alpha[:, None] + tl.dot(p.to(q_dot.dtype), _int8_tile(v, v_scale, F32),
+                                            input_precision=PRECISION)
+        m_i = m_new
+        k_scale, v_scale = next_k_scale, next_v_scale
+    return m_i, tl.sum(l_part, 1), acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, out_ptr, lse_ptr,
                          final_ptr, cnt_ptr,
                          stride_qt, stride_qh, stride_cache_page, stride_cache_token, stride_cache_head,
@@ -242,22 +341,28 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        tokens = n0 + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
-        s, v, v_scale = _tile_scores(
-            q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+    if KIND == 1:
+        m_i, l_i, acc = _int8_decode_tiles(
+            q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-            stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
-        s = tl.where(token_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KIND != 0:
-            p = p * v_scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m_i = m_new
+            stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            tokens = n0 + tl.arange(0, BLOCK_N)
+            token_mask = tokens < end
+            s, v, v_scale = _tile_scores(
+                q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+                stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+                stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
+            s = tl.where(token_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if KIND != 0:
+                p = p * v_scale[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            m_i = m_new
     empty = start >= length
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(l_i))
