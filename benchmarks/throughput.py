@@ -2,7 +2,8 @@
 
     python3 benchmarks/throughput.py --data .bench/w1_throughput.jsonl [--peer-json peer_w1.json] [--save]
 Prints JSON: output tok/s, the roofline ceiling for this workload and the fraction of it reached, and the
-fraction of wall time the GPU was busy over a profiled window of steady decode.
+fraction of wall time the GPU was busy over a window of steady decode, twice: CUDA events around each step
+(`gpu_busy_events`, no profiler) and the torch profiler's kernel intervals (`gpu_busy`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,44 @@ import torch  # noqa: E402
 from benchmarks.common import finish, sync  # noqa: E402
 from benchmarks.roofline import decode_ceiling_tok_s  # noqa: E402
 from dflash2 import LLM, SamplingParams  # noqa: E402
+
+
+def gpu_busy_events(llm: LLM, prompts: list, params: SamplingParams, warm_steps: int, steps: int) -> dict:
+    """GPU busy over `steps` steps of steady decode without a profiler (CUPTI slows the host: on some hosts a
+    profiled step took 12 ms against 8.4 unprofiled): CUDA events recorded around each step's launch (its
+    kernels, copies and the sampled-token copy) time that step's device work, from when the device reached it;
+    busy = the sum of those times / wall. Gaps where the device waited for the host between steps are not
+    counted; within an eager step they would be (W1's decode steps are graph replays)."""
+    engine, runner = llm.engine, llm.engine.runner
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    for _ in range(warm_steps):
+        engine.step()
+    sync()
+    launch, events = runner.launch, []
+
+    def timed_launch(plan, requests):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        pending = launch(plan, requests)
+        end.record()
+        events.append((start, end))
+        return pending
+
+    runner.launch = timed_launch
+    try:
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = time.perf_counter() - started
+    finally:
+        del runner.launch  # back to the class's method
+    busy_ms = sum(start.elapsed_time(end) for start, end in events)
+    while engine.has_unfinished():
+        engine.step()
+    return {"method": "cuda events around each step's launch", "steps": steps, "wall_ms": round(wall * 1e3, 2),
+            "device_ms": round(busy_ms, 2), "busy_fraction_of_wall": round(busy_ms / 1e3 / wall, 3)}
 
 
 def gpu_busy_fraction(llm: LLM, prompts: list, params: SamplingParams, warm_steps: int, steps: int) -> dict:
@@ -184,6 +223,8 @@ def main() -> None:
     if args.profile_prefill:
         result["prefill_profile"] = prefill_profile(llm, prompts[:64], params)
     if args.profile:
+        result["gpu_busy_events"] = gpu_busy_events(llm, prompts[: args.max_num_seqs], params, warm_steps=60,
+                                                    steps=100)
         result["gpu_busy"] = gpu_busy_fraction(llm, prompts[: args.max_num_seqs], params, warm_steps=60, steps=40)
     finish(result, args.peer_json, args.save)
 
