@@ -57,17 +57,21 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        cache = ctx.kv_caches[self.layer_index]
+        backend = ctx.attention_backend
+        fused = q.is_cuda and getattr(backend, "fuses_rotary", False)  # rotary applied while writing the cache
+        qk_norm = None
         if self.q_norm is not None:
-            if q.is_cuda and self.head_dim & (self.head_dim - 1) == 0:
+            if fused:  # Qwen3's q/k norms in the same launch
+                qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            elif q.is_cuda and self.head_dim & (self.head_dim - 1) == 0:
                 from dflash2.kernels.triton.elementwise import qk_rms_norm_
 
                 qk_rms_norm_(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # in the qkv output
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
-        cache = ctx.kv_caches[self.layer_index]
-        backend = ctx.attention_backend
-        if q.is_cuda and getattr(backend, "fuses_rotary", False):  # rotary applied while writing the cache
-            out = backend.forward_rotary(q, k, v, cache, ctx.attention, self.scale, rotary.cos, rotary.sin)
+        if fused:
+            out = backend.forward_rotary(q, k, v, cache, ctx.attention, self.scale, rotary.cos, rotary.sin, qk_norm)
         else:
             q, k = rotary(ctx.positions, q, k)
             out = backend.forward(q, k, v, cache, ctx.attention, self.scale)

@@ -113,6 +113,40 @@ def test_qwen3_graphs_agree_with_transformers(tmp_path):
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 16) for p in prompts]
 
 
+def test_fused_qk_norm_rotary_write_matches_separate_kernels_in_bf16():
+    """Qwen3's q/k norms inside the rotary KV write against qk_rms_norm_ then the rotary write (bf16): equal
+    up to one bf16 rounding (the fused kernel sums a row's squares as two halves)."""
+    from dflash2.config import RopeConfig
+    from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache
+    from dflash2.kernels.triton import attention as tri
+    from dflash2.kernels.triton.elementwise import qk_rms_norm_
+    from dflash2.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, dim, tokens_per_page = 16, 8, 128, 9
+    rotary = RotaryEmbedding(RopeConfig(theta=1000000.0), dim, 512).to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = (3 * torch.randn(40, heads, dim, generator=g, device="cuda")).bfloat16()
+    k = (3 * torch.randn(40, kv_heads, dim, generator=g, device="cuda")).bfloat16()
+    v = torch.randn(40, kv_heads, dim, generator=g, device="cuda").bfloat16()
+    q_w = (torch.rand(dim, generator=g, device="cuda") + 0.5).bfloat16()
+    k_w = (torch.rand(dim, generator=g, device="cuda") + 0.5).bfloat16()
+    table = _table([300, 200], tokens_per_page, 64, seed=5)
+    slots = torch.tensor([i % 2 for i in range(40)], dtype=torch.int32, device="cuda")
+    positions = torch.arange(40, device="cuda") + 100 * slots  # distinct slots for every token
+    meta = AttentionMetadata(page_table=table, token_slots=slots, positions=positions)
+    shape = (64, tokens_per_page, kv_heads, dim)
+    q_ref, k_ref = q.clone(), k.clone()
+    qk_rms_norm_(q_ref, k_ref, q_w, k_w, 1e-6)
+    ref_cache = KVCache(torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
+                        torch.zeros(shape, dtype=torch.bfloat16, device="cuda"))
+    tri.rotary_write_kv(q_ref, k_ref, v, ref_cache, rotary.cos, rotary.sin, meta)
+    cache = KVCache(torch.zeros_like(ref_cache.k), torch.zeros_like(ref_cache.v))
+    tri.rotary_write_kv(q, k, v, cache, rotary.cos, rotary.sin, meta, qk_norm=(q_w, k_w, 1e-6))
+    torch.testing.assert_close(q.float(), q_ref.float(), atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(cache.k.float(), ref_cache.k.float(), atol=2e-2, rtol=1.6e-2)
+    assert torch.equal(cache.v, ref_cache.v)
+
+
 def test_device_sampling_is_seeded_and_respects_top_k(tiny_llama):
     from dflash2 import LLM, SamplingParams
 

@@ -120,3 +120,33 @@ def test_fused_rotary_write_matches_rotary_then_write():
     torch.testing.assert_close(q, expected_q)
     torch.testing.assert_close(k_cache, k_ref)
     assert torch.equal(v_cache, v_ref)
+
+
+def test_fused_qk_norm_rotary_write_matches_the_norm_kernel_then_rotary_write(dtype=torch.float32):
+    """Qwen3's q/k norms inside the rotary KV write give what qk_rms_norm_ and then the rotary write give
+    (float32 here: the interpreter's bf16 arithmetic yields NaNs in either kernel; tests/gpu checks bf16)."""
+    from dflash2.config import RopeConfig
+    from dflash2.kernels.triton.elementwise import qk_rms_norm_
+    from dflash2.layers.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), HEAD_DIM, 64)
+    num_heads = NUM_KV_HEADS * 2
+    g = torch.Generator().manual_seed(4)
+    q = (3 * torch.randn(5, num_heads, HEAD_DIM, generator=g)).to(dtype)
+    k = (3 * torch.randn(5, NUM_KV_HEADS, HEAD_DIM, generator=g)).to(dtype)
+    v = torch.randn(5, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    q_w, k_w = (torch.rand(HEAD_DIM, generator=g) + 0.5).to(dtype), (torch.rand(HEAD_DIM, generator=g) + 0.5).to(dtype)
+    table = page_table_for([12, 9], 12, seed=2)
+    meta = AttentionMetadata(page_table=table, token_slots=torch.tensor([0, 0, 1, 0, 1], dtype=torch.int32),
+                             positions=torch.tensor([0, 11, 8, 5, 4]))
+    shape = (12, TOKENS_PER_PAGE, NUM_KV_HEADS, HEAD_DIM)
+    q_ref, k_ref = q.clone(), k.clone()
+    qk_rms_norm_(q_ref, k_ref, q_w, k_w, 1e-6)
+    ref_cache = KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+    tri.rotary_write_kv(q_ref, k_ref, v, ref_cache, rotary.cos, rotary.sin, meta)
+    cache = KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+    tri.rotary_write_kv(q, k, v, cache, rotary.cos, rotary.sin, meta, qk_norm=(q_w, k_w, 1e-6))
+    assert not torch.equal(q, q_ref.new_zeros(q.shape))
+    torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(cache.v, ref_cache.v)

@@ -206,15 +206,28 @@ def _int8_tile(x, row_scale, F32: tl.constexpr):
 
 
 @triton.jit
+def _rms_norm_halves(x1, x2, weight_ptr, eps, HALF: tl.constexpr):
+    """Per-row RMSNorm of rows given as halves [R, HALF] x2: float32 statistics over the whole row, the
+    weight applied in the input dtype (elementwise._head_rms_norm's arithmetic)."""
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    inv = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+    d = tl.arange(0, HALF)
+    w1 = tl.load(weight_ptr + d)[None, :]
+    w2 = tl.load(weight_ptr + HALF + d)[None, :]
+    return w1 * (a * inv).to(x1.dtype), w2 * (b * inv).to(x2.dtype)
+
+
+@triton.jit
 def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, cos_ptr, sin_ptr,
-                            page_table, token_slots, positions,
+                            page_table, token_slots, positions, q_norm_w, k_norm_w, norm_eps,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             stride_cache_page, stride_cache_token, stride_cache_head,
                             stride_scale_page, stride_scale_token, stride_scale_head, stride_pt, stride_cos,
                             tokens_per_page, num_heads, num_kv_heads,
                             HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-                            KIND: tl.constexpr, USE_PDL: tl.constexpr):
-    """One token: rotate q in place; rotate k and write it, and v, into the token's page slot."""
+                            KIND: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    """One token: rotate q in place; rotate k and write it, and v, into the token's page slot. QK_NORM
+    (Qwen3): q and k are RMS-normed per head first, as elementwise.qk_rms_norm_ would (one launch fewer)."""
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
@@ -228,6 +241,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
     q_offs = t * stride_qt + hq[:, None] * stride_qh + d[None, :]
     q1 = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
     q2 = tl.load(q_ptr + q_offs + HALF, mask=q_mask, other=0.0)
+    if QK_NORM:
+        q1, q2 = _rms_norm_halves(q1, q2, q_norm_w, norm_eps, HALF)
     c, s = cos.to(q1.dtype), sin.to(q1.dtype)
     tl.store(q_ptr + q_offs, q1 * c - q2 * s, mask=q_mask)
     tl.store(q_ptr + q_offs + HALF, q2 * c + q1 * s, mask=q_mask)
@@ -236,6 +251,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
     k_offs = t * stride_kt + hk[:, None] * stride_kh + d[None, :]
     k1 = tl.load(k_ptr + k_offs, mask=kv_mask[:, None], other=0.0)
     k2 = tl.load(k_ptr + k_offs + HALF, mask=kv_mask[:, None], other=0.0)
+    if QK_NORM:
+        k1, k2 = _rms_norm_halves(k1, k2, k_norm_w, norm_eps, HALF)
     k1, k2 = (k1 * c - k2 * s).to(k1.dtype), (k2 * c + k1 * s).to(k1.dtype)  # rounded as a separate rotary would
     v_offs = t * stride_vt + hk[:, None] * stride_vh + d[None, :]
     v1 = tl.load(v_ptr + v_offs, mask=kv_mask[:, None], other=0.0)
@@ -485,20 +502,24 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Rotate q in place and write rotated k and v into the pages (one launch instead of two)."""
+                    cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
+    """Rotate q in place and write rotated k and v into the pages (one launch instead of two); with
+    `qk_norm` = (q weight, k weight, eps), q and k are RMS-normed per head first (Qwen3)."""
     tokens, num_heads, dim = q.shape
     if tokens == 0:
         return
     num_kv_heads = k.shape[1]
     kind, k_scales, v_scales, *scale_strides = _scale_args(cache.k, cache.k_scale, cache.v_scale)
+    q_norm_w, k_norm_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     _rotary_write_kv_kernel[(tokens,)](
         q, k, v, cache.k, cache.v, k_scales, v_scales, cos, sin, meta.page_table, meta.token_slots, meta.positions,
+        q_norm_w, k_norm_w, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache.k.stride()[:3], *scale_strides, meta.page_table.stride(0), cos.stride(0),
         cache.k.shape[1], num_heads, num_kv_heads, HALF=dim // 2,
         Q_HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        KIND=kind, **pdl_args())
+        KIND=kind, QK_NORM=qk_norm is not None, **pdl_args())
 
 
 # How many programs per SM the decode grid aims at (DFLASH2_DECODE_WAVES): more splits make smaller work units,
@@ -586,9 +607,11 @@ class TritonAttention:
         return self._attend(q, cache, meta, scale)
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                       meta: AttentionMetadata, scale: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """forward() for un-rotated q and k: the rotary embedding is applied while writing the cache."""
-        rotary_write_kv(q, k, v, cache, cos, sin, meta)
+                       meta: AttentionMetadata, scale: float, cos: torch.Tensor, sin: torch.Tensor,
+                       qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+        """forward() for un-rotated q and k: the rotary embedding (and Qwen3's q/k norms, `qk_norm`) is
+        applied while writing the cache."""
+        rotary_write_kv(q, k, v, cache, cos, sin, meta, qk_norm)
         return self._attend(q, cache, meta, scale)
 
     def _attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
