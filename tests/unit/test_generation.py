@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from dflash2.request import CompletionOutput, RequestOutput
 from dflash2.server.engine_thread import EngineError
 from dflash2.server.generation import Generation, StreamTimeout
