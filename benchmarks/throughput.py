@@ -8,6 +8,7 @@ fraction of wall time the GPU was busy over a window of steady decode, twice: CU
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -22,18 +23,39 @@ from benchmarks.roofline import decode_ceiling_tok_s  # noqa: E402
 from dflash2 import LLM, SamplingParams  # noqa: E402
 
 
+@contextlib.contextmanager
+def steady_decode(llm: LLM, prompts: list, params: SamplingParams, warm_steps: int):
+    """The engine with these requests added and `warm_steps` steps run (prefill done: steady decode); runs
+    them to the end on exit."""
+    engine = llm.engine
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    for _ in range(warm_steps):
+        engine.step()
+    sync()
+    try:
+        yield engine
+    finally:
+        while engine.has_unfinished():
+            engine.step()
+
+
+def timed_steps(engine, steps: int) -> float:
+    """Wall seconds of `steps` engine steps, the device drained at the end."""
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    return time.perf_counter() - started
+
+
 def gpu_busy_events(llm: LLM, prompts: list, params: SamplingParams, warm_steps: int, steps: int) -> dict:
     """GPU busy over `steps` steps of steady decode without a profiler (CUPTI slows the host: on some hosts a
     profiled step took 12 ms against 8.4 unprofiled): CUDA events recorded around each step's launch (its
     kernels, copies and the sampled-token copy) time that step's device work, from when the device reached it;
     busy = the sum of those times / wall. Gaps where the device waited for the host between steps are not
     counted; within an eager step they would be (W1's decode steps are graph replays)."""
-    engine, runner = llm.engine, llm.engine.runner
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-    for _ in range(warm_steps):
-        engine.step()
-    sync()
+    runner = llm.engine.runner
     launch, events = runner.launch, []
 
     def timed_launch(plan, requests):
@@ -44,18 +66,13 @@ def gpu_busy_events(llm: LLM, prompts: list, params: SamplingParams, warm_steps:
         events.append((start, end))
         return pending
 
-    runner.launch = timed_launch
-    try:
-        started = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync()
-        wall = time.perf_counter() - started
-    finally:
-        del runner.launch  # back to the class's method
+    with steady_decode(llm, prompts, params, warm_steps) as engine:
+        runner.launch = timed_launch
+        try:
+            wall = timed_steps(engine, steps)
+        finally:
+            del runner.launch  # back to the class's method
     busy_ms = sum(start.elapsed_time(end) for start, end in events)
-    while engine.has_unfinished():
-        engine.step()
     return {"method": "cuda events around each step's launch", "steps": steps, "wall_ms": round(wall * 1e3, 2),
             "device_ms": round(busy_ms, 2), "busy_fraction_of_wall": round(busy_ms / 1e3 / wall, 3)}
 
@@ -64,18 +81,9 @@ def gpu_busy_fraction(llm: LLM, prompts: list, params: SamplingParams, warm_step
     """Run `steps` engine steps of steady decode under the torch profiler; busy = union of kernel time / wall."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = llm.engine
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-    for _ in range(warm_steps):
-        engine.step()
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # CUDA only: no per-op host tracing cost
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync()
-        wall = time.perf_counter() - start
+    with steady_decode(llm, prompts, params, warm_steps) as engine:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:  # CUDA only: no per-op host tracing cost
+            wall = timed_steps(engine, steps)
     intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     busy = 0.0
@@ -91,8 +99,6 @@ def gpu_busy_fraction(llm: LLM, prompts: list, params: SamplingParams, warm_step
         busy += current_end - current_start
     span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70), flush=True)
-    while engine.has_unfinished():
-        engine.step()
     return {"profiled_steps": steps, "wall_ms": round(wall * 1e3, 2), "kernel_busy_ms": round(busy / 1e3, 2),
             "busy_fraction_of_wall": round(busy / 1e6 / wall, 3),
             "busy_fraction_of_kernel_span": round(busy / span, 3) if span else None}

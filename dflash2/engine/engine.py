@@ -181,17 +181,19 @@ class Engine:
         return outputs
 
     def _has_outranking_first_token(self, plan: StepPlan) -> bool:
-        """Whether this step samples the first token of a request that outranks another one in the step."""
-        priorities = [self.requests[c.request_id].priority for c in plan.chunks if c.request_id in self.requests]
-        if not priorities or min(priorities) == max(priorities):
-            return False
-        lowest = min(priorities)
+        """Whether this step samples the first token of a request that outranks another one in the step
+        (one pass over the chunks, on every step)."""
+        lowest = first_token_top = None
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
-            if chunk.sample and request is not None and request.num_output_tokens == 0 \
-                    and request.priority > lowest:
-                return True
-        return False
+            if request is None:
+                continue
+            if lowest is None or request.priority < lowest:
+                lowest = request.priority
+            if chunk.sample and request.num_output_tokens == 0 \
+                    and (first_token_top is None or request.priority > first_token_top):
+                first_token_top = request.priority
+        return first_token_top is not None and first_token_top > lowest
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         now = time.monotonic()

@@ -69,23 +69,30 @@ def test_write_kernel_quantizes_as_the_reference(kind, head_major):
     assert _codes_close(cache.k, expected.k, kind) and _codes_close(cache.v, expected.v, kind)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("head_major", [True, False])
-@pytest.mark.parametrize("num_splits", [1, 8])
-def test_decode_kernel_reads_the_quantized_cache(kind, head_major, num_splits):
+def _decode_and_reference(kind: str, head_major: bool, lengths: list[int], tokens_per_page: int, q: torch.Tensor,
+                          num_splits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton decode kernel's output on a filled quantized cache, and the float32 reference's."""
     from dflash2.kernels.torch_ref import attention as ref
     from dflash2.kernels.triton import attention as tri
 
-    rng = random.Random(num_splits)
-    lengths = [1, 2, 17, 300, 1025, 4099] + [rng.randrange(1, 3000) for _ in range(26)]
-    _, cache, table, _ = _filled(kind, head_major, lengths, 18, seed=2)
-    q = torch.randn(len(lengths), KV_HEADS * 2, DIM, device="cuda").bfloat16()
+    _, cache, table, _ = _filled(kind, head_major, lengths, tokens_per_page, seed=seed)
     slots = torch.arange(len(lengths), dtype=torch.int32, device="cuda")
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     expected = ref.decode_attention(q.float(), cache.k, cache.v, table, slots, lens, max(lengths), DIM ** -0.5,
                                     cache.k_scale, cache.v_scale)
     got = tri.decode_attention(q, cache.k, cache.v, table, slots, lens, DIM ** -0.5, num_splits,
                                k_scale=cache.k_scale, v_scale=cache.v_scale)
+    return got, expected
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("head_major", [True, False])
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_decode_kernel_reads_the_quantized_cache(kind, head_major, num_splits):
+    rng = random.Random(num_splits)
+    lengths = [1, 2, 17, 300, 1025, 4099] + [rng.randrange(1, 3000) for _ in range(26)]
+    q = torch.randn(len(lengths), KV_HEADS * 2, DIM, device="cuda").bfloat16()
+    got, expected = _decode_and_reference(kind, head_major, lengths, 18, q, num_splits, seed=2)
     error = (got.float() - expected).norm() / expected.norm()
     assert error < 1e-2, error
 
@@ -97,19 +104,10 @@ def test_int8_decode_dequantizes_to_fp16_exactly_enough(tokens_per_page, dtype, 
     """The int8 decode loop (PTX byte -> fp16 conversion times the row scale, fp16 dots, page entries by a
     multiply-high, scales loaded a tile ahead): any page size, tiles straddling pages and partial tails, close to
     the float32 reference on the same cache (bf16 output rounding ~2^-9 dominates; fp16 is tighter)."""
-    from dflash2.kernels.torch_ref import attention as ref
-    from dflash2.kernels.triton import attention as tri
-
     rng = random.Random(tokens_per_page)
     lengths = [1, 2, 31, 32, 33, 300, 1025] + [rng.randrange(1, 2000) for _ in range(9)]
-    _, cache, table, _ = _filled("int8", True, lengths, tokens_per_page, seed=4)
     q = (torch.randn(len(lengths), KV_HEADS * 2, DIM, device="cuda") * 3).to(dtype)
-    slots = torch.arange(len(lengths), dtype=torch.int32, device="cuda")
-    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    expected = ref.decode_attention(q.float(), cache.k, cache.v, table, slots, lens, max(lengths), DIM ** -0.5,
-                                    cache.k_scale, cache.v_scale)
-    got = tri.decode_attention(q, cache.k, cache.v, table, slots, lens, DIM ** -0.5, num_splits,
-                               k_scale=cache.k_scale, v_scale=cache.v_scale)
+    got, expected = _decode_and_reference("int8", True, lengths, tokens_per_page, q, num_splits, seed=4)
     assert bool(torch.isfinite(got).all())
     error = float((got.float() - expected).norm() / expected.norm())
     assert error < (4e-3 if dtype == torch.bfloat16 else 1e-3), error

@@ -71,6 +71,29 @@ def test_gemv_16bit_matches_cublas(n, k, silu_mul):
         assert _relative_error(gemv_16bit(x, weight, silu_mul=silu_mul), act.float() @ weight.float().T) < 1e-2
 
 
+def _assert_graph_replays_as_eager(call) -> None:
+    """`call(out=None)` (a GEMV) captured three times in a CUDA graph gives its eager result on every replay,
+    and the split-K tickets are all back to zero afterwards."""
+    from dflash2.kernels.triton.gemv_parts import split_counters
+
+    eager = call()
+    out = torch.empty_like(eager)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        call(out=out)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            call(out=out)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    assert not split_counters(eager.device, 1).any()
+
+
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_graph_replay_matches_eager(split_k):
     """Captured calls (split-K tickets included) give the eager result on every replay."""
@@ -80,22 +103,7 @@ def test_graph_replay_matches_eager(split_k):
     tensors = qm.device_tensors(weight, torch.bfloat16)
     config = {**qm.gemv_config(4, 4096, 4096), "SPLIT_K": split_k}
     x = torch.randn(1, 4096, device="cuda").bfloat16()
-    eager = qm.gemv(x, tensors, config=config)
-    out = torch.empty_like(eager)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        qm.gemv(x, tensors, out=out, config=config)  # warm-up on the capture stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(3):
-            qm.gemv(x, tensors, out=out, config=config)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-    assert not qm.split_counters(x.device, 1).any()
+    _assert_graph_replays_as_eager(lambda out=None: qm.gemv(x, tensors, out=out, config=config))
 
 
 LLAMA3_8B_INT4 = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]  # qkv .. lm_head
@@ -149,28 +157,12 @@ def test_int4_gemv_silu_mul_on_down_proj(rows):
 
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_int4_gemv_graph_replay_matches_eager(split_k):
-    from dflash2.kernels.triton import quant_matmul as qm
     from dflash2.kernels.triton.int4_gemv import int4_config, int4_gemv
 
     _, prepared = _int4_prepared(4096, 4096)
     config = {**int4_config(4096, 4096), "SPLIT_K": split_k}
     x = torch.randn(1, 4096, device="cuda").bfloat16()
-    eager = int4_gemv(x, prepared, config=config)
-    out = torch.empty_like(eager)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        int4_gemv(x, prepared, out=out, config=config)  # warm-up on the capture stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(3):
-            int4_gemv(x, prepared, out=out, config=config)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-    assert not qm.split_counters(x.device, 1).any()
+    _assert_graph_replays_as_eager(lambda out=None: int4_gemv(x, prepared, out=out, config=config))
 
 
 @pytest.fixture(scope="module")

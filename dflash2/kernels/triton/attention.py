@@ -164,6 +164,26 @@ def _tile_scores(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, toke
     return s * scale, v, v_scale
 
 
+@triton.jit
+def _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND: tl.constexpr, PRECISION: tl.constexpr,
+                    ROWS_MAY_BE_EMPTY: tl.constexpr):
+    """One KV tile into the online softmax: masked scores s [R, N] (-inf where not attended), the tile's V
+    [N, D] and V scales; returns the new (running max, denominator, accumulator). ROWS_MAY_BE_EMPTY: a row
+    may have no attended token yet (causal prefill), so its max stays -inf and must not be subtracted."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if ROWS_MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    p = tl.exp(s - m_ref[:, None])
+    alpha = tl.exp(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if KIND != 0:
+        p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
 # int8 decode (KIND 1): inline PTX converts the cached bytes (the interpreter, which cannot run PTX, takes the
 # plain Triton path computing the same values)
 _PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
@@ -374,14 +394,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                 stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
                 stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
             s = tl.where(token_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if KIND != 0:
-                p = p * v_scale[None, :]
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, False)
     empty = start >= length
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(l_i))
@@ -458,15 +471,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, out
             stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
         allowed = (tokens[None, :] <= q_pos[:, None]) & token_mask[None, :]
         s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KIND != 0:
-            p = p * v_scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, True)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -556,7 +561,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:  # the last split of each row and KV head merges them (a ticket from split_counters)
         partial = torch.empty((batch, num_heads, num_splits, dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    counters = split_counters(q.device, batch * num_kv_heads)
+    counters = split_counters(q.device, batch * num_kv_heads)  # a dict lookup; read only with splits
     block_n = config["BLOCK_N"] if dim <= 128 else 32
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, partial, lse, out, counters,

@@ -7,7 +7,8 @@
 
 Each program parks its fp32 partial in a workspace and takes a ticket from the tile's counter; the last one
 sums the partials, stores the tile and resets the counter, so the counters stay zero between calls and the
-whole thing is safe inside CUDA graphs.
+whole thing is safe inside CUDA graphs. The split decode attention (attention.py) takes its tickets from the
+same `split_counters` (kernels on one stream never hold tickets at the same time).
 """
 from __future__ import annotations
 

@@ -29,8 +29,10 @@ def pdl_enabled() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
+@functools.cache
 def pdl_args() -> dict:
-    """Keyword arguments for a launch of a kernel that calls pdl_start(USE_PDL)."""
+    """Keyword arguments for a launch of a kernel that calls pdl_start(USE_PDL) (one dict, built once: callers
+    splat it and never change it)."""
     return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled() else {"USE_PDL": False}
 
 
