@@ -82,15 +82,30 @@ def report(name: str, kernel, types: dict, constants: dict, elements_per_iterati
                       "top": dict(mix.most_common(8))}), flush=True)
 
 
-def main() -> None:
-    for kind, cache in ((0, "*bf16"), (1, "*i8"), (3, "*fp8e4nv")):
+def decode_reports() -> None:
+    """The decode loop per KV kind at BLOCK_N 32 / 4 warps (comparable across kinds and with earlier counts), then
+    at the configs decode_attention takes (DECODE_CONFIG, DECODE_CONFIGS["int8"]); int8 in both its loops
+    (INT8_IMMA: the integer q.K loop; else the legacy fp16-dequantizing one)."""
+    cases = [(0, "*bf16", False, None), (1, "*i8", True, None), (1, "*i8", False, None), (3, "*fp8e4nv", False, None),
+             (0, "*bf16", False, attn.DECODE_CONFIG), (1, "*i8", True, attn.DECODE_CONFIGS["int8"]),
+             (1, "*i8", False, attn.DECODE_CONFIGS["int8"])]
+    for kind, cache, imma, config in cases:
+        config = config or {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
         types = {"q_ptr": "*bf16", "k_cache": cache, "v_cache": cache, "k_scales": "*fp16", "v_scales": "*fp16",
                  "page_table": "*i32", "slots": "*i32", "lengths": "*i32", "out_ptr": "*fp32", "lse_ptr": "*fp32",
                  "final_ptr": "*bf16", "cnt_ptr": "*i32", "scale": "fp32"}
-        constants = {"GROUP": 2, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": 32, "NUM_SPLITS": 4,
-                     "SPLITS_PAD": 4, "GROUP_P2": 2, "PRECISION": "tf32", "KIND": kind}
-        report(f"decode attention, KV kind {kind} (per K+V element)", attn._decode_split_kernel, types, constants,
-               elements_per_iteration=32 * 128 * 2)
+        block_n = config["BLOCK_N"]
+        constants = {"GROUP": 2, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": block_n, "NUM_SPLITS": 4,
+                     "SPLITS_PAD": 4, "GROUP_P2": 2, "PRECISION": "tf32", "KIND": kind, "INT8_IMMA": imma}
+        loop = {True: ", imma loop", False: ", legacy loop"}[imma] if kind == 1 else ""
+        report(f"decode attention, KV kind {kind}{loop}, BLOCK_N {block_n}, {config['num_warps']} warps "
+               f"(per K+V element)", attn._decode_split_kernel, types, constants,
+               elements_per_iteration=block_n * 128 * 2, num_warps=config["num_warps"],
+               num_stages=config["num_stages"])
+
+
+def main() -> None:
+    decode_reports()
     gemv_types = {"x_ptr": "*bf16", "hi_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16",
                   "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     for bits, weight, block_n, gs, t, words in ((16, "*bf16", 8, 512, 1, False), (8, "*i32", 8, 512, 1, True),

@@ -1,12 +1,15 @@
 """Time the paged decode kernel on W1/W2-like shapes per KV dtype and page layout, for several tile configs.
 
     PYTHONPATH=$PWD python3 benchmarks/tune_decode.py [--kinds bf16,int8,int4,fp8] [--layouts head_major,token_major]
+                                                      [--int8-paths imma,legacy] [--cases w1,w2] [--length 800]
                                                       [--output tune.json]      (GPU)
 Caches are real engine pools: Qwen3-0.6B (28 layers, 8 KV heads, GQA 2, head 128) in 1 MiB pages (9 bf16
-tokens a page, 18 int8, 35 int4), 256 requests of 800 tokens, layer 0 read; W2 is llama-3-8b batch 1 at 384
-tokens (bf16 only). Bandwidth counts the K/V bytes (and scales) read once. Prints one JSON line per best
-config of each (case, kind, layout), then a summary: the best config per kind (paste into DECODE_CONFIGS
-in kernels/triton/attention.py), and head-major vs token-major per kind.
+tokens a page, 18 int8, 35 int4), 256 requests of --length tokens (800), layer 0 read; W2 is llama-3-8b batch 1
+at 384 tokens (bf16 only). int8 runs each of its decode loops (attention.INT8_DECODE: "imma", integer q.K dots,
+and "legacy", K/V dequantized to fp16) over INT8_GRID, labelled "int8-imma" / "int8-legacy". Bandwidth counts
+the K/V bytes (and scales) read once. Prints one JSON line per best config of each (case, kind, layout), then
+a summary: the best config per kind (paste into DECODE_CONFIGS in kernels/triton/attention.py, with its
+"int8" path), head-major vs token-major per kind, and each kind's best W1 time against bf16's.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from dflash2.kernels.triton import attention as tri  # noqa: E402
 CASES = {"w1": dict(batch=256, length=800, layers=28, kv_heads=8, group=2, dim=128),
          "w2": dict(batch=1, length=384, layers=32, kv_heads=8, group=4, dim=128)}
 GRID = list(itertools.product((16, 32, 64), (2, 4), (1, 2)))  # BLOCK_N, warps, stages: 12 compiles a run
+# int8 (per decode loop): larger tiles and one warp too (the imma loop's softmax has no cross-warp reduction at 1)
+INT8_GRID = list(itertools.product((32, 64, 128), (1, 2, 4), (2,))) + [(64, 2, 3), (128, 4, 3)]
 
 
 def case(kind: str, head_major: bool, batch: int, length: int, layers: int, kv_heads: int, group: int, dim: int):
@@ -55,14 +60,18 @@ def case(kind: str, head_major: bool, batch: int, length: int, layers: int, kv_h
     return q, cache, table, slots, lengths, kv_bytes, layout.tokens_per_page
 
 
-def measure(name: str, kind: str, layout_name: str, grid: list) -> list[dict]:
-    shape = CASES[name]
+def measure(name: str, kind: str, layout_name: str, grid: list, int8_path: str | None = None,
+            length: int | None = None) -> list[dict]:
+    shape = {**CASES[name], **({"length": length} if length else {})}
     q, cache, table, slots, lengths, kv_bytes, tpp = case(kind, layout_name == "head_major", **shape)
     splits = tri.decode_num_splits(shape["batch"], shape["kv_heads"])
+    label = f"{kind}-{int8_path}" if int8_path else kind
     rows = []
     for block_n, warps, stages in grid:
-        config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-        row = {"case": name, "kind": kind, "layout": layout_name, "tokens_per_page": tpp, **config}
+        config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+                  **({"int8": int8_path} if int8_path else {})}
+        row = {"case": name, "kind": label, "layout": layout_name, "tokens_per_page": tpp,
+               "length": shape["length"], **config}
         try:
             ms = triton.testing.do_bench(
                 lambda: tri.decode_attention(q, cache.k, cache.v, table, slots, lengths, 0.088, splits,
@@ -77,19 +86,36 @@ def measure(name: str, kind: str, layout_name: str, grid: list) -> list[dict]:
     return rows
 
 
+def current(label: str) -> tuple:
+    """The (BLOCK_N, warps, stages) decode_attention takes today for a kind label ("int8-imma" -> int8's)."""
+    config = tri.DECODE_CONFIGS.get(label.split("-")[0], tri.DECODE_CONFIG)
+    return config["BLOCK_N"], config["num_warps"], config["num_stages"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kinds", default="bf16,int8,int4,fp8")
     parser.add_argument("--layouts", default="head_major,token_major")
+    parser.add_argument("--int8-paths", default="imma,legacy", help="int8 decode loops to time")
+    parser.add_argument("--cases", default="w1,w2", help="w2 runs with bf16 only")
+    parser.add_argument("--length", type=int, default=None, help="W1 context tokens (default 800)")
     parser.add_argument("--output", default=None, help="also write every row and the summary as JSON here")
     args = parser.parse_args()
-    kinds, layouts = args.kinds.split(","), args.layouts.split(",")
+    kinds, layouts, cases = args.kinds.split(","), args.layouts.split(","), args.cases.split(",")
     results: list[dict] = []
     for kind, layout_name in itertools.product(kinds, layouts):
-        results += measure("w1", kind, layout_name, GRID)
-    if "bf16" in kinds:
+        if "w1" not in cases:
+            break
+        if kind == "int8":
+            for path in args.int8_paths.split(","):
+                results += measure("w1", kind, layout_name, INT8_GRID, path, args.length)
+        else:
+            results += measure("w1", kind, layout_name, GRID, length=args.length)
+    if "bf16" in kinds and "w2" in cases:
         for layout_name in layouts:
             results += measure("w2", "bf16", layout_name, GRID)
+    labels = [r["kind"] for r in results if r["case"] == "w1"]
+    kinds = list(dict.fromkeys(labels))
     best: dict[tuple, dict] = {}
     for row in results:
         key = (row["case"], row["kind"], row["layout"])
@@ -97,15 +123,20 @@ def main() -> None:
             best[key] = row
     for row in best.values():
         default = next((r for r in results if (r["case"], r["kind"], r["layout"]) == (row["case"], row["kind"], row["layout"])
-                        and (r["BLOCK_N"], r["num_warps"], r["num_stages"]) == tuple(tri.DECODE_CONFIG.values())
-                        and "us" in r), None)
+                        and (r["BLOCK_N"], r["num_warps"], r["num_stages"]) == current(r["kind"]) and "us" in r), None)
         print(json.dumps({**row, "current_default_us": default and default["us"]}))
+    bf16 = best.get(("w1", "bf16", "head_major"))
     summary = {"decode_configs_w1_head_major": {
-        kind: {k: best[("w1", kind, "head_major")][k] for k in ("BLOCK_N", "num_warps", "num_stages")}
+        kind: {k: best[("w1", kind, "head_major")][k] for k in ("BLOCK_N", "num_warps", "num_stages", "int8")
+               if k in best[("w1", kind, "head_major")]}
         for kind in kinds if ("w1", kind, "head_major") in best},
+        "w1_head_major_vs_bf16": {kind: {"us": best[("w1", kind, "head_major")]["us"],
+                                         "TB_s": best[("w1", kind, "head_major")]["TB_s"],
+                                         "bf16_us_over_us": round(bf16["us"] / best[("w1", kind, "head_major")]["us"], 3)}
+                                  for kind in kinds if bf16 and ("w1", kind, "head_major") in best},
         "head_major_speedup_w1": {kind: round(best[("w1", kind, "token_major")]["us"] / best[("w1", kind, "head_major")]["us"], 3)
                                   for kind in kinds if ("w1", kind, "token_major") in best and ("w1", kind, "head_major") in best},
-        "int8_vs_bf16_w1_us": [best.get(("w1", k, "head_major"), {}).get("us") for k in ("bf16", "int8")]}
+        }
     print("summary", json.dumps(summary))
     if args.output:
         with open(args.output, "w") as f:

@@ -70,8 +70,9 @@ def test_write_kernel_quantizes_as_the_reference(kind, head_major):
 
 
 def _decode_and_reference(kind: str, head_major: bool, lengths: list[int], tokens_per_page: int, q: torch.Tensor,
-                          num_splits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton decode kernel's output on a filled quantized cache, and the float32 reference's."""
+                          num_splits: int, seed: int, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton decode kernel's output on a filled quantized cache (`config` as decode_attention takes it),
+    and the float32 reference's."""
     from dflash2.kernels.torch_ref import attention as ref
     from dflash2.kernels.triton import attention as tri
 
@@ -81,7 +82,7 @@ def _decode_and_reference(kind: str, head_major: bool, lengths: list[int], token
     expected = ref.decode_attention(q.float(), cache.k, cache.v, table, slots, lens, max(lengths), DIM ** -0.5,
                                     cache.k_scale, cache.v_scale)
     got = tri.decode_attention(q, cache.k, cache.v, table, slots, lens, DIM ** -0.5, num_splits,
-                               k_scale=cache.k_scale, v_scale=cache.v_scale)
+                               k_scale=cache.k_scale, v_scale=cache.v_scale, config=config)
     return got, expected
 
 
@@ -97,20 +98,52 @@ def test_decode_kernel_reads_the_quantized_cache(kind, head_major, num_splits):
     assert error < 1e-2, error
 
 
+def _int8_config(path: str, block_n: int | None = None, num_warps: int | None = None) -> dict:
+    from dflash2.kernels.triton import attention as tri
+
+    config = {**tri.DECODE_CONFIGS["int8"], "int8": path}
+    return {**config, **({"BLOCK_N": block_n} if block_n else {}), **({"num_warps": num_warps} if num_warps else {})}
+
+
+@pytest.mark.parametrize("path", ["imma", "legacy"])
 @pytest.mark.parametrize("tokens_per_page", [1, 7, 18, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_int8_decode_dequantizes_to_fp16_exactly_enough(tokens_per_page, dtype, num_splits):
-    """The int8 decode loop (PTX byte -> fp16 conversion times the row scale, fp16 dots, page entries by a
-    multiply-high, scales loaded a tile ahead): any page size, tiles straddling pages and partial tails, close to
-    the float32 reference on the same cache (bf16 output rounding ~2^-9 dominates; fp16 is tighter)."""
+def test_int8_decode_dequantizes_to_fp16_exactly_enough(path, tokens_per_page, dtype, num_splits):
+    """Both int8 decode loops: "imma" (q as two int8 terms, ~15 bits; integer q.K dots on the stored bytes;
+    V bytes -> fp16 by PTX without a scale, the V scale in the probabilities) and "legacy" (PTX byte -> fp16
+    conversion times the row scale, fp16 dots); page entries by a multiply-high, scales loaded a tile ahead: any
+    page size, tiles straddling pages and partial tails, close to the float32 reference on the same cache (bf16
+    output rounding ~2^-9 dominates; fp16 is tighter). Same bounds for both paths: the interpreter measures
+    the imma path at or below the legacy error (tests/unit/test_triton_attention.py)."""
     rng = random.Random(tokens_per_page)
     lengths = [1, 2, 31, 32, 33, 300, 1025] + [rng.randrange(1, 2000) for _ in range(9)]
     q = (torch.randn(len(lengths), KV_HEADS * 2, DIM, device="cuda") * 3).to(dtype)
-    got, expected = _decode_and_reference("int8", True, lengths, tokens_per_page, q, num_splits, seed=4)
+    got, expected = _decode_and_reference("int8", True, lengths, tokens_per_page, q, num_splits, seed=4,
+                                          config=_int8_config(path))
     assert bool(torch.isfinite(got).all())
     error = float((got.float() - expected).norm() / expected.norm())
     assert error < (4e-3 if dtype == torch.bfloat16 else 1e-3), error
+
+
+@pytest.mark.parametrize("block_n,num_warps", [(32, 2), (64, 1), (64, 4), (128, 2), (128, 4)])
+@pytest.mark.parametrize("q_range", [1e-3, 30.0, 3e4])
+def test_int8_imma_decode_configs_and_q_ranges(block_n, num_warps, q_range):
+    """The imma loop at the configs benchmarks/tune_decode.py tries, and q far from unit size (q is quantized
+    per head with a float32 scale: no fp16 clamp, no underflow), one head's q all zeros (its scale falls back to 1);
+    the default path for bf16 q is imma unless DFLASH2_INT8_DECODE=legacy."""
+    from dflash2.kernels.triton import attention as tri
+
+    assert tri.INT8_DECODE != "imma" or tri._int8_path(torch.empty(1, 1, DIM, dtype=torch.bfloat16), {}) == "imma"
+    rng = random.Random(block_n)
+    lengths = [1, 63, 64, 65, 500, 777] + [rng.randrange(1, 1500) for _ in range(10)]
+    q = torch.randn(len(lengths), KV_HEADS * 2, DIM, device="cuda") * q_range
+    q[3, 5] = 0.0
+    got, expected = _decode_and_reference("int8", True, lengths, 18, q.bfloat16(), 1, seed=6,
+                                          config=_int8_config("imma", block_n, num_warps))
+    assert bool(torch.isfinite(got).all())
+    error = float((got.float() - expected).norm() / expected.norm())
+    assert error < 4e-3, error
 
 
 @pytest.mark.parametrize("kind", KINDS)

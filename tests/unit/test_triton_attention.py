@@ -150,3 +150,28 @@ def test_fused_qk_norm_rotary_write_matches_the_norm_kernel_then_rotary_write(dt
     torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-6, rtol=1e-6)
     assert torch.equal(cache.v, ref_cache.v)
+
+
+@pytest.mark.parametrize("path", ["imma", "legacy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_int8_decode_loops_match_reference(path, dtype, num_splits):
+    """Both int8 decode loops on a random int8 cache with fp16 row scales, forced by the config's "int8" key:
+    "imma" (q as two int8 terms, integer q.K dots, V scale in the probabilities; the interpreter computes the
+    same values as the PTX) and "legacy" (tiles dequantized to fp16; float32 q keeps float32 tiles), many tiles
+    over pages of 5 tokens. Against the float32 reference on the same cache: the imma path's q has ~15 bits
+    (~2e-5 here in float32), below bf16's own rounding of the output (~3e-3)."""
+    lengths = [1, 7, 23, 64, 130]
+    g = torch.Generator().manual_seed(11)
+    shape = (80, TOKENS_PER_PAGE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = (torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(2))
+    k_scale, v_scale = ((torch.rand(shape[:3], generator=g) * 0.05 + 0.01).half() for _ in range(2))
+    table = page_table_for(lengths, 80, seed=5)
+    q = (torch.randn(len(lengths), NUM_KV_HEADS * 2, HEAD_DIM, generator=g) * 3).to(dtype)
+    slots, lens = torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
+    args = (k_cache, v_cache, table, slots, lens)
+    expected = ref.decode_attention(q.float(), *args, max(lengths), 0.25, k_scale, v_scale)
+    config = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 2, "int8": path}
+    got = tri.decode_attention(q, *args, 0.25, num_splits, k_scale=k_scale, v_scale=v_scale, config=config)
+    error = float((got.float() - expected).norm() / expected.norm())
+    assert error < (2e-4 if dtype == torch.float32 else 6e-3), error

@@ -6,8 +6,9 @@ lives in page page_table[s, t // tokens_per_page] at offset t % tokens_per_page.
 int4 packed two a byte, fp8 e4m3) carry an fp16 scale per token and head: the write kernels quantize
 (absmax / qmax, round half up), and `_load_kv_tile` hands the stored values and the scales to the
 attention loops, which fold the K scale into the scores and the V scale into the probabilities, since a
-per-token scale commutes with both dot products: no per-element dequantize multiply (int8 decode instead
-dequantizes each tile in registers to fp16, which is free next to the conversion: _int8_decode_tiles).
+per-token scale commutes with both dot products: no per-element dequantize multiply. int8 decode of 16-bit
+models quantizes q once per program and takes integer q.K dots on the stored bytes (_int8_imma_tiles); the
+legacy loop (float32 models, DFLASH2_INT8_DECODE=legacy) dequantizes each tile to fp16 (_int8_decode_tiles).
 Decode splits each sequence into NUM_SPLITS equal pieces (so one graph serves every length), each
 program handling all query heads of one KV head; the last program of a row and KV head to finish (a ticket
 from a self-resetting counter) merges the pieces by their log-sum-exp, so decode is one launch (with one
@@ -32,8 +33,12 @@ PREFILL_BLOCK_M = 64
 DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}  # best of benchmarks/tune_decode.py on H200
 # per KV kind where tuning found better (benchmarks/tune_decode.py prints the dict to paste); else DECODE_CONFIG.
 # W1 shapes on the H200 (results/tune_decode_kv_2026-11-29_s3.json): bf16 218.6 us a layer (4 warps: 224.8),
-# int8 198.7 (BLOCK_N 32, 4 warps: 244.7)
+# int8 198.7 (BLOCK_N 32, 4 warps: 244.7), both with the legacy int8 loop
 DECODE_CONFIGS: dict[str, dict[str, int]] = {"int8": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}
+# int8 KV decode loop for 16-bit models (DFLASH2_INT8_DECODE): "imma" (integer q.K dot, _int8_imma_tiles) or
+# "legacy" (K and V dequantized to fp16, _int8_decode_tiles; float32 models always take it). A config dict's
+# "int8" key overrides it (benchmarks/tune_decode.py compares both).
+INT8_DECODE = os.environ.get("DFLASH2_INT8_DECODE", "imma")
 
 
 # KV kinds as kernel constants (KVCache.kind): a float cache, or one quantized format with fp16 row scales
@@ -350,6 +355,87 @@ def _int8_decode_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_t
 
 
 @triton.jit
+def _int8_quantize_q(q, scale):
+    """q [R, D] as two int8 terms and a row factor: q ~ (hi + lo / 254) * qs (hi = round(q / qs), qs = absmax /
+    127, lo the rounding remainder in 1/254 steps: ~15 bits, finer than bf16's 8), and qs * scale * log2(e)."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), 1)
+    qs = tl.where(amax == 0.0, 1.0, amax / 127.0)
+    x = qf / qs[:, None]
+    hi = tl.clamp(tl.floor(x + 0.5), -127.0, 127.0)
+    lo = tl.clamp(tl.floor((x - hi) * 254.0 + 0.5), -127.0, 127.0)
+    return hi.to(tl.int8), lo.to(tl.int8), qs * (scale * 1.4426950408889634)
+
+
+@triton.jit
+def _int8_v_fp16(x):
+    """int8 tile x -> fp16 (exact). PTX: 4 bytes at a time, flip the sign bits (q + 128), place each byte under
+    an fp16 exponent of 1024 (prmt), subtract 1152: 1.25 instructions a value (the V scale goes into the
+    probabilities). Not pure on purpose (see _int8_tile)."""
+    if _PTX:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 u, m, a, b; xor.b32 u, $2, 0x80808080; mov.b32 m, 0x64806480; "
+            "prmt.b32 a, u, 0x64646464, 0x5140; prmt.b32 b, u, 0x64646464, 0x7362; "
+            "sub.f16x2 $0, a, m; sub.f16x2 $1, b, m; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = x.to(tl.float16)
+    return y
+
+
+@triton.jit
+def _int8_imma_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head,
+                     stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
+                     stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
+                     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The int8 decode loop without dequantizing K: q is quantized once (_int8_quantize_q) and the scores are
+    two integer dots with the stored K bytes (int32, mma s8), times the K row scale and q's factor; the V row
+    scale goes into the probabilities, and V is converted to fp16 without a scale (_int8_v_fp16) for an fp16
+    dot. Scores are kept in log2 units (exp2); returns (m_i in natural-log units, l_i, acc) like
+    _int8_decode_tiles."""
+    magic = (4294967295 // (tokens_per_page + tl.zeros([], tl.int64))).to(tl.uint32)
+    d = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BLOCK_N)
+    q_hi, q_lo, q_factor = _int8_quantize_q(q, scale)
+    m_i = m_i * 1.4426950408889634
+    l_part = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
+    head_offs = kv_head * stride_cache_head
+    scale_head_offs = kv_head * stride_scale_head
+    tokens = start + cols
+    page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
+    scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
+    k_scale = tl.load(k_scales + scale_offs, mask=tokens < end, other=0.0)
+    v_scale = tl.load(v_scales + scale_offs, mask=tokens < end, other=0.0)
+    for n0 in range(start, end, BLOCK_N):
+        tokens = n0 + cols
+        token_mask = tokens < end
+        page, in_page = _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic, stride_pt)
+        offs = page * stride_cache_page + in_page * stride_cache_token + head_offs
+        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
+        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
+        next_tokens = tokens + BLOCK_N
+        next_mask = next_tokens < end
+        page, in_page = _int8_page_rows(page_table, slot, next_tokens, next_mask, tokens_per_page, magic,
+                                        stride_pt)
+        scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
+        next_k_scale = tl.load(k_scales + scale_offs, mask=next_mask, other=0.0)
+        next_v_scale = tl.load(v_scales + scale_offs, mask=next_mask, other=0.0)
+        kt = tl.trans(k)
+        s_int = tl.dot(q_hi, kt, out_dtype=tl.int32) * 254 + tl.dot(q_lo, kt, out_dtype=tl.int32)
+        s = s_int.to(tl.float32) * (k_scale.to(tl.float32) * (1.0 / 254.0))[None, :]
+        s = tl.where(token_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * q_factor)
+        p = tl.exp2(s * q_factor[:, None] - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_part = l_part * alpha[:, None] + p
+        pv = (p * v_scale.to(tl.float32)[None, :]).to(tl.float16)
+        acc = acc * alpha[:, None] + tl.dot(pv, _int8_v_fp16(v))
+        m_i = m_new
+        k_scale, v_scale = next_k_scale, next_v_scale
+    return m_i * 0.6931471805599453, tl.sum(l_part, 1), acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, out_ptr, lse_ptr,
                          final_ptr, cnt_ptr,
                          stride_qt, stride_qh, stride_cache_page, stride_cache_token, stride_cache_head,
@@ -359,7 +445,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          SPLITS_PAD: tl.constexpr,
-                         PRECISION: tl.constexpr, KIND: tl.constexpr, USE_PDL: tl.constexpr):
+                         PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_IMMA: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
     # batch ordered longest-first (the runner's order) starts its longest programs first
@@ -380,7 +467,12 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    if KIND == 1:
+    if KIND == 1 and INT8_IMMA:
+        m_i, l_i, acc = _int8_imma_tiles(
+            q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
+            stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+            stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N)
+    elif KIND == 1:
         m_i, l_i, acc = _int8_decode_tiles(
             q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
@@ -544,6 +636,14 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: 
 MERGE_TILE = 64  # heads x splits the merging program holds at once (x head_dim fp32 values over its threads)
 
 
+def _int8_path(q: torch.Tensor, config: dict) -> str:
+    """The int8 decode loop: the config's "int8" key, else DFLASH2_INT8_DECODE for 16-bit q with head_dim >= 32
+    (an int8 mma takes 32 values a step), else legacy (float32 models keep exact float32 dots)."""
+    if "int8" in config:
+        return config["int8"]
+    return INT8_DECODE if q.dtype != torch.float32 and q.shape[-1] >= 32 else "legacy"
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
@@ -570,7 +670,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1), scale, k_cache.shape[1],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        PRECISION=_precision(q), KIND=kind,
+        PRECISION=_precision(q), KIND=kind, INT8_IMMA=_int8_path(q, config) == "imma",
         num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
     return out
 
