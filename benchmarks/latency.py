@@ -92,6 +92,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=2048,
+                        help="0: the prompt's prefill runs eagerly (decode-only graphs)")
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of 20 decode steps")
     parser.add_argument("--blas", default=None, help="torch.backends.cuda.preferred_blas_library: cublas or cublaslt")
@@ -105,7 +107,7 @@ def main() -> None:
     quant = quantize_dummy_weights(args.weights)
     llm = LLM(args.model, load_format="dummy", max_num_seqs=4, max_model_len=2048, max_num_batched_tokens=2048,
               enforce_eager=args.enforce_eager, overlap=False if args.no_overlap else None,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 20000, (args.prompt_len,), generator=generator).tolist()
     one_request(llm, prompt, 16)  # warm-up
@@ -125,6 +127,7 @@ def main() -> None:
               "ttft_ms": round(best["ttft_s"] * 1e3, 2), "roofline_tok_s": round(ceiling, 1),
               "fraction_of_roofline": round(tok_s / ceiling, 3),
               "cuda_graphs": llm.engine.runner.graphs is not None, "overlap": llm.engine.overlap,
+              "cuda_graph_max_prefill_tokens": args.cuda_graph_max_prefill_tokens,
               "blas": str(torch.backends.cuda.preferred_blas_library()),
               "all_runs_s": [round(r["total_s"], 4) for r in runs]}
     finish(result, args.peer_json, args.save)

@@ -37,6 +37,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--disable-log-stats", action="store_true", help="no periodic throughput line")
     add_flag(parser, "--max-batch-size", type=int, default=None, help="alias of --max-num-seqs")
     add_flag(parser, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    add_flag(parser, "--cuda-graph-max-prefill-tokens", type=int, default=2048,
+             help="steps with prefill chunks of up to this many tokens also replay CUDA graphs (captured at "
+                  "startup for decode rows 0, 1, 2, 4, ... x prefill tokens 16, 32, ...); 0: decode-only graphs")
     add_flag(parser, "--swap-space", type=float, default=0.0,
              help="GiB of pinned host memory for the KV of preempted requests (0: recompute them instead)")
     add_flag(parser, "--preemption-threshold", type=int, default=1,
@@ -85,6 +88,9 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["max_num_seqs"] = args.max_batch_size or args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
+    if args.cuda_graph_max_prefill_tokens < 0:
+        raise ValueError(f"--cuda-graph-max-prefill-tokens must be >= 0, got {args.cuda_graph_max_prefill_tokens}")
+    kwargs["cuda_graph_max_prefill_tokens"] = args.cuda_graph_max_prefill_tokens
     if args.swap_space < 0:
         raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space:g}")
     if args.swap_space:

@@ -37,7 +37,7 @@ from dflash2.engine.kv.host_pool import HostPagePool
 from dflash2.engine.kv.manager import KVManager
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.engine.plan import StepPlan
-from dflash2.engine.graphs import graph_batch_sizes
+from dflash2.engine.graphs import graph_batch_sizes, mixed_graph_shapes
 from dflash2.engine.memory import gpu_pool_bytes
 from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepResult
 from dflash2.engine.sampler import make_generator
@@ -62,6 +62,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False  # never capture CUDA graphs
+    # steps with prefill chunks of up to this many tokens also replay CUDA graphs (0: decode-only graphs)
+    cuda_graph_max_prefill_tokens: int = 2048
     overlap: bool | None = None  # overlapped scheduling; None: on for CUDA, off on the CPU
     low_priority_values_first: bool = False  # vLLM's convention: a smaller number is more urgent
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -103,7 +105,9 @@ class Engine:
         self.runner = ModelRunner(self.model, layout, num_pages, options)
         self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))
         if device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_graphs(graph_batch_sizes(config.scheduler.max_num_seqs))
+            sched = config.scheduler
+            self.runner.capture_graphs(graph_batch_sizes(sched.max_num_seqs),
+                                       mixed_graph_shapes(sched.max_num_seqs, self._graph_prefill_tokens()))
         self.overlap = config.overlap if config.overlap is not None else device.type == "cuda"
         self._in_flight: tuple[StepPlan, PendingStep] | None = None
         self.requests: dict[str, Request] = {}
@@ -366,13 +370,20 @@ class Engine:
             limit = arch.sliding_window
         return limit
 
+    def _graph_prefill_tokens(self) -> int:
+        """The largest prefill a graph is captured for: 0 (decode-only graphs) when graphs are off."""
+        if self.config.enforce_eager:
+            return 0
+        return min(self.config.cuda_graph_max_prefill_tokens, self.config.scheduler.max_num_batched_tokens)
+
     def _num_pages(self, layout: KVLayout, device: torch.device, options: RunnerOptions) -> int:
         cache, sched = self.config.cache, self.config.scheduler
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             if device.type == "cuda":
                 budget = gpu_pool_bytes(self.model, layout, options, cache.gpu_memory_utilization,
-                                        sched.max_num_batched_tokens, sched.max_num_seqs)
+                                        sched.max_num_batched_tokens, sched.max_num_seqs,
+                                        graph_tokens=self._graph_prefill_tokens() + sched.max_num_seqs)
             else:
                 needed_pages = -(-self.max_model_len * sched.max_num_seqs // layout.tokens_per_page)
                 budget = min(CacheConfig.CPU_DEFAULT_KV_BYTES, needed_pages * layout.page_bytes)

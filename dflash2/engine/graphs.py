@@ -1,34 +1,51 @@
-"""DecodeGraphs: CUDA graphs of the decode step (forward + logits), one per padded batch size.
+"""StepGraphs: CUDA graphs of whole steps (forward + logits), decode-only and mixed, at padded shapes.
 
-A decode-only step of B requests replays the graph of the smallest captured size b >= B. The host packs
-the step's inputs into one pinned buffer, copied with a single transfer into the graph's static input
-block laid out as
+A step is replayed from the graph of its padded shape (D, P): D decode rows (one token each) and P prefill
+rows (chunks of prompts, any number of them). Decode-only steps (P = 0) use fine batch buckets; steps with
+prefill chunks use powers of two for both, up to `max_prefill_tokens`. Anything else (larger prefills, chunks
+that want prompt logprobs) runs eagerly. Without graphs an eager step costs the host one Python launch per
+kernel (~170 for a Qwen3-0.6B step, 10-25 ms), which is what an urgent request's first token waited for.
 
-    inputs[: 4 * b] = [ token ids (negative: placeholder) | positions | slots | lengths ]   (int64)
+The host packs the step's inputs into one pinned buffer, copied with a single transfer into the graph's
+static input block (int64), laid out as
 
-Placeholders are resolved inside the graph from the runner's future-token buffer. Rows B..b-1 are padding
-that reads and writes only the scratch page (slot `pad_slot`, position 0, length 1); their logits are
-ignored.
+    [ token ids | positions | slots ]  D + P each: decode rows, padding to D, prefill rows, padding to P
+    [ decode lengths ]                 D
+    [ logit rows ]                     D + S: which rows to compute logits for (decode rows, then each
+                                       sampling chunk's last row)
+    [ query starts ]                   S + 2: each chunk's first prefill row, then P' (real prefill rows) twice
+    [ context lengths | slots ]        S + 1 each
+    [ block segments | block starts ]  B each: the prefill kernel's query blocks
+
+with S = min(max_slots, P) chunks at most and B = ceil(P / block_m) + S blocks. Padding rows belong to the
+spare slot `pad_slot` (all its pages are the scratch page) at position 0 with length 1; padding blocks point
+at segment S' (one past the real ones), whose query length and context are 0, so they return at once. Token
+ids may be placeholders, resolved inside the graph from the runner's future-token buffer.
 """
 from __future__ import annotations
 
 import bisect
 import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from dflash2.kernels.attention_metadata import AttentionMetadata
+from dflash2.kernels.attention_metadata import AttentionMetadata, PrefillSegment
 from dflash2.models.llama import ForwardContext
 
 if TYPE_CHECKING:
-    from dflash2.engine.runner import ModelRunner
+    from dflash2.engine.runner import ModelRunner, _HostBatch
 
 logger = logging.getLogger("dflash2")
 
+MIN_PREFILL_BUCKET = 16
+
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 64, then every 16, up to max_num_seqs."""
+    """Decode-only buckets: 1, 2, 4, 8, then every 8 up to 64, then every 16, up to max_num_seqs."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
     size = 16
     while size < max_num_seqs:
@@ -38,69 +55,224 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraphs:
-    def __init__(self, runner: "ModelRunner", batch_sizes: list[int]) -> None:
+def _powers_of_two(first: int, limit: int) -> list[int]:
+    """first, 2 * first, ... below limit, then limit itself."""
+    sizes, size = [], first
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return sizes + [limit]
+
+
+def mixed_graph_shapes(max_num_seqs: int, max_prefill_tokens: int) -> list[tuple[int, int]]:
+    """(decode rows, prefill rows) of the mixed graphs: decode 0, 1, 2, 4, ... max_num_seqs by prefill
+    16, 32, ... max_prefill_tokens; none when max_prefill_tokens is 0."""
+    if max_prefill_tokens <= 0:
+        return []
+    decodes = [0] + _powers_of_two(1, max_num_seqs)
+    prefills = _powers_of_two(MIN_PREFILL_BUCKET, max(MIN_PREFILL_BUCKET, max_prefill_tokens))
+    return [(d, p) for d in decodes for p in prefills]
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """One graph's padded shape and where each input lies in its block."""
+
+    decodes: int  # D
+    prefill_tokens: int  # P
+    max_segments: int  # S
+    num_blocks: int  # B
+
+    @staticmethod
+    def of(decodes: int, prefill_tokens: int, max_slots: int, block_m: int) -> "GraphShape":
+        segments = min(max_slots, prefill_tokens)
+        blocks = -(-prefill_tokens // block_m) + segments if prefill_tokens else 0
+        return GraphShape(decodes, prefill_tokens, segments, blocks)
+
+    @property
+    def tokens(self) -> int:
+        return self.decodes + self.prefill_tokens
+
+    @property
+    def logit_rows(self) -> int:
+        return self.decodes + self.max_segments
+
+    @property
+    def sections(self) -> list[tuple[str, int]]:
+        t, s, b = self.tokens, self.max_segments, self.num_blocks
+        sections = [("ids", t), ("positions", t), ("slots", t), ("lengths", self.decodes)]
+        if self.prefill_tokens:
+            sections += [("logit_rows", self.logit_rows), ("query_starts", s + 2), ("context_lens", s + 1),
+                         ("segment_slots", s + 1), ("block_segments", b), ("block_starts", b)]
+        return sections
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self.sections)
+
+
+def pack_inputs(shape: GraphShape, host: "_HostBatch", num_decodes: int, pad_slot: int, block_m: int) -> list[int]:
+    """The step's host batch (decode rows first, then prefill chunks) laid out as `shape`'s input block."""
+    d, p_real = num_decodes, len(host.token_ids) - num_decodes
+    pad_d, pad_p = shape.decodes - d, shape.prefill_tokens - p_real
+
+    def rows(values: list[int], decode_pad: int, prefill_pad: int) -> list[int]:
+        return values[:d] + [decode_pad] * pad_d + values[d:] + [prefill_pad] * pad_p
+
+    packed = (rows(host.token_ids, 0, 0) + rows(host.positions, 0, 0) + rows(host.token_slots, pad_slot, pad_slot)
+              + host.decode_lengths + [1] * pad_d)
+    if not shape.prefill_tokens:
+        return packed
+    segments = host.segments
+    s_cap, real = shape.max_segments, len(segments)
+    logit_rows = [r if r < d else r + pad_d for r in host.sample_rows]
+    starts = [seg.query_start - d for seg in segments] + [p_real] * (s_cap + 2 - real)
+    blocks = [(i, m) for i, seg in enumerate(segments) for m in range(0, seg.query_len, block_m)]
+    blocks += [(real, 0)] * (shape.num_blocks - len(blocks))
+    return (packed + logit_rows + [0] * (shape.logit_rows - len(logit_rows)) + starts
+            + [seg.context_len for seg in segments] + [0] * (s_cap + 1 - real)
+            + [seg.slot for seg in segments] + [pad_slot] * (s_cap + 1 - real)
+            + [b[0] for b in blocks] + [b[1] for b in blocks])
+
+
+def _round_up(value: int, sizes: list[int]) -> int | None:
+    """The smallest of the sorted `sizes` >= value, or None."""
+    index = bisect.bisect_left(sizes, value)
+    return sizes[index] if index < len(sizes) else None
+
+
+class StepGraphs:
+    def __init__(self, runner: "ModelRunner", decode_sizes: list[int],
+                 mixed_shapes: list[tuple[int, int]] = (), capture: bool = True) -> None:
+        """`capture=False` runs each step eagerly at its padded shape instead of replaying a graph: the same
+        inputs and metadata without CUDA (the CPU tests check the padding with it)."""
         self.runner = runner
-        self.sizes = sorted(batch_sizes)
-        largest = self.sizes[-1]
-        device = runner.device
-        self.inputs = torch.zeros(4 * largest, dtype=torch.long, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # each graph's own output (model dtype), read after replay
-        self.pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            self._capture(size)
-        logger.info("captured %d decode CUDA graphs for batch sizes %s", len(self.sizes), self.sizes)
+        self.capture = capture
+        self.block_m = getattr(runner.attention, "prefill_block_m", None) or 64
+        max_slots = runner.options.max_slots
+        shapes = [GraphShape.of(d, 0, max_slots, self.block_m) for d in decode_sizes]
+        shapes += [GraphShape.of(d, p, max_slots, self.block_m) for d, p in mixed_shapes]
+        self.shapes = sorted(set(shapes), key=lambda s: (s.tokens, s.decodes))
+        self._by_size = {(s.decodes, s.prefill_tokens): s for s in self.shapes}
+        self._decode_sizes = sorted(set(decode_sizes))
+        self._mixed_decodes = sorted({d for d, _ in mixed_shapes})
+        self._mixed_prefills = sorted({p for _, p in mixed_shapes})
+        self.inputs = torch.zeros(max(s.size for s in self.shapes), dtype=torch.long, device=runner.device)
+        self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[GraphShape, torch.Tensor] = {}  # each graph's own output (model dtype)
+        self.steps: dict[GraphShape, Callable[[], torch.Tensor]] = {}  # capture=False
+        self.replays: Counter[GraphShape] = Counter()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        for shape in reversed(self.shapes):  # largest first, so smaller graphs reuse its memory
+            self._capture(shape)
+        logger.info("%s %d CUDA graphs: decode batches %s; decode x prefill tokens %s",
+                    "captured" if capture else "built (not captured)", len(self.shapes),
+                    sorted(decode_sizes), sorted(set(mixed_shapes)))
 
-    def fits(self, batch: int) -> bool:
-        return 0 < batch <= self.sizes[-1]
+    def shape_for(self, host: "_HostBatch", num_decodes: int) -> GraphShape | None:
+        """The smallest graph this step fits, or None (run it eagerly)."""
+        if host.logit_chunks:  # prompt logprobs read every row's hidden state
+            return None
+        prefill_tokens = len(host.token_ids) - num_decodes
+        if not prefill_tokens:
+            decodes = _round_up(num_decodes, self._decode_sizes)
+            return None if decodes is None else self._by_size[(decodes, 0)]
+        decodes = _round_up(num_decodes, self._mixed_decodes)
+        prefills = _round_up(prefill_tokens, self._mixed_prefills)
+        if decodes is None or prefills is None:
+            return None
+        shape = self._by_size[(decodes, prefills)]
+        return shape if len(host.segments) <= shape.max_segments else None
 
-    def run(self, token_ids: list[int], positions: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
-        """Replay the graph for this decode batch (host lists, one entry per request); logits [B, vocab]."""
-        batch = len(token_ids)
-        size = self.sizes[bisect.bisect_left(self.sizes, batch)]
-        pad = size - batch
-        packed = torch.tensor(token_ids + [0] * pad + positions + [0] * pad
-                              + slots + [self.runner.pad_slot] * pad + lengths + [1] * pad,
-                              dtype=torch.long, pin_memory=True)
-        self.inputs[: 4 * size].copy_(packed, non_blocking=True)
-        self.graphs[size].replay()
-        return self.logits[size][:batch]
+    def run(self, shape: GraphShape, host: "_HostBatch", num_decodes: int) -> torch.Tensor:
+        """Replay `shape`'s graph for this step; logits [rows sampled, vocab] in host.sample_rows order."""
+        packed = torch.tensor(pack_inputs(shape, host, num_decodes, self.runner.pad_slot, self.block_m),
+                              dtype=torch.long, pin_memory=self.capture)
+        self.inputs[: shape.size].copy_(packed, non_blocking=True)
+        self.replays[shape] += 1
+        if not self.capture:
+            return self.steps[shape]()[: len(host.sample_rows)]
+        self.graphs[shape].replay()
+        return self.logits[shape][: len(host.sample_rows)]
 
-    @torch.inference_mode()
-    def _capture(self, size: int) -> None:
-        from dflash2.kernels.triton.attention import decode_num_splits
+    def _views(self, shape: GraphShape) -> dict[str, torch.Tensor]:
+        views, offset = {}, 0
+        for name, length in shape.sections:
+            views[name] = self.inputs[offset:offset + length]
+            offset += length
+        return views
 
+    def _metadata(self, shape: GraphShape, v: dict[str, torch.Tensor]) -> AttentionMetadata:
+        runner = self.runner
+        meta = AttentionMetadata(page_table=runner.page_table, token_slots=v["slots"], positions=v["positions"],
+                                 num_decode_tokens=shape.decodes, decode_lengths=v["lengths"],
+                                 max_decode_length=runner.options.max_model_len)
+        if shape.prefill_tokens:
+            # kernels read only the device tensors below; the one host segment marks the step as having prefills
+            meta.prefills = [PrefillSegment(shape.decodes, shape.prefill_tokens, shape.prefill_tokens,
+                                            runner.pad_slot)]
+            meta.prefill_query_starts = v["query_starts"]
+            meta.prefill_context_lens = v["context_lens"]
+            meta.prefill_slots = v["segment_slots"]
+            meta.prefill_block_segments = v["block_segments"]
+            meta.prefill_block_starts = v["block_starts"]
+        return meta
+
+    def _fill_idle(self, shape: GraphShape, v: dict[str, torch.Tensor]) -> None:
+        """Inputs of an all-padding step, for the warm-up and the capture."""
+        pad = self.runner.pad_slot
+        v["slots"].fill_(pad)
+        v["lengths"].fill_(1)
+        if shape.prefill_tokens:
+            v["segment_slots"].fill_(pad)
+            v["context_lens"].zero_()
+            v["query_starts"].zero_()
+            v["block_segments"].zero_()
+            v["block_starts"].zero_()
+            v["logit_rows"].zero_()
+
+    def _build_step(self, shape: GraphShape) -> Callable[[], torch.Tensor]:
+        """The step at this padded shape, reading only the static input block: what gets captured."""
         runner = self.runner
         module = runner.model.module
-        attention = runner.attention
-        block = self.inputs[: 4 * size].view(4, size)
-        block[2].fill_(runner.pad_slot)
-        block[3].fill_(1)
-        meta = AttentionMetadata(page_table=runner.page_table, token_slots=block[2], positions=block[1],
-                                 num_decode_tokens=size, decode_lengths=block[3],
-                                 max_decode_length=runner.options.max_model_len)
-        context = ForwardContext(positions=block[1], attention=meta, kv_caches=runner.kv_caches,
-                                 attention_backend=attention)
+        v = self._views(shape)
+        self._fill_idle(shape, v)
+        context = ForwardContext(positions=v["positions"], attention=self._metadata(shape, v),
+                                 kv_caches=runner.kv_caches, attention_backend=runner.attention)
 
         def step() -> torch.Tensor:
-            ids = block[0]
+            ids = v["ids"]
             resolved = torch.where(ids < 0, runner.future_tokens[(-ids - 1).clamp(min=0)], ids)
-            return module.compute_logits(module(resolved, context))
+            hidden = module(resolved, context)
+            if shape.prefill_tokens:
+                hidden = hidden.index_select(0, v["logit_rows"])
+            return module.compute_logits(hidden)
 
+        return step
+
+    @torch.inference_mode()
+    def _capture(self, shape: GraphShape) -> None:
+        from dflash2.kernels.triton.attention import decode_num_splits
+
+        step = self._build_step(shape)
+        if not self.capture:
+            self.steps[shape] = step
+            return
+        runner = self.runner
+        attention = runner.attention
         layout = runner.layout
-        attention.graph_num_splits = decode_num_splits(size, layout.num_kv_heads, attention.num_sms,
+        attention.graph_num_splits = decode_num_splits(max(1, shape.decodes), layout.num_kv_heads,
+                                                       attention.num_sms,
                                                        runner.model.arch.num_heads // layout.num_kv_heads)
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: compile kernels outside the capture
-                    step()
+                step()  # warm-up: compile kernels and pick GEMM algorithms outside the capture
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[size] = step()
-            self.graphs[size] = graph
+                self.logits[shape] = step()
+            self.graphs[shape] = graph
         finally:
             attention.graph_num_splits = None

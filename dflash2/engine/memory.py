@@ -1,7 +1,8 @@
 """Size the GPU page pool: what `gpu_memory_utilization` allows, minus what the model needs to run.
 
     total * utilization  =  peak of a profiling step (weights + activations of the largest batch)
-                         +  reserve (CUDA graphs, logits of a full decode batch, allocator slack)
+                         +  reserve (CUDA graphs: the activations of the largest captured step, and a fixed
+                            1 GiB for logits and allocator slack; logits of a full decode batch)
                          +  page pool   <- the rest
 """
 from __future__ import annotations
@@ -26,14 +27,16 @@ GRAPH_RESERVE_BYTES = 1 << 30
 
 
 def gpu_pool_bytes(model: "LoadedModel", layout: "KVLayout", options: "RunnerOptions", utilization: float,
-                   max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """Bytes left for the page pool after a profiling step of `max_num_batched_tokens` tokens."""
+                   max_num_batched_tokens: int, max_num_seqs: int, graph_tokens: int = 0) -> int:
+    """Bytes left for the page pool after a profiling step of `max_num_batched_tokens` tokens; the CUDA graphs'
+    own memory pool is taken to need the activations of a `graph_tokens`-token step (scaled from the profile)."""
     from dflash2.engine.runner import ModelRunner, RunnerOptions
 
     device = model.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
     # the largest prefill step: max_num_batched_tokens tokens in chunks no longer than a sequence may be
     per_chunk = max(1, min(max_num_batched_tokens, options.max_model_len - 1))
     sizes = [per_chunk] * (max_num_batched_tokens // per_chunk)
@@ -57,9 +60,11 @@ def gpu_pool_bytes(model: "LoadedModel", layout: "KVLayout", options: "RunnerOpt
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     logits_bytes = 3 * max_num_seqs * model.arch.vocab_size * 4
-    budget = int(total * utilization) - peak - GRAPH_RESERVE_BYTES - logits_bytes
-    logger.info("GPU memory: %.2f GiB total, utilization %.2f, profiling peak %.2f GiB, pool %.2f GiB",
-                total / 2**30, utilization, peak / 2**30, budget / 2**30)
+    graph_activations = int((peak - before) * min(1.0, graph_tokens / max_num_batched_tokens))
+    budget = int(total * utilization) - peak - GRAPH_RESERVE_BYTES - graph_activations - logits_bytes
+    logger.info("GPU memory: %.2f GiB total, utilization %.2f, profiling peak %.2f GiB, graph activations "
+                "%.2f GiB, pool %.2f GiB", total / 2**30, utilization, peak / 2**30, graph_activations / 2**30,
+                budget / 2**30)
     if budget <= 0:
         raise ValueError(f"gpu_memory_utilization {utilization} leaves no memory for the KV cache: the model "
                          f"needs {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB; raise it or lower "

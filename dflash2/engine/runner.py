@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash2.engine.graphs import DecodeGraphs
+from dflash2.engine.graphs import StepGraphs
 from dflash2.engine.kv.layout import KVLayout
 from dflash2.engine.plan import ScheduledChunk, StepPlan
 from dflash2.engine.sampler import Logprob, Sampler, SamplingRow, prompt_logprobs, sampled_logprobs
@@ -83,12 +83,13 @@ class ModelRunner:
         self.future_tokens = torch.zeros(2 * options.max_slots, dtype=torch.long, device=self.device)
         self._future_base = 0
         self.eos_token_ids: tuple[int, ...] = model.arch.eos_token_ids
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
 
-    def capture_graphs(self, batch_sizes: list[int]) -> None:
-        """Capture decode CUDA graphs for these padded batch sizes (GPU with a graph-capable backend)."""
+    def capture_graphs(self, decode_sizes: list[int], mixed_shapes: list[tuple[int, int]] = ()) -> None:
+        """Capture CUDA graphs of decode steps of these padded batch sizes, and of steps with prefill chunks
+        of these (decode rows, prefill tokens) shapes (GPU with a graph-capable backend)."""
         if self.device.type == "cuda" and getattr(self.attention, "supports_graphs", False):
-            self.graphs = DecodeGraphs(self, batch_sizes)
+            self.graphs = StepGraphs(self, decode_sizes, list(mixed_shapes))
 
     # -- the step ----------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, requests: Mapping[str, Request]) -> StepResult:
@@ -106,8 +107,9 @@ class ModelRunner:
         prefills = [c for c in plan.chunks if not (c.num_tokens == 1 and c.start > 0)]
         ordered = decodes + prefills
         host = _HostBatch.build(ordered, len(decodes))
-        if not prefills and self.graphs is not None and self.graphs.fits(len(decodes)):
-            logits = self.graphs.run(host.token_ids, host.positions, host.token_slots, host.decode_lengths)
+        shape = self.graphs.shape_for(host, len(decodes)) if self.graphs is not None else None
+        if shape is not None:
+            logits = self.graphs.run(shape, host, len(decodes))
             hidden = None
         else:
             token_ids = self._resolve(to_device(host.token_ids, torch.long, self.device), host.has_placeholders)

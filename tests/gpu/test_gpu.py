@@ -79,24 +79,32 @@ def tiny_llama(tmp_path_factory):
 
 
 def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama):
+    """Whole-step graphs (decode-only and mixed decode + prefill chunks), decode-only graphs, and eager give
+    transformers' greedy tokens; requests of different lengths on 4 slots make steps that mix both."""
     from dflash2 import LLM, SamplingParams
     from tests.tiny_models import hf_greedy
 
     hf_model, directory = tiny_llama
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(12)]
-    params = SamplingParams(max_tokens=20, min_tokens=20, temperature=0)
-    common = dict(device="cuda", dtype="float32", max_num_seqs=16, max_model_len=128, kv_cache_memory="64MiB",
-                  page_bytes=4096)
+    params = [SamplingParams(max_tokens=n, min_tokens=n, temperature=0) for n in range(8, 20)]
+    common = dict(device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128, kv_cache_memory="64MiB",
+                  page_bytes=4096, prefill_chunk_size=16, max_num_batched_tokens=32)
     runs = {}
     for name, options in {"graphs+overlap": {}, "eager": dict(enforce_eager=True, overlap=False),
-                          "graphs+sync": dict(overlap=False)}.items():
+                          "graphs+sync": dict(overlap=False),
+                          "decode graphs": dict(cuda_graph_max_prefill_tokens=0)}.items():
         llm = LLM(directory, **common, **options)
-        assert (llm.engine.runner.graphs is not None) == (name != "eager")
+        graphs = llm.engine.runner.graphs
+        assert (graphs is not None) == (name != "eager")
         runs[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
         assert llm.engine.pool.num_used == 0
-    assert runs["graphs+overlap"] == runs["eager"] == runs["graphs+sync"]
-    assert runs["eager"] == [hf_greedy(hf_model, p, 20) for p in prompts]
+        if name.startswith("graphs"):
+            assert any(s.decodes and s.prefill_tokens for s in graphs.replays)  # mixed steps were replayed
+        if name == "decode graphs":
+            assert graphs.replays and not any(s.prefill_tokens for s in graphs.replays)
+    assert runs["graphs+overlap"] == runs["eager"] == runs["graphs+sync"] == runs["decode graphs"]
+    assert runs["eager"] == [hf_greedy(hf_model, p, q.max_tokens) for p, q in zip(prompts, params)]
 
 
 def test_qwen3_graphs_agree_with_transformers(tmp_path):
