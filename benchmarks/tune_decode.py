@@ -5,7 +5,7 @@
                                                       [--output tune.json]      (GPU)
 Caches are real engine pools: Qwen3-0.6B (28 layers, 8 KV heads, GQA 2, head 128) in 1 MiB pages (9 bf16
 tokens a page, 18 int8, 35 int4), 256 requests of --length tokens (800), layer 0 read; W2 is llama-3-8b batch 1
-at 384 tokens (bf16 only). int8 runs each of its decode loops (attention.INT8_DECODE: "imma", integer q.K dots,
+at 384 tokens (bf16 only). int8 runs each of its decode loops (int8_decode.INT8_DECODE: "imma", integer q.K dots,
 and "legacy", K/V dequantized to fp16) over INT8_GRID, labelled "int8-imma" / "int8-legacy". Bandwidth counts
 the K/V bytes (and scales) read once. Prints one JSON line per best config of each (case, kind, layout), then
 a summary: the best config per kind (paste into DECODE_CONFIGS in kernels/triton/attention.py, with its

@@ -126,7 +126,7 @@ def test_fused_qk_norm_rotary_write_matches_separate_kernels_in_bf16():
     up to one bf16 rounding (the fused kernel sums a row's squares as two halves)."""
     from dflash2.config import RopeConfig
     from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache
-    from dflash2.kernels.triton import attention as tri
+    from dflash2.kernels.triton import kv_write
     from dflash2.kernels.triton.elementwise import qk_rms_norm_
     from dflash2.layers.rotary import RotaryEmbedding
 
@@ -147,9 +147,9 @@ def test_fused_qk_norm_rotary_write_matches_separate_kernels_in_bf16():
     qk_rms_norm_(q_ref, k_ref, q_w, k_w, 1e-6)
     ref_cache = KVCache(torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
                         torch.zeros(shape, dtype=torch.bfloat16, device="cuda"))
-    tri.rotary_write_kv(q_ref, k_ref, v, ref_cache, rotary.cos, rotary.sin, meta)
+    kv_write.rotary_write_kv(q_ref, k_ref, v, ref_cache, rotary.cos, rotary.sin, meta)
     cache = KVCache(torch.zeros_like(ref_cache.k), torch.zeros_like(ref_cache.v))
-    tri.rotary_write_kv(q, k, v, cache, rotary.cos, rotary.sin, meta, qk_norm=(q_w, k_w, 1e-6))
+    kv_write.rotary_write_kv(q, k, v, cache, rotary.cos, rotary.sin, meta, qk_norm=(q_w, k_w, 1e-6))
     torch.testing.assert_close(q.float(), q_ref.float(), atol=2e-2, rtol=1.6e-2)
     torch.testing.assert_close(cache.k.float(), ref_cache.k.float(), atol=2e-2, rtol=1.6e-2)
     assert torch.equal(cache.v, ref_cache.v)

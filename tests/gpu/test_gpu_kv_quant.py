@@ -57,13 +57,13 @@ def _codes_close(got: torch.Tensor, want: torch.Tensor, kind: str) -> bool:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("head_major", [True, False])
 def test_write_kernel_quantizes_as_the_reference(kind, head_major):
-    from dflash2.kernels.triton import attention as tri
+    from dflash2.kernels.triton import kv_write
 
     lengths = [37, 300, 5]
     layout, expected, table, (k, v, slots, positions) = _filled(kind, head_major, lengths, 18, seed=1)
     cache = layout.layer_views(torch.zeros(expected.k.shape[0] * layout.page_bytes, dtype=torch.uint8,
                                            device="cuda"))[0]
-    tri.write_kv(k, v, cache.k, cache.v, table, slots, positions, cache.k_scale, cache.v_scale)
+    kv_write.write_kv(k, v, cache.k, cache.v, table, slots, positions, cache.k_scale, cache.v_scale)
     torch.testing.assert_close(cache.k_scale, expected.k_scale, rtol=1e-3, atol=0)
     torch.testing.assert_close(cache.v_scale, expected.v_scale, rtol=1e-3, atol=0)
     assert _codes_close(cache.k, expected.k, kind) and _codes_close(cache.v, expected.v, kind)
@@ -132,9 +132,9 @@ def test_int8_imma_decode_configs_and_q_ranges(block_n, num_warps, q_range):
     """The imma loop at the configs benchmarks/tune_decode.py tries, and q far from unit size (q is quantized
     per head with a float32 scale: no fp16 clamp, no underflow), one head's q all zeros (its scale falls back to 1);
     the default path for bf16 q is imma unless DFLASH2_INT8_DECODE=legacy."""
-    from dflash2.kernels.triton import attention as tri
+    from dflash2.kernels.triton import int8_decode
 
-    assert tri.INT8_DECODE != "imma" or tri._int8_path(torch.empty(1, 1, DIM, dtype=torch.bfloat16), {}) == "imma"
+    assert int8_decode.INT8_DECODE != "imma" or int8_decode.int8_path(torch.empty(1, 1, DIM, dtype=torch.bfloat16), {}) == "imma"
     rng = random.Random(block_n)
     lengths = [1, 63, 64, 65, 500, 777] + [rng.randrange(1, 1500) for _ in range(10)]
     q = torch.randn(len(lengths), KV_HEADS * 2, DIM, device="cuda") * q_range

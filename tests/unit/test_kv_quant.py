@@ -18,6 +18,7 @@ from dflash2.kernels.attention_metadata import KVCache  # noqa: E402
 from dflash2.kernels.torch_ref import attention as ref  # noqa: E402
 from dflash2.kernels.torch_ref.kv_quant import dequantize_kv, fake_quantize_kv, quantize_kv  # noqa: E402
 from dflash2.kernels.triton import attention as tri  # noqa: E402
+from dflash2.kernels.triton import kv_write  # noqa: E402
 from tests.engine_runs import run_with_urgent_arrivals  # noqa: E402
 from tests.paging import mixed_batch_metadata, random_page_table  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
@@ -151,7 +152,7 @@ def test_triton_write_matches_torch_write(kind, head_major):
     g = torch.Generator().manual_seed(0)
     k = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=g)
     v = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=g)
-    tri.write_kv(k, v, cache.k, cache.v, table, slots, positions, cache.k_scale, cache.v_scale)
+    kv_write.write_kv(k, v, cache.k, cache.v, table, slots, positions, cache.k_scale, cache.v_scale)
     assert torch.equal(cache.k_scale, expected.k_scale) and torch.equal(cache.v_scale, expected.v_scale)
     if kind == "fp8":
         # Triton 3.6's interpreter converts to fp8 with its own rounding: ties go up instead of to even, and a

@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.
 from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache  # noqa: E402
 from dflash2.kernels.torch_ref import attention as ref  # noqa: E402
 from dflash2.kernels.triton import attention as tri  # noqa: E402
+from dflash2.kernels.triton import kv_write  # noqa: E402
 from tests.paging import mixed_batch_metadata, random_page_table  # noqa: E402
 
 HEAD_DIM = 16
@@ -54,7 +55,7 @@ def test_write_kv_places_tokens_in_their_pages():
     v = torch.randn(5, NUM_KV_HEADS, HEAD_DIM)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     ref.write_kv(k, v, expected_k, expected_v, table, slots, positions)
-    tri.write_kv(k, v, k_cache, v_cache, table, slots, positions)
+    kv_write.write_kv(k, v, k_cache, v_cache, table, slots, positions)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     assert expected_k.abs().sum() > 0
 
@@ -116,7 +117,7 @@ def test_fused_rotary_write_matches_rotary_then_write():
     k_ref, v_ref = torch.zeros(12, TOKENS_PER_PAGE, NUM_KV_HEADS, HEAD_DIM), torch.zeros(12, TOKENS_PER_PAGE, NUM_KV_HEADS, HEAD_DIM)
     ref.write_kv(expected_k, v, k_ref, v_ref, table, meta.token_slots, meta.positions)
     k_cache, v_cache = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
-    tri.rotary_write_kv(q, k, v, KVCache(k_cache, v_cache), rotary.cos, rotary.sin, meta)
+    kv_write.rotary_write_kv(q, k, v, KVCache(k_cache, v_cache), rotary.cos, rotary.sin, meta)
     torch.testing.assert_close(q, expected_q)
     torch.testing.assert_close(k_cache, k_ref)
     assert torch.equal(v_cache, v_ref)
@@ -143,9 +144,9 @@ def test_fused_qk_norm_rotary_write_matches_the_norm_kernel_then_rotary_write(dt
     q_ref, k_ref = q.clone(), k.clone()
     qk_rms_norm_(q_ref, k_ref, q_w, k_w, 1e-6)
     ref_cache = KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-    tri.rotary_write_kv(q_ref, k_ref, v, ref_cache, rotary.cos, rotary.sin, meta)
+    kv_write.rotary_write_kv(q_ref, k_ref, v, ref_cache, rotary.cos, rotary.sin, meta)
     cache = KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-    tri.rotary_write_kv(q, k, v, cache, rotary.cos, rotary.sin, meta, qk_norm=(q_w, k_w, 1e-6))
+    kv_write.rotary_write_kv(q, k, v, cache, rotary.cos, rotary.sin, meta, qk_norm=(q_w, k_w, 1e-6))
     assert not torch.equal(q, q_ref.new_zeros(q.shape))
     torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-6, rtol=1e-6)

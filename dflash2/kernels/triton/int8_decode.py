@@ -1,0 +1,206 @@
+"""The int8-KV decode loops that _decode_split_kernel (attention.py) runs over a program's KV range.
+
+    _int8_imma_tiles    16-bit models (default; DFLASH2_INT8_DECODE=imma): q quantized once per program as two
+                        int8 terms, integer q.K dots on the stored bytes, K scale x q factor on the scores, V
+                        scale folded into the probabilities, V bytes -> fp16 without a scale
+    _int8_decode_tiles  float32 models, head_dim < 32 and DFLASH2_INT8_DECODE=legacy: each K/V tile
+                        dequantized in registers to fp16 (or float32), then float dots
+Both convert bytes with inline PTX on the GPU (plain casts under the interpreter) and find pages with a
+multiply-high instead of a division.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# "imma" or "legacy" (see above); a decode config dict's "int8" key overrides it (benchmarks/tune_decode.py)
+INT8_DECODE = os.environ.get("DFLASH2_INT8_DECODE", "imma")
+
+# int8 decode (KIND 1): inline PTX converts the cached bytes (the interpreter, which cannot run PTX, takes the
+# plain Triton path computing the same values)
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic, stride_pt):
+    """Page entry and in-page offset of each token. t // tokens_per_page is a multiply-high by magic =
+    (2^32 - 1) // tokens_per_page, low by at most one for t < 2^31, and one correction: a few instructions a
+    token instead of a 32-bit division."""
+    page_idx = tl.umulhi(tokens.to(tl.uint32), magic).to(tl.int32)
+    in_page = tokens - page_idx * tokens_per_page
+    over = in_page >= tokens_per_page
+    page_idx = tl.where(over, page_idx + 1, page_idx)
+    in_page = tl.where(over, in_page - tokens_per_page, in_page)
+    page = tl.load(page_table + slot * stride_pt + page_idx, mask=token_mask, other=0)
+    return page.to(tl.int64), in_page
+
+
+@triton.jit
+def _int8_tile(x, row_scale, F32: tl.constexpr):
+    """int8 tile x [R, C] times its fp16 row scales [R] -> fp16 [R, C] (the dequantized values, as an fp16 cache
+    would hold them), or float32 [R, C] for F32 (float32 models). PTX: 4 bytes at a time, flip the sign bits
+    (q + 128 in 0..255), place each byte under an fp16 exponent of 1024 (prmt: 1024 + q + 128, exact),
+    subtract 1152, multiply by the scale: 1.75 instructions a value. Not pure on purpose: the compiler would
+    otherwise move the conversion past the layout change to the dot operand (converting there, after
+    byte-wise shared memory reads)."""
+    if F32:
+        y = x.to(tl.float32) * row_scale.to(tl.float32)[:, None]
+    elif _PTX:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 u, m, a, b; xor.b32 u, $2, 0x80808080; mov.b32 m, 0x64806480; "
+            "prmt.b32 a, u, 0x64646464, 0x5140; prmt.b32 b, u, 0x64646464, 0x7362; "
+            "sub.f16x2 a, a, m; sub.f16x2 b, b, m; mul.f16x2 $0, a, $3; mul.f16x2 $1, b, $4; }",
+            "=r,=r,r,r,r", [x, tl.broadcast_to(row_scale[:, None], x.shape)], dtype=tl.float16, is_pure=False,
+            pack=4)
+    else:
+        y = x.to(tl.float16) * row_scale[:, None]
+    return y
+
+
+@triton.jit
+def _int8_decode_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head,
+                       stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
+                       stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
+                       GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """The decode loop over tokens start..end of an int8 cache: (m_i, l_i, acc) of the online softmax.
+    Each K/V tile is dequantized in registers to fp16 (values x row scale, _int8_tile) and goes to the dots
+    through shared memory as an fp16 tile would (ldmatrix, no byte-wise reads); q is cast to fp16 (clamped to
+    its range) and both dots run in fp16 with fp32 accumulation (float32 models: float32 tiles and dots).
+    The page entries are found once a token for K, V and the scales (no division a token), the scales of the
+    next tile are loaded one iteration ahead (the compiler pipelines the K/V tiles and the page entries but not
+    2-byte loads), and the softmax denominator is kept per score column and summed once after the loop (no
+    cross-warp reduction a tile)."""
+    magic = (4294967295 // (tokens_per_page + tl.zeros([], tl.int64))).to(tl.uint32)
+    d = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BLOCK_N)
+    F32: tl.constexpr = q.dtype == tl.float32
+    if F32:
+        q_dot = q
+    else:
+        q_dot = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    l_part = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
+    head_offs = kv_head * stride_cache_head
+    scale_head_offs = kv_head * stride_scale_head
+    tokens = start + cols
+    page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
+    scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
+    k_scale = tl.load(k_scales + scale_offs, mask=tokens < end, other=0.0)
+    v_scale = tl.load(v_scales + scale_offs, mask=tokens < end, other=0.0)
+    for n0 in range(start, end, BLOCK_N):
+        tokens = n0 + cols
+        token_mask = tokens < end
+        page, in_page = _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic, stride_pt)
+        offs = page * stride_cache_page + in_page * stride_cache_token + head_offs
+        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
+        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
+        next_tokens = tokens + BLOCK_N
+        next_mask = next_tokens < end
+        page, in_page = _int8_page_rows(page_table, slot, next_tokens, next_mask, tokens_per_page, magic,
+                                        stride_pt)
+        scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
+        next_k_scale = tl.load(k_scales + scale_offs, mask=next_mask, other=0.0)
+        next_v_scale = tl.load(v_scales + scale_offs, mask=next_mask, other=0.0)
+        s = tl.dot(q_dot, tl.trans(_int8_tile(k, k_scale, F32)), input_precision=PRECISION) * scale
+        s = tl.where(token_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_part = l_part * alpha[:, None] + p
+        acc = acc * alpha[:, None] + tl.dot(p.to(q_dot.dtype), _int8_tile(v, v_scale, F32),
+                                            input_precision=PRECISION)
+        m_i = m_new
+        k_scale, v_scale = next_k_scale, next_v_scale
+    return m_i, tl.sum(l_part, 1), acc
+
+
+@triton.jit
+def _int8_quantize_q(q, scale):
+    """q [R, D] as two int8 terms and a row factor: q ~ (hi + lo / 254) * qs (hi = round(q / qs), qs = absmax /
+    127, lo the rounding remainder in 1/254 steps: ~15 bits, finer than bf16's 8), and qs * scale * log2(e)."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), 1)
+    qs = tl.where(amax == 0.0, 1.0, amax / 127.0)
+    x = qf / qs[:, None]
+    hi = tl.clamp(tl.floor(x + 0.5), -127.0, 127.0)
+    lo = tl.clamp(tl.floor((x - hi) * 254.0 + 0.5), -127.0, 127.0)
+    return hi.to(tl.int8), lo.to(tl.int8), qs * (scale * 1.4426950408889634)
+
+
+@triton.jit
+def _int8_v_fp16(x):
+    """int8 tile x -> fp16 (exact). PTX: 4 bytes at a time, flip the sign bits (q + 128), place each byte under
+    an fp16 exponent of 1024 (prmt), subtract 1152: 1.25 instructions a value (the V scale goes into the
+    probabilities). Not pure on purpose (see _int8_tile)."""
+    if _PTX:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 u, m, a, b; xor.b32 u, $2, 0x80808080; mov.b32 m, 0x64806480; "
+            "prmt.b32 a, u, 0x64646464, 0x5140; prmt.b32 b, u, 0x64646464, 0x7362; "
+            "sub.f16x2 $0, a, m; sub.f16x2 $1, b, m; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = x.to(tl.float16)
+    return y
+
+
+@triton.jit
+def _int8_imma_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head,
+                     stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
+                     stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
+                     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The int8 decode loop without dequantizing K: q is quantized once (_int8_quantize_q) and the scores are
+    two integer dots with the stored K bytes (int32, mma s8), times the K row scale and q's factor; the V row
+    scale goes into the probabilities, and V is converted to fp16 without a scale (_int8_v_fp16) for an fp16
+    dot. Scores are kept in log2 units (exp2); returns (m_i in natural-log units, l_i, acc) like
+    _int8_decode_tiles."""
+    magic = (4294967295 // (tokens_per_page + tl.zeros([], tl.int64))).to(tl.uint32)
+    d = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BLOCK_N)
+    q_hi, q_lo, q_factor = _int8_quantize_q(q, scale)
+    m_i = m_i * 1.4426950408889634
+    l_part = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
+    head_offs = kv_head * stride_cache_head
+    scale_head_offs = kv_head * stride_scale_head
+    tokens = start + cols
+    page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
+    scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
+    k_scale = tl.load(k_scales + scale_offs, mask=tokens < end, other=0.0)
+    v_scale = tl.load(v_scales + scale_offs, mask=tokens < end, other=0.0)
+    for n0 in range(start, end, BLOCK_N):
+        tokens = n0 + cols
+        token_mask = tokens < end
+        page, in_page = _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic, stride_pt)
+        offs = page * stride_cache_page + in_page * stride_cache_token + head_offs
+        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
+        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
+        next_tokens = tokens + BLOCK_N
+        next_mask = next_tokens < end
+        page, in_page = _int8_page_rows(page_table, slot, next_tokens, next_mask, tokens_per_page, magic,
+                                        stride_pt)
+        scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
+        next_k_scale = tl.load(k_scales + scale_offs, mask=next_mask, other=0.0)
+        next_v_scale = tl.load(v_scales + scale_offs, mask=next_mask, other=0.0)
+        kt = tl.trans(k)
+        s_int = tl.dot(q_hi, kt, out_dtype=tl.int32) * 254 + tl.dot(q_lo, kt, out_dtype=tl.int32)
+        s = s_int.to(tl.float32) * (k_scale.to(tl.float32) * (1.0 / 254.0))[None, :]
+        s = tl.where(token_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * q_factor)
+        p = tl.exp2(s * q_factor[:, None] - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_part = l_part * alpha[:, None] + p
+        pv = (p * v_scale.to(tl.float32)[None, :]).to(tl.float16)
+        acc = acc * alpha[:, None] + tl.dot(pv, _int8_v_fp16(v))
+        m_i = m_new
+        k_scale, v_scale = next_k_scale, next_v_scale
+    return m_i * 0.6931471805599453, tl.sum(l_part, 1), acc
+
+
+def int8_path(q: torch.Tensor, config: dict) -> str:
+    """The int8 decode loop: the config's "int8" key, else DFLASH2_INT8_DECODE for 16-bit q with head_dim >= 32
+    (an int8 mma takes 32 values a step), else legacy (float32 models keep exact float32 dots)."""
+    if "int8" in config:
+        return config["int8"]
+    return INT8_DECODE if q.dtype != torch.float32 and q.shape[-1] >= 32 else "legacy"
