@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash2.kernels.attention_metadata import AttentionMetadata, PrefillSegment
+from dflash2.kernels.attention_metadata import AttentionMetadata
 from dflash2.models.llama import ForwardContext
 
 if TYPE_CHECKING:
@@ -208,9 +208,6 @@ class StepGraphs:
                                  num_decode_tokens=shape.decodes, decode_lengths=v["lengths"],
                                  max_decode_length=runner.options.max_model_len)
         if shape.prefill_tokens:
-            # kernels read only the device tensors below; the one host segment marks the step as having prefills
-            meta.prefills = [PrefillSegment(shape.decodes, shape.prefill_tokens, shape.prefill_tokens,
-                                            runner.pad_slot)]
             meta.prefill_query_starts = v["query_starts"]
             meta.prefill_context_lens = v["context_lens"]
             meta.prefill_slots = v["segment_slots"]
