@@ -165,6 +165,77 @@ def test_int4_gemv_graph_replay_matches_eager(split_k):
     _assert_graph_replays_as_eager(lambda out=None: int4_gemv(x, prepared, out=out, config=config))
 
 
+# early weights (gemv_parts): off, the defaults, whole slices to L2 (a budget past every weight), L2 only,
+# registers only
+EARLY = [{"EARLY_L2_MB": 0, "EARLY_REGS": 0}, {}, {"EARLY_L2_MB": 4096}, {"EARLY_REGS": 0}, {"EARLY_L2_MB": 0}]
+
+
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096)])
+def test_early_weights_change_nothing(n, k):
+    """Asking for the weight before the wait (L2 prefetch, first step in registers) gives the result of
+    waiting first: bit for bit where only L2 requests differ, within rounding where the code differs."""
+    from dflash2.kernels.triton import quant_matmul as qm
+    from dflash2.kernels.triton.int4_gemv import int4_config, int4_gemv
+
+    reference, prepared = _int4_prepared(n, k, seed=n)
+    one_warp = {"BLOCK_N": 8, "CHUNKS": 32, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1, "PREFETCH": 1}
+    int4_configs = [int4_config(n, k), one_warp, {**int4_config(n, k), "SPLIT_K": 4}]
+    packed = {bits: qm.device_tensors(_packed(bits, gs, n, k, seed=bits), torch.bfloat16)
+              for bits, gs in [(8, None), (4, 128), (6, 128)]}
+    packed[16] = {"bits": 16, "n": n, "k": k, "w": (torch.randn(n, k, device="cuda") * 0.02).bfloat16()}
+    for rows in (1, 4):
+        x = torch.randn(rows, k, device="cuda").bfloat16()
+        for config in int4_configs:
+            first = int4_gemv(x, prepared, config={**config, **EARLY[0]})
+            assert _relative_error(first, x.float() @ reference.T) < 5e-3
+            for early in EARLY[1:]:
+                got = int4_gemv(x, prepared, config={**config, **early})
+                assert _relative_error(got, first.float()) < 1e-3, (rows, config, early)
+                if early.get("EARLY_REGS") == 0:
+                    assert torch.equal(got, first), (rows, config, early)
+        for bits, weight in packed.items():
+            config = {**qm.gemv_config(bits, n, k), "WORDS": 1}
+            first = qm.gemv(x, weight, config={**config, **EARLY[0]})
+            for early in EARLY[1:]:
+                assert torch.equal(qm.gemv(x, weight, config={**config, **early}), first), (bits, rows, early)
+
+
+@pytest.mark.parametrize("kernel", ["int4", "int4_prefetch", "int4_split", "bf16"])
+def test_early_weights_wait_for_the_activation(kernel):
+    """silu_and_mul -> GEMV in a CUDA graph (PDL between them on sm_90), replayed on new inputs: the GEMV,
+    which asks for its weight before its wait, reads the activation the kernel before it has just written."""
+    from dflash2.kernels.triton import quant_matmul as qm
+    from dflash2.kernels.triton.elementwise import silu_and_mul
+    from dflash2.kernels.triton.int4_gemv import int4_config, int4_gemv
+
+    n, k = 4096, 14336
+    if kernel == "bf16":
+        weight = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+        run = lambda act, out: qm.gemv_16bit(act, weight, out=out)  # noqa: E731
+    else:
+        _, prepared = _int4_prepared(n, k)
+        config = {"int4": int4_config(n, k), "int4_split": {**int4_config(n, k), "SPLIT_K": 4},
+                  "int4_prefetch": {"BLOCK_N": 8, "CHUNKS": 32, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1,
+                                    "PREFETCH": 1}}[kernel]
+        run = lambda act, out: int4_gemv(act, prepared, out=out, config={**config, "EARLY_L2_MB": 4096})  # noqa: E731
+    gate_up = torch.randn(1, 2 * k, device="cuda").bfloat16()
+    out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run(silu_and_mul(gate_up), out)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(silu_and_mul(gate_up), out)
+    for seed in range(4):
+        gate_up.copy_(torch.randn(1, 2 * k, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        expected = run(silu_and_mul(gate_up).clone(), None)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), seed
+
+
 @pytest.fixture(scope="module")
 def tiny_int4(tmp_path_factory):
     from dflash2.cli.main import main as dflash2_main
