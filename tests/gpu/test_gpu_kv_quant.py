@@ -143,7 +143,10 @@ def test_int8_imma_decode_configs_and_q_ranges(block_n, num_warps, q_range):
                                           config=_int8_config("imma", block_n, num_warps))
     assert bool(torch.isfinite(got).all())
     error = float((got.float() - expected).norm() / expected.norm())
-    assert error < 4e-3, error
+    # at q ~ 3e4 scores reach ~1e6 and the softmax is nearly one-hot: q's ~2^-15 quantization step moves scores
+    # by tens, enough to reweight near-tied tokens (the H200 measured 5.2e-3 at 64 tokens, 1 warp; the legacy
+    # loop's fp16 clamp gives 0.42 there)
+    assert error < (1e-2 if q_range > 1e3 else 4e-3), error
 
 
 @pytest.mark.parametrize("kind", KINDS)
