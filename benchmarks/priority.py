@@ -42,7 +42,7 @@ from benchmarks.w3_server import (COUNTERS, GAUGES, cuda_available, percentile_m
                                   server_side, step_stats, w3_server)
 from dflash2.bench.client import RequestResult  # noqa: E402
 from dflash2.bench.dataset import BenchItem, load_dataset  # noqa: E402
-from dflash2.bench.load import LoadConfig, run_load  # noqa: E402
+from dflash2.bench.load import LoadConfig, run_async, run_load  # noqa: E402
 
 CLASSES = (0, 100, 1000)
 PROPORTIONS = (70, 20, 10)
@@ -212,8 +212,8 @@ def run(args: argparse.Namespace, url: str) -> Phases:
     # 1. Warm-up (every batch size and chunk shape the load will use), closed loop: it also measures capacity.
     warmup = args.warmup_requests if args.warmup_requests is not None else 4 * args.max_num_seqs
     print(f"warm-up: {warmup} requests, {base.concurrency} in flight", flush=True)
-    probe = asyncio.run(run_load(replace(base, num_prompts=max(1, warmup)), items))
-    asyncio.run(run_load(replace(base, concurrency=1, num_prompts=3), urgent_items))
+    probe = run_async(run_load(replace(base, num_prompts=max(1, warmup)), items))
+    run_async(run_load(replace(base, concurrency=1, num_prompts=3), urgent_items))
     capacity = sum(r.ok for r in probe.results) / probe.duration_s
     if args.concurrency is not None and args.request_rate is None:
         load_config = replace(base, concurrency=args.concurrency)
@@ -227,14 +227,14 @@ def run(args: argparse.Namespace, url: str) -> Phases:
     idle_items = [replace(item, max_tokens=min(item.max_tokens, args.idle_max_tokens)) for item in urgent_items]
     phases.marks.append(time.time())
     phases.snapshots.append(scrape(url))
-    phases.idle = asyncio.run(run_load(replace(base, concurrency=1, num_prompts=args.idle_requests), idle_items))
+    phases.idle = run_async(run_load(replace(base, concurrency=1, num_prompts=args.idle_requests), idle_items))
     phases.snapshots.append(scrape(url))
     phases.marks.append(time.time())
 
     # 3. Overload: the whole mix, arrivals above capacity.
     print(f"overload: {num_prompts} requests, {describe_arrivals(load_config)}; capacity ~{capacity:.2f} req/s, "
           f"server max_num_seqs {args.max_num_seqs}", flush=True)
-    phases.load, phases.peaks, phases.means = asyncio.run(overload(load_config, items))
+    phases.load, phases.peaks, phases.means = run_async(overload(load_config, items))
     phases.snapshots.append(scrape(url))
     phases.marks.append(time.time())
     return phases

@@ -15,7 +15,6 @@ seconds per output token of the server process and of this (client) process.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -123,7 +122,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 def client_main(args: argparse.Namespace) -> int:
     from dflash2.bench.dataset import BenchItem
-    from dflash2.bench.load import LoadConfig, run_load
+    from dflash2.bench.load import LoadConfig, run_async, run_load
     from dflash2.bench.server_process import free_port, wait_healthy
 
     port = free_port()
@@ -143,7 +142,7 @@ def client_main(args: argparse.Namespace) -> int:
                             num_prompts=args.num_prompts, timeout_s=300.0, progress=False, seed=args.seed,
                             transport=args.transport)
         cpu_before = time.process_time()
-        load = asyncio.run(run_load(config, items))
+        load = run_async(run_load(config, items))
         client_cpu_s = time.process_time() - cpu_before
         for _ in range(100):
             if os.path.exists(first_tokens_path):

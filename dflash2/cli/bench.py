@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import sys
@@ -71,10 +70,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _one_level(config: Any, items: list[Any]) -> dict[str, Any]:
-    from dflash2.bench.load import run_load
+    from dflash2.bench.load import run_async, run_load
     from dflash2.bench.report import build_report
 
-    return build_report(config, asyncio.run(run_load(config, items)))
+    return build_report(config, run_async(run_load(config, items)))
 
 
 def _sweep(args: argparse.Namespace, config: Any, items: list[Any]) -> dict[str, Any]:
