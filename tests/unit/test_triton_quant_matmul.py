@@ -214,13 +214,13 @@ def test_early_weight_settings(monkeypatch):
     assert share == (16 << 20) // (4224 * 8) // 128 * 128 and 0 < share < row_bytes
     assert gemv_parts.early_row_bytes(0.0, row_bytes, 768, 8, 4, "cuda") == 0
     config = {"EARLY_L2_MB": 8, "EARLY_REGS": 0}
-    for mode, settings in (("1", (8.0, False)), ("0", (0.0, False)), ("l2", (8.0, False)), ("regs", (0.0, False))):
+    for mode, settings in (("1", (8.0, False)), ("0", (0.0, False)), ("l2", (8.0, False)), ("regs", (0.0, True))):
         monkeypatch.setattr(gemv_parts, "_EARLY_MODE", mode)
         assert gemv_parts.early_settings(config) == settings
-    monkeypatch.setattr(gemv_parts, "_EARLY_MODE", "1")
-    assert gemv_parts.early_settings({}) == (gemv_parts.EARLY_DEFAULTS["EARLY_L2_MB"], True)
-    monkeypatch.setattr(gemv_parts, "_EARLY_MODE", "regs")
-    assert gemv_parts.early_settings({}) == (0.0, True)
+    for mode, settings in (("1", (0.0, False)), ("l2", (gemv_parts.EARLY_ON_MB, False)), ("regs", (0.0, True))):
+        monkeypatch.setattr(gemv_parts, "_EARLY_MODE", mode)  # the defaults are off (slower on the H200)
+        assert gemv_parts.early_settings({}) == settings
     monkeypatch.setattr(gemv_parts, "_EARLY_MODE", "1")
     monkeypatch.setattr(gemv_parts, "_EARLY_MB", "32")
     assert gemv_parts.early_settings(config) == (32.0, False)
+    assert gemv_parts.early_settings({}) == (0.0, False)

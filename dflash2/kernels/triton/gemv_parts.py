@@ -23,9 +23,12 @@ attention: DRAM idle), and without PDL it is still a deeper prefetch. Two ways, 
     EARLY_REGS    int4_gemv.py only: the first K step's words and scales are loaded into registers before
                   the wait (configs with PREFETCH, and kernels of one K step, where that is all of it)
 
-Config keys over EARLY_DEFAULTS; DFLASH2_GEMV_EARLY=0 turns both off (the kernels wait first, as before),
-=l2 or =regs keeps one; DFLASH2_GEMV_EARLY_MB=<MiB> sets the budget for every launch. Never under the
-interpreter (no PTX there): EARLY_REGS still runs there, EARLY_L2 does not.
+Config keys over EARLY_DEFAULTS, which are off: on the H200 both were slower in a real W2 step
+(benchmarks/decode_chain_bench.py, int4 chain 2.00 ms off, 2.00 regs, 2.17 L2 16 MiB, 2.10 both; latency.py W2
+bf16 230.9 off vs 226.4 on, int4 453.5 vs 423.2; RESULTS.md). DFLASH2_GEMV_EARLY=0 turns both off whatever
+the configs say, =l2 (budget EARLY_ON_MB unless set) or =regs turns one on for every launch;
+DFLASH2_GEMV_EARLY_MB=<MiB> sets the budget. Never under the interpreter (no PTX there): EARLY_REGS still runs
+there, EARLY_L2 does not.
 """
 from __future__ import annotations
 
@@ -113,7 +116,8 @@ def _prefetch_rows_l2(first, stride_bytes, num_rows, num_bytes):
                                num_bytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-EARLY_DEFAULTS = {"EARLY_L2_MB": 16.0, "EARLY_REGS": 1}
+EARLY_DEFAULTS = {"EARLY_L2_MB": 0.0, "EARLY_REGS": 0}
+EARLY_ON_MB = 16.0  # the L2 budget of DFLASH2_GEMV_EARLY=l2
 _EARLY_MODE = os.environ.get("DFLASH2_GEMV_EARLY", "1")  # 1: configs and defaults; 0: off; l2; regs
 _EARLY_MB = os.environ.get("DFLASH2_GEMV_EARLY_MB")
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -123,8 +127,12 @@ def early_settings(config: dict[str, Any]) -> tuple[float, bool]:
     """(L2 budget in MiB, early register loads) for a launch with this config (see the module docstring)."""
     if _EARLY_MODE not in ("0", "1", "l2", "regs"):
         raise ValueError(f"DFLASH2_GEMV_EARLY must be 0, 1, l2 or regs, got {_EARLY_MODE!r}")
-    budget = float(_EARLY_MB if _EARLY_MB is not None else config.get("EARLY_L2_MB", EARLY_DEFAULTS["EARLY_L2_MB"]))
-    regs = bool(config.get("EARLY_REGS", EARLY_DEFAULTS["EARLY_REGS"]))
+    budget = float(config.get("EARLY_L2_MB", EARLY_DEFAULTS["EARLY_L2_MB"]))
+    if _EARLY_MODE == "l2" and not budget:
+        budget = EARLY_ON_MB
+    if _EARLY_MB is not None and (budget or _EARLY_MODE == "l2"):
+        budget = float(_EARLY_MB)
+    regs = bool(config.get("EARLY_REGS", EARLY_DEFAULTS["EARLY_REGS"])) or _EARLY_MODE == "regs"
     return (0.0 if _EARLY_MODE in ("0", "regs") or _INTERPRETED else budget), regs and _EARLY_MODE in ("1", "regs")
 
 
