@@ -88,7 +88,9 @@ def _ms(seconds: float | None) -> float | None:
 
 def server_side(log_path: str, since: float, until: float) -> dict[str, Any]:
     """Per priority class, from the server's JSON request log: queue time (arrival at the engine thread to
-    first scheduled step) and TTFT as the engine thread saw it, for requests that finished in [since, until]."""
+    first scheduled step) and TTFT as the engine thread saw it, and the HTTP side's share around it (http_in:
+    the app received it -> the engine thread had it; http_out: first token -> written to the stream), for
+    requests that finished in [since, until]."""
     per_class: dict[int, dict[str, list[float]]] = {}
     with open(log_path, errors="replace") as f:
         for line in f:
@@ -97,10 +99,11 @@ def server_side(log_path: str, since: float, until: float) -> dict[str, Any]:
             record = json.loads(line)
             if record.get("event") != "request_finished" or not since <= record["time"] <= until:
                 continue
-            series = per_class.setdefault(record["priority"], {"queue": [], "ttft": []})
-            for key, field in (("queue", "queue_time_ms"), ("ttft", "ttft_ms")):
+            fields = {"queue": "queue_time_ms", "ttft": "ttft_ms", "http_in": "http_in_ms", "http_out": "http_out_ms"}
+            series = per_class.setdefault(record["priority"], {key: [] for key in fields})
+            for key, field in fields.items():
                 if record.get(field) is not None:
                     series[key].append(record[field] / 1000.0)
-    return {str(priority): {"queue_p50_ms": percentile_ms(s["queue"], 50), "queue_p99_ms": percentile_ms(s["queue"], 99),
-                            "ttft_p50_ms": percentile_ms(s["ttft"], 50), "ttft_p99_ms": percentile_ms(s["ttft"], 99)}
+    return {str(priority): {f"{key}_p{q}_ms": percentile_ms(values, q) for key, values in s.items() if values
+                            for q in (50, 99)}
             for priority, s in sorted(per_class.items())}

@@ -34,12 +34,13 @@ import numpy as np  # noqa: E402
 class PacedEngine:
     """Enough of Engine for EngineThread, the observer and the handlers; no model."""
 
-    def __init__(self, step_ms: float, max_running: int, first_tokens_path: str) -> None:
+    def __init__(self, step_ms: float, max_running: int, first_tokens_path: str, busy_ms: float = 0.0) -> None:
         from types import SimpleNamespace
 
         from dflash2.engine.kv.page_pool import PagePool
 
         self.step_s = step_ms / 1000.0
+        self.busy_s = min(busy_ms, step_ms) / 1000.0  # of each step, Python work holding the GIL (a GPU host)
         self.max_running = max_running
         self.first_tokens_path = first_tokens_path
         self.pool = PagePool(max_running, 1024)
@@ -73,7 +74,10 @@ class PacedEngine:
         while waiting and len(running) < self.max_running:
             request = waiting.pop(0)
             running[request.request_id] = request
-        time.sleep(self.step_s)
+        busy_until = time.perf_counter() + self.busy_s
+        while time.perf_counter() < busy_until:  # plan + launch + commit: pure Python, the GIL held
+            pass
+        time.sleep(self.step_s - self.busy_s)
         now = time.monotonic()
         outputs = []
         for request in list(running.values()):
@@ -98,7 +102,9 @@ def serve_main(args: argparse.Namespace) -> int:
     from dflash2.server.launch import serve
 
     config = ServerConfig(port=args.port, disable_log_requests=True, disable_log_stats=True, log_level="warning")
-    factory = lambda: PacedEngine(args.step_ms, args.max_running, args.first_tokens_path)  # noqa: E731
+    factory = lambda: PacedEngine(args.step_ms, args.max_running, args.first_tokens_path, args.busy_ms)  # noqa: E731
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1000.0)
     profile_path = os.environ.get("W3_STREAM_PROFILE")  # cProfile of the event loop thread, written at exit
     if not profile_path:
         return serve(config, factory)
@@ -129,7 +135,8 @@ def client_main(args: argparse.Namespace) -> int:
     url = f"http://127.0.0.1:{port}"
     first_tokens_path = os.path.join(tempfile.mkdtemp(prefix="w3_stream_"), "first_tokens.json")
     command = [sys.executable, os.path.abspath(__file__), "--serve", "--port", str(port), "--step-ms",
-               str(args.step_ms), "--max-running", str(args.max_running), "--first-tokens-path", first_tokens_path]
+               str(args.step_ms), "--max-running", str(args.max_running), "--first-tokens-path", first_tokens_path,
+               "--busy-ms", str(args.busy_ms), "--switch-interval-ms", str(args.switch_interval_ms)]
     server = subprocess.Popen(command)
     try:
         if not wait_healthy(url, 60.0, server):
@@ -169,7 +176,8 @@ def client_main(args: argparse.Namespace) -> int:
     num_tokens = sum(r.output_tokens for r in load.results if r.ok)
     report = {
         "what": "engine first token -> client read, real server around a paced fake engine",
-        "step_ms": args.step_ms, "max_running": args.max_running, "concurrency": args.concurrency,
+        "step_ms": args.step_ms, "busy_ms": args.busy_ms, "switch_interval_ms": args.switch_interval_ms,
+        "max_running": args.max_running, "concurrency": args.concurrency,
         "requests": len(load.results), "completed": sum(r.ok for r in load.results),
         "errors": sorted({str(r.error)[:120] for r in load.results if not r.ok})[:5],
         "output_tokens_per_s": round(num_tokens / load.duration_s, 1),
@@ -191,6 +199,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step-ms", type=float, default=4.0)
     p.add_argument("--max-running", type=int, default=32)
+    p.add_argument("--busy-ms", type=float, default=0.0,
+                   help="of each step, this much pure-Python work holding the GIL (the GPU engine's host side)")
+    p.add_argument("--switch-interval-ms", type=float, default=0.0, help="the server's sys.setswitchinterval")
     p.add_argument("--concurrency", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=600)
     p.add_argument("--output-len", type=int, default=64)

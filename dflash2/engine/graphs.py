@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflash2.engine.transfer import copy_ints_
 from dflash2.kernels.attention_metadata import AttentionMetadata
 from dflash2.models.llama import ForwardContext
 
@@ -186,9 +187,7 @@ class StepGraphs:
 
     def run(self, shape: GraphShape, host: "_HostBatch", num_decodes: int) -> torch.Tensor:
         """Replay `shape`'s graph for this step; logits [rows sampled, vocab] in host.sample_rows order."""
-        packed = torch.tensor(pack_inputs(shape, host, num_decodes, self.runner.pad_slot, self.block_m),
-                              dtype=torch.long, pin_memory=self.capture)
-        self.inputs[: shape.size].copy_(packed, non_blocking=True)
+        copy_ints_(self.inputs, pack_inputs(shape, host, num_decodes, self.runner.pad_slot, self.block_m))
         self.replays[shape] += 1
         if not self.capture:
             return self.steps[shape]()[: len(host.sample_rows)]

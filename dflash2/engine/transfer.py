@@ -6,6 +6,7 @@ caching host allocator keeps the pinned block alive until the copy has run).
 """
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,3 +24,12 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def copy_ints_(dest: torch.Tensor, values: list[int]) -> None:
+    """dest[:len(values)] = values (an int64 tensor), queued: the list goes to a pinned buffer through a C array
+    (several times faster than torch.tensor(list) for the thousands of ints of a graph step's inputs)."""
+    staging = torch.frombuffer(array.array("q", values), dtype=torch.long)
+    if dest.is_cuda:
+        staging = staging.pin_memory()
+    dest[: len(values)].copy_(staging, non_blocking=dest.is_cuda)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import dflash2
 from dflash2.server.engine_thread import EngineError, QueueFull
 from dflash2.server.generate_api import generate
-from dflash2.server.generation import ClientGone
+from dflash2.server.generation import RECEIVED_AT, ClientGone
 from dflash2.server.metrics import CONTENT_TYPE
 from dflash2.server.openai_api import create_chat_completion, create_completion, error_body
 from dflash2.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -141,6 +142,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[RECEIVED_AT] = time.monotonic()  # the request log's http_in_ms starts here
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
             response = JSONResponse(error_body("missing or invalid API key (send Authorization: Bearer <key>)",

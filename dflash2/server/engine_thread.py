@@ -34,7 +34,7 @@ from typing import Any
 
 from dflash2.request import Request, RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.observer import RequestObserver, Tracked
+from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 
 logger = logging.getLogger("dflash2.server")
 
@@ -63,6 +63,7 @@ class _Submit:
     priority: int
     outputs: asyncio.Queue
     accepted: asyncio.Future
+    timing: StreamTiming | None = None
     submitted_at: float = field(default_factory=time.monotonic)
 
 
@@ -110,7 +111,7 @@ class EngineThread:
         return self.loaded.is_set() and self.load_error is None
 
     async def submit(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int,
-                     outputs: asyncio.Queue) -> None:
+                     outputs: asyncio.Queue, timing: StreamTiming | None = None) -> None:
         """Queue one request; returns once the engine took it, raises ValueError if it refused it and
         QueueFull if max_queue_len requests are waiting.
 
@@ -121,7 +122,7 @@ class EngineThread:
             raise QueueFull(f"{self._num_submitting} requests are being queued already (--max-queue-len "
                             f"{self.max_queue_len}); retry later", self.retry_after_s)
         accepted = self._loop.create_future()
-        self._commands.put(_Submit(request_id, prompt, params, priority, outputs, accepted))
+        self._commands.put(_Submit(request_id, prompt, params, priority, outputs, accepted, timing))
         self._num_submitting += 1
         try:
             await accepted
@@ -185,7 +186,8 @@ class EngineThread:
         except ValueError as e:
             self._call_soon(_settle, command.accepted, e)
             return
-        self._tracked[command.request_id] = Tracked(request, command.outputs, command.submitted_at, command.priority)
+        self._tracked[command.request_id] = Tracked(request, command.outputs, command.submitted_at, command.priority,
+                                                    timing=command.timing)
         self._call_soon(_settle, command.accepted, None)
 
     def _abort(self, request_id: str) -> None:

@@ -26,7 +26,8 @@ async def generate(http_request: HTTPRequest, body: GenerateRequest, state: Serv
     prompts = [state.encode(body.prompt if body.prompt is not None else body.prompt_token_ids or [])]
     truncated = state.truncate(prompts, body.truncate_prompt_tokens)
     params = body.sampling_params(body.max_tokens, body.logprobs)
-    generation = await Generation.start(state.engine, f"gen-{uuid.uuid4().hex}", prompts, params, body.priority)
+    generation = await Generation.start(state.engine, f"gen-{uuid.uuid4().hex}", prompts, params, body.priority,
+                                        http_request)
     headers = TRUNCATION_HEADER if truncated else None
     formatter = _GenerateFormat(generation, model, body.priority)
     if body.stream:

@@ -18,7 +18,11 @@ from starlette.requests import Request as HTTPRequest
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
 from dflash2.server.engine_thread import EngineError, EngineThread
+from dflash2.server.observer import StreamTiming
 from dflash2.server.protocol import BadRequest
+
+
+RECEIVED_AT = "dflash2.received_at"  # ASGI scope key: when the app first saw the request (time.monotonic)
 
 
 class StreamTimeout(Exception):
@@ -30,8 +34,10 @@ class ClientGone(Exception):
 
 
 class Generation:
-    def __init__(self, engine: EngineThread, request_id: str, request_ids: list[str]) -> None:
+    def __init__(self, engine: EngineThread, request_id: str, request_ids: list[str],
+                 received_at: float | None = None) -> None:
         self.engine = engine
+        self.timing = StreamTiming(received_at)
         self.id = request_id
         self.request_ids = request_ids
         self.index_of = {request_id: i for i, request_id in enumerate(request_ids)}
@@ -41,13 +47,14 @@ class Generation:
 
     @classmethod
     async def start(cls, engine: EngineThread, request_id: str, prompts: list[dict[str, Any]],
-                    params: SamplingParams, priority: int) -> Generation:
+                    params: SamplingParams, priority: int, http_request: HTTPRequest | None = None) -> Generation:
         """Submit every prompt; if the engine refuses one, abort the others and raise BadRequest."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        generation = cls(engine, request_id, ids)
+        received_at = http_request.scope.get(RECEIVED_AT) if http_request is not None else None
+        generation = cls(engine, request_id, ids, received_at)
         try:
             for sub_id, prompt in zip(ids, prompts):
-                await engine.submit(sub_id, prompt, params, priority, generation.outputs)
+                await engine.submit(sub_id, prompt, params, priority, generation.outputs, generation.timing)
         except ValueError as e:
             generation.abort_unfinished()
             raise BadRequest(str(e)) from None
@@ -81,6 +88,8 @@ class Generation:
                     yield batch  # what came before the error is sent first
                     batch = []
                 batch.append(self._take(item))
+            if self.timing.first_sent_at is None:
+                self.timing.first_sent_at = time.monotonic()
             yield batch
 
     async def collect(self, http_request: HTTPRequest) -> list[RequestOutput]:

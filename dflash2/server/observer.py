@@ -36,6 +36,17 @@ class Tracked:
     priority: int | None = None  # as the client sent it (the engine's is flipped by low_priority_values_first)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    timing: StreamTiming | None = None  # the HTTP side's own times (event loop thread)
+
+
+@dataclass
+class StreamTiming:
+    """When the HTTP side received a request and first wrote tokens of it (time.monotonic; written on the event
+    loop thread, read by the engine thread's request log): with the engine's own times they split a client's
+    TTFT into HTTP in, engine, and HTTP out."""
+
+    received_at: float | None = None  # the ASGI app saw the request
+    first_sent_at: float | None = None  # the first batch with tokens went to the response stream
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,7 @@ class RequestObserver:
             "ttft_ms": _ms(first_token - tracked.submitted_at) if first_token is not None else None,
             "tpot_ms": _ms((now - first_token) / (num_output - 1)) if first_token and num_output > 1 else None,
             "e2e_ms": _ms(now - tracked.submitted_at),
+            **_http_times(tracked),
         }
 
     def _log_token(self, tracked: Tracked, token_id: int, latency_ms: float) -> None:
@@ -217,3 +229,15 @@ def _gpu_readings(engine: Any) -> tuple[float | None, float | None]:
     except Exception:  # noqa: BLE001 - NVML (pynvml) is optional
         utilization = None
     return 1.0 - free / total, utilization
+
+
+def _http_times(tracked: Tracked) -> dict[str, float]:
+    """received -> handed to the engine thread, and the engine's first token -> written to the stream."""
+    timing, times = tracked.timing, {}
+    if timing is None:
+        return times
+    if timing.received_at is not None:
+        times["http_in_ms"] = _ms(tracked.submitted_at - timing.received_at)
+    if timing.first_sent_at is not None and tracked.first_token_at is not None:
+        times["http_out_ms"] = _ms(timing.first_sent_at - tracked.first_token_at)
+    return times

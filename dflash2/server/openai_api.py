@@ -49,7 +49,8 @@ async def create_completion(http_request: HTTPRequest, body: CompletionRequest, 
     prompts = [state.encode(p) for p in body.prompts()]
     truncated = state.truncate(prompts, body.truncate_prompt_tokens)
     params = body.sampling_params(body.max_tokens, body.logprobs)
-    generation = await Generation.start(state.engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, body.priority)
+    generation = await Generation.start(state.engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, body.priority,
+                                        http_request)
     headers = TRUNCATION_HEADER if truncated else None
     echo = [state.decode(p["prompt_token_ids"]) if p["prompt"] is None else p["prompt"] for p in prompts] \
         if body.echo else None
@@ -173,7 +174,8 @@ async def create_chat_completion(http_request: HTTPRequest, body: ChatCompletion
     truncated = state.truncate(prompts, body.truncate_prompt_tokens)
     params = body.sampling_params(body.requested_max_tokens, body.num_logprobs)
     generation = await Generation.start(state.engine, f"chatcmpl-{uuid.uuid4().hex}", prompts, params,
-                                        body.priority)
+                                        body.priority,
+                                        http_request)
     headers = TRUNCATION_HEADER if truncated else None
     formatter = _ChatFormat(state, generation, model, body.num_logprobs)
     if body.stream:

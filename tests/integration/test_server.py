@@ -145,6 +145,18 @@ def test_priority_reaches_the_scheduler_from_every_endpoint(client, real_server)
         assert records[request_id]["priority"] == priority  # read from the engine's Request
 
 
+def test_request_log_splits_the_http_side_from_the_engine(client, real_server):
+    """Each request's log line says how long the HTTP side held it before the engine thread had it (http_in_ms)
+    and, when streamed, from the engine's first token to its write to the stream (http_out_ms)."""
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, stream=True))
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+    time.sleep(0.2)
+    records = {r["request_id"]: r for r in real_server.json_logs() if r.get("event") == "request_finished"}
+    streamed_record, whole_record = records[streamed[0].id], records[whole.id]
+    assert streamed_record["http_in_ms"] >= 0 and streamed_record["http_out_ms"] >= 0
+    assert whole_record["http_in_ms"] >= 0 and "http_out_ms" not in whole_record  # not streamed
+
+
 def test_vllm_extra_sampling_fields(client, bundled_llm):
     forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
                                        extra_body={"ignore_eos": True, "min_tokens": 10, "top_k": 5,
