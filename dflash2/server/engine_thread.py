@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import logging
 import math
 import queue
@@ -41,6 +42,18 @@ logger = logging.getLogger("dflash2.server")
 _IDLE_WAIT_S = 0.5  # how long the idle thread blocks on the command queue before a stats tick
 _RETRY_AFTER_RANGE_S = (1, 60)  # Retry-After is an estimate of the queue's drain time, clamped to this
 _FINISH_WINDOW = 64  # finishes the drain-rate estimate looks back over
+
+
+def freeze_startup_objects() -> int:
+    """Collect once, then move every object alive now (the model's modules, torch, transformers, the graphs:
+    ~300k objects) out of the collector's reach. A full collection otherwise walks all of them, a pause of the
+    whole server (engine thread and event loop alike; 222 ms measured on this project's 2-core CPU after
+    loading the bundled model) whenever the objects allocated per token trigger one. The server is one
+    long-lived process, so nothing alive now is expected to become garbage (offline LLM() users keep the
+    collector as it is). Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class EngineError(RuntimeError):
@@ -143,8 +156,10 @@ class EngineThread:
             self.loaded.set()
             self._call_soon(self._on_load_error, e)
             return
+        frozen = freeze_startup_objects()
         self.loaded.set()
-        logger.info("engine ready: model %s", self.engine.model.name)
+        logger.info("engine ready: model %s (%d objects left out of garbage collection)", self.engine.model.name,
+                    frozen)
         while True:
             if not self._drain_commands(block=not self.engine.has_unfinished()):
                 break

@@ -244,3 +244,20 @@ def test_swap_metrics_and_ttft_per_priority_class():
 def test_priority_class_rounds_down_to_a_power_of_ten():
     assert [priority_class(p) for p in (0, 1, 9, 10, 100, 150, 999, 1000, 9999, 10000, 65535)] == [
         "0", "1", "1", "10", "100", "100", "100", "1000", "1000", "10000", "10000"]
+
+
+def test_what_is_alive_at_startup_is_frozen_out_of_garbage_collection():
+    """Once the engine is loaded, a full collection must not walk the model's ~300k objects (a pause of the
+    whole server): they are frozen before the thread reports ready."""
+    import gc
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+
+    async def scenario(loop):
+        thread, _ = start(FakeEngine(), loop)
+        frozen = gc.get_freeze_count()
+        thread.stop()
+        return frozen
+
+    assert run(scenario) > 0
