@@ -160,7 +160,11 @@ class StepGraphs:
         self._mixed_prefills = sorted({p for _, p in mixed_shapes})
         self.inputs = torch.zeros(max(s.size for s in self.shapes), dtype=torch.long, device=runner.device)
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[GraphShape, torch.Tensor] = {}  # each graph's own output (model dtype)
+        # each graph's logits (model dtype): a decode graph's own output; the mixed graphs all copy theirs into
+        # one buffer of the most rows any of them has, so their outputs take no memory each in the graph pool
+        self.logits: dict[GraphShape, torch.Tensor] = {}
+        self.mixed_rows = max((s.logit_rows for s in self.shapes if s.prefill_tokens), default=0)
+        self.mixed_logits: torch.Tensor | None = None
         self.steps: dict[GraphShape, Callable[[], torch.Tensor]] = {}  # capture=False
         self.replays: Counter[GraphShape] = Counter()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -240,9 +244,14 @@ class StepGraphs:
             ids = v["ids"]
             resolved = torch.where(ids < 0, runner.future_tokens[(-ids - 1).clamp(min=0)], ids)
             hidden = module(resolved, context)
-            if shape.prefill_tokens:
-                hidden = hidden.index_select(0, v["logit_rows"])
-            return module.compute_logits(hidden)
+            if not shape.prefill_tokens:
+                return module.compute_logits(hidden)
+            logits = module.compute_logits(hidden.index_select(0, v["logit_rows"]))
+            if self.mixed_logits is None:  # the first (largest) mixed warm-up, outside any capture
+                self.mixed_logits = logits.new_empty((self.mixed_rows, logits.shape[1]))
+            out = self.mixed_logits[: logits.shape[0]]
+            out.copy_(logits)
+            return out
 
         return step
 

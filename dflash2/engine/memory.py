@@ -1,8 +1,8 @@
 """Size the GPU page pool: what `gpu_memory_utilization` allows, minus what the model needs to run.
 
     total * utilization  =  peak of a profiling step (weights + activations of the largest batch)
-                         +  reserve (CUDA graphs: the activations of the largest captured step, and a fixed
-                            1 GiB for logits and allocator slack; logits of a full decode batch)
+                         +  reserve (CUDA graphs: the activations of the largest captured step, every decode
+                            graph's logits and the mixed graphs' shared logits buffer; 1 GiB of allocator slack)
                          +  page pool   <- the rest
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ def gpu_pool_bytes(model: "LoadedModel", layout: "KVLayout", options: "RunnerOpt
                    max_num_batched_tokens: int, max_num_seqs: int, graph_tokens: int = 0) -> int:
     """Bytes left for the page pool after a profiling step of `max_num_batched_tokens` tokens; the CUDA graphs'
     own memory pool is taken to need the activations of a `graph_tokens`-token step (scaled from the profile)."""
+    from dflash2.engine.graphs import graph_batch_sizes
     from dflash2.engine.runner import ModelRunner, RunnerOptions
 
     device = model.device
@@ -59,7 +60,8 @@ def gpu_pool_bytes(model: "LoadedModel", layout: "KVLayout", options: "RunnerOpt
     del runner
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
-    logits_bytes = 3 * max_num_seqs * model.arch.vocab_size * 4
+    # the graphs' logits (float32 at most): each decode graph's own, and one buffer for all mixed graphs
+    logits_bytes = (sum(graph_batch_sizes(max_num_seqs)) + 2 * max_num_seqs) * model.arch.vocab_size * 4
     graph_activations = int((peak - before) * min(1.0, graph_tokens / max_num_batched_tokens))
     budget = int(total * utilization) - peak - GRAPH_RESERVE_BYTES - graph_activations - logits_bytes
     logger.info("GPU memory: %.2f GiB total, utilization %.2f, profiling peak %.2f GiB, graph activations "
