@@ -28,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from dflash2.kernels.triton import attention as attn  # noqa: E402
 from dflash2.kernels.triton import int4_gemv, quant_matmul  # noqa: E402
+from dflash2.kernels.triton.int8_decode import int8_sub_tiles  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -84,24 +85,29 @@ def report(name: str, kernel, types: dict, constants: dict, elements_per_iterati
 
 def decode_reports() -> None:
     """The decode loop per KV kind at BLOCK_N 32 / 4 warps (comparable across kinds and with earlier counts), then
-    at the configs decode_attention takes (DECODE_CONFIG, DECODE_CONFIGS["int8"]); int8 in both its loops
-    (INT8_IMMA: the integer q.K loop; else the legacy fp16-dequantizing one)."""
-    cases = [(0, "*bf16", False, None), (1, "*i8", True, None), (1, "*i8", False, None), (3, "*fp8e4nv", False, None),
-             (0, "*bf16", False, attn.DECODE_CONFIG), (1, "*i8", True, attn.DECODE_CONFIGS["int8"]),
-             (1, "*i8", False, attn.DECODE_CONFIGS["int8"])]
-    for kind, cache, imma, config in cases:
+    at the configs decode_attention takes (DECODE_CONFIG, DECODE_CONFIGS["int8"]); int8 in each of its loops
+    (INT8_LOOP: "imma_t", per-warp transposed integer q.K; "imma", the integer q.K loop; "legacy", the
+    fp16-dequantizing one), then the int8 loops over the BLOCK_N / warps grid benchmarks/tune_decode.py tries."""
+    int8 = attn.DECODE_CONFIGS["int8"]
+    cases = [(0, "*bf16", None, None), (1, "*i8", "imma", None), (1, "*i8", "legacy", None),
+             (3, "*fp8e4nv", None, None),
+             (0, "*bf16", None, attn.DECODE_CONFIG), (1, "*i8", "imma_t", int8), (1, "*i8", "imma", int8),
+             (1, "*i8", "legacy", int8)]
+    cases += [(1, "*i8", loop, {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": 2})
+              for block_n in (32, 64, 128) for num_warps in (2, 4) for loop in ("imma_t", "imma")
+              if (block_n, num_warps) != (int8["BLOCK_N"], int8["num_warps"])]
+    for kind, cache, loop, config in cases:
         config = config or {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
         types = {"q_ptr": "*bf16", "k_cache": cache, "v_cache": cache, "k_scales": "*fp16", "v_scales": "*fp16",
                  "page_table": "*i32", "slots": "*i32", "lengths": "*i32", "out_ptr": "*fp32", "lse_ptr": "*fp32",
                  "final_ptr": "*bf16", "cnt_ptr": "*i32", "scale": "fp32"}
-        block_n = config["BLOCK_N"]
-        constants = {"GROUP": 2, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_N": block_n, "NUM_SPLITS": 4,
-                     "SPLITS_PAD": 4, "GROUP_P2": 2, "PRECISION": "tf32", "KIND": kind, "INT8_IMMA": imma}
-        loop = {True: ", imma loop", False: ", legacy loop"}[imma] if kind == 1 else ""
-        report(f"decode attention, KV kind {kind}{loop}, BLOCK_N {block_n}, {config['num_warps']} warps "
-               f"(per K+V element)", attn._decode_split_kernel, types, constants,
-               elements_per_iteration=block_n * 128 * 2, num_warps=config["num_warps"],
-               num_stages=config["num_stages"])
+        block_n, num_warps = config["BLOCK_N"], config["num_warps"]
+        constants = {"GROUP": 2, "GROUP_PAD": 2 if loop == "imma_t" else 16, "HEAD_DIM": 128, "BLOCK_N": block_n,
+                     "NUM_SPLITS": 4, "SPLITS_PAD": 4, "GROUP_P2": 2, "PRECISION": "tf32", "KIND": kind,
+                     "INT8_LOOP": loop or "", "INT8_SUB": int8_sub_tiles(block_n, num_warps)}
+        report(f"decode attention, KV kind {kind}{f', {loop} loop' if loop else ''}, BLOCK_N {block_n}, "
+               f"{num_warps} warps (per K+V element)", attn._decode_split_kernel, types, constants,
+               elements_per_iteration=block_n * 128 * 2, num_warps=num_warps, num_stages=config["num_stages"])
 
 
 def main() -> None:

@@ -1,12 +1,13 @@
 """Time the paged decode kernel on W1/W2-like shapes per KV dtype and page layout, for several tile configs.
 
     PYTHONPATH=$PWD python3 benchmarks/tune_decode.py [--kinds bf16,int8,int4,fp8] [--layouts head_major,token_major]
-                                                      [--int8-paths imma,legacy] [--cases w1,w2] [--length 800]
+                                                      [--int8-paths imma_t,imma,legacy] [--cases w1,w2] [--length 800]
                                                       [--output tune.json]      (GPU)
 Caches are real engine pools: Qwen3-0.6B (28 layers, 8 KV heads, GQA 2, head 128) in 1 MiB pages (9 bf16
 tokens a page, 18 int8, 35 int4), 256 requests of --length tokens (800), layer 0 read; W2 is llama-3-8b batch 1
-at 384 tokens (bf16 only). int8 runs each of its decode loops (int8_decode.INT8_DECODE: "imma", integer q.K dots,
-and "legacy", K/V dequantized to fp16) over INT8_GRID, labelled "int8-imma" / "int8-legacy". Bandwidth counts
+at 384 tokens (bf16 only). int8 runs each of its decode loops (int8_decode.INT8_DECODE: "imma_t", integer K.q^T
+dots a warp per token sub-tile; "imma", integer q.K dots; "legacy", K/V dequantized to fp16) over INT8_GRID,
+labelled "int8-imma_t" / "int8-imma" / "int8-legacy". Bandwidth counts
 the K/V bytes (and scales) read once. Prints one JSON line per best config of each (case, kind, layout), then
 a summary: the best config per kind (paste into DECODE_CONFIGS in kernels/triton/attention.py, with its
 "int8" path), head-major vs token-major per kind, and each kind's best W1 time against bf16's.
@@ -96,7 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kinds", default="bf16,int8,int4,fp8")
     parser.add_argument("--layouts", default="head_major,token_major")
-    parser.add_argument("--int8-paths", default="imma,legacy", help="int8 decode loops to time")
+    parser.add_argument("--int8-paths", default="imma_t,imma,legacy", help="int8 decode loops to time")
     parser.add_argument("--cases", default="w1,w2", help="w2 runs with bf16 only")
     parser.add_argument("--length", type=int, default=None, help="W1 context tokens (default 800)")
     parser.add_argument("--output", default=None, help="also write every row and the summary as JSON here")

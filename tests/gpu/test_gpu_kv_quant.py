@@ -105,16 +105,18 @@ def _int8_config(path: str, block_n: int | None = None, num_warps: int | None = 
     return {**config, **({"BLOCK_N": block_n} if block_n else {}), **({"num_warps": num_warps} if num_warps else {})}
 
 
-@pytest.mark.parametrize("path", ["imma", "legacy"])
+@pytest.mark.parametrize("path", ["imma_t", "imma", "legacy"])
 @pytest.mark.parametrize("tokens_per_page", [1, 7, 18, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_int8_decode_dequantizes_to_fp16_exactly_enough(path, tokens_per_page, dtype, num_splits):
-    """Both int8 decode loops: "imma" (q as two int8 terms, ~15 bits; integer q.K dots on the stored bytes;
+    """The int8 decode loops: "imma_t" (the imma loop with tokens as the mma's M side and a softmax per warp;
+    V as fp16 x + 1152, 1152 x the probability sums taken off after the loop), "imma" (q as two int8 terms,
+    ~15 bits; integer q.K dots on the stored bytes;
     V bytes -> fp16 by PTX without a scale, the V scale in the probabilities) and "legacy" (PTX byte -> fp16
     conversion times the row scale, fp16 dots); page entries by a multiply-high, scales loaded a tile ahead: any
     page size, tiles straddling pages and partial tails, close to the float32 reference on the same cache (bf16
-    output rounding ~2^-9 dominates; fp16 is tighter). Same bounds for both paths: the interpreter measures
+    output rounding ~2^-9 dominates; fp16 is tighter). Same bounds for every path: the interpreter measures
     the imma path at or below the legacy error (tests/unit/test_triton_attention.py)."""
     rng = random.Random(tokens_per_page)
     lengths = [1, 2, 31, 32, 33, 300, 1025] + [rng.randrange(1, 2000) for _ in range(9)]
@@ -126,21 +128,22 @@ def test_int8_decode_dequantizes_to_fp16_exactly_enough(path, tokens_per_page, d
     assert error < (4e-3 if dtype == torch.bfloat16 else 1e-3), error
 
 
-@pytest.mark.parametrize("block_n,num_warps", [(32, 2), (64, 1), (64, 4), (128, 2), (128, 4)])
+@pytest.mark.parametrize("path", ["imma_t", "imma"])
+@pytest.mark.parametrize("block_n,num_warps", [(32, 2), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4)])
 @pytest.mark.parametrize("q_range", [1e-3, 30.0, 3e4])
-def test_int8_imma_decode_configs_and_q_ranges(block_n, num_warps, q_range):
+def test_int8_imma_decode_configs_and_q_ranges(path, block_n, num_warps, q_range):
     """The imma loop at the configs benchmarks/tune_decode.py tries, and q far from unit size (q is quantized
     per head with a float32 scale: no fp16 clamp, no underflow), one head's q all zeros (its scale falls back to 1);
-    the default path for bf16 q is imma unless DFLASH2_INT8_DECODE=legacy."""
+    the default path for bf16 q is DFLASH2_INT8_DECODE's (imma_t unless set)."""
     from dflash2.kernels.triton import int8_decode
 
-    assert int8_decode.INT8_DECODE != "imma" or int8_decode.int8_path(torch.empty(1, 1, DIM, dtype=torch.bfloat16), {}) == "imma"
+    assert int8_decode.int8_path(torch.empty(1, 1, DIM, dtype=torch.bfloat16), {}) == int8_decode.INT8_DECODE
     rng = random.Random(block_n)
     lengths = [1, 63, 64, 65, 500, 777] + [rng.randrange(1, 1500) for _ in range(10)]
     q = torch.randn(len(lengths), KV_HEADS * 2, DIM, device="cuda") * q_range
     q[3, 5] = 0.0
     got, expected = _decode_and_reference("int8", True, lengths, 18, q.bfloat16(), 1, seed=6,
-                                          config=_int8_config("imma", block_n, num_warps))
+                                          config=_int8_config(path, block_n, num_warps))
     assert bool(torch.isfinite(got).all())
     error = float((got.float() - expected).norm() / expected.norm())
     # at q ~ 3e4 scores reach ~1e6 and the softmax is nearly one-hot: q's ~2^-15 quantization step moves scores

@@ -27,7 +27,8 @@ import triton.language as tl
 
 from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
 from dflash2.kernels.triton.gemv_parts import split_counters
-from dflash2.kernels.triton.int8_decode import _int8_decode_tiles, _int8_imma_tiles, int8_path
+from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_imma_tiles, int8_path,
+                                                int8_sub_tiles)
 from dflash2.kernels.triton.kv_write import rotary_write_kv, scale_args, write_kv
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
@@ -118,8 +119,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          SPLITS_PAD: tl.constexpr,
-                         PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_IMMA: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_LOOP: tl.constexpr,
+                         INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
     # batch ordered longest-first (the runner's order) starts its longest programs first
@@ -140,7 +141,12 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    if KIND == 1 and INT8_IMMA:
+    if KIND == 1 and INT8_LOOP == "imma_t":  # its own state: per-warp softmax, merged before returning
+        m_i, l_i, acc = _int8_imma_t_tiles(
+            q, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
+            stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+            stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, INT8_SUB)
+    elif KIND == 1 and INT8_LOOP == "imma":
         m_i, l_i, acc = _int8_imma_tiles(
             q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
@@ -283,14 +289,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     counters = split_counters(q.device, batch * num_kv_heads)  # a dict lookup; read only with splits
     block_n = config["BLOCK_N"] if dim <= 128 else 32
+    loop = int8_path(q, config) if kind == 1 else ""
+    # imma_t: heads as the mma's N side (no 16-row padding), one token sub-tile a warp
+    group_pad = triton.next_power_of_2(group) if loop == "imma_t" else max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, partial, lse, out, counters,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *scale_strides, page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), scale, k_cache.shape[1],
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), GROUP_P2=triton.next_power_of_2(group),
+        GROUP=group, GROUP_PAD=group_pad, GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        PRECISION=_precision(q), KIND=kind, INT8_IMMA=int8_path(q, config) == "imma",
+        PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
         num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
     return out
 

@@ -1,11 +1,14 @@
 """The int8-KV decode loops that _decode_split_kernel (attention.py) runs over a program's KV range.
 
-    _int8_imma_tiles    16-bit models (default; DFLASH2_INT8_DECODE=imma): q quantized once per program as two
-                        int8 terms, integer q.K dots on the stored bytes, K scale x q factor on the scores, V
-                        scale folded into the probabilities, V bytes -> fp16 without a scale
+    _int8_imma_t_tiles  16-bit models (default; DFLASH2_INT8_DECODE=imma_t): the imma loop transposed (tokens as
+                        the mma's M side, the GQA heads as N: no softmax work on 16 padded rows) and split into
+                        one token sub-tile a warp, each with its own online softmax (no cross-warp step a tile)
+    _int8_imma_tiles    DFLASH2_INT8_DECODE=imma: q quantized once per program as two int8 terms, integer q.K
+                        dots on the stored bytes, K scale x q factor on the scores, V scale folded into the
+                        probabilities, V bytes -> fp16 without a scale
     _int8_decode_tiles  float32 models, head_dim < 32 and DFLASH2_INT8_DECODE=legacy: each K/V tile
                         dequantized in registers to fp16 (or float32), then float dots
-Both convert bytes with inline PTX on the GPU (plain casts under the interpreter) and find pages with a
+All convert bytes with inline PTX on the GPU (plain casts under the interpreter) and find pages with a
 multiply-high instead of a division.
 """
 from __future__ import annotations
@@ -16,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-# "imma" or "legacy" (see above); a decode config dict's "int8" key overrides it (benchmarks/tune_decode.py)
-INT8_DECODE = os.environ.get("DFLASH2_INT8_DECODE", "imma")
+# "imma_t", "imma" or "legacy" (see above); a decode config dict's "int8" key overrides it
+# (benchmarks/tune_decode.py)
+INT8_DECODE = os.environ.get("DFLASH2_INT8_DECODE", "imma_t")
 
 # int8 decode (KIND 1): inline PTX converts the cached bytes (the interpreter, which cannot run PTX, takes the
 # plain Triton path computing the same values)
@@ -147,6 +151,20 @@ def _int8_v_fp16(x):
 
 
 @triton.jit
+def _int8_v_fp16_biased(x):
+    """int8 tile x -> fp16 x + 1152 (exact): _int8_v_fp16 without the subtraction, 0.75 instructions a value;
+    the caller takes 1152 x (the probabilities' sum) off the accumulator."""
+    if _PTX:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 u; xor.b32 u, $2, 0x80808080; "
+            "prmt.b32 $0, u, 0x64646464, 0x5140; prmt.b32 $1, u, 0x64646464, 0x7362; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = x.to(tl.float16) + 1152.0
+    return y
+
+
+@triton.jit
 def _int8_imma_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head,
                      stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
                      stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
@@ -198,9 +216,79 @@ def _int8_imma_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_tab
     return m_i * 0.6931471805599453, tl.sum(l_part, 1), acc
 
 
+@triton.jit
+def _int8_imma_t_tiles(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head,
+                     stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
+                     stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
+                     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
+    """The imma loop transposed and split per warp: scores S^T = K q^T [tokens, heads] (the stored K bytes as the
+    mma's M side, q's two int8 terms as N, which may be below the mma's 8: no 16-row padding), and O^T = V^T P^T
+    [head_dim, heads]. The tile is SUB sub-tiles of BLOCK_N / SUB tokens, one batch of a 3-D dot each (Triton
+    gives each warp its own batch when SUB = num_warps): each keeps its own online softmax (no reduction or
+    layout change across warps in the loop), merged by their maxima after it. Masked tokens get a -inf score
+    through the K scale's addend. Returns (m_i in natural-log units, l_i, acc [GROUP_PAD, HEAD_DIM])."""
+    T: tl.constexpr = BLOCK_N // SUB
+    magic = (4294967295 // (tokens_per_page + tl.zeros([], tl.int64))).to(tl.uint32)
+    d = tl.arange(0, HEAD_DIM)
+    cols = tl.reshape(tl.arange(0, BLOCK_N), [SUB, T])
+    q_hi, q_lo, q_factor = _int8_quantize_q(q, scale)
+    q_hi = tl.broadcast_to(tl.trans(q_hi)[None, :, :], [SUB, HEAD_DIM, GROUP_PAD])
+    q_lo = tl.broadcast_to(tl.trans(q_lo)[None, :, :], [SUB, HEAD_DIM, GROUP_PAD])
+    m_i = tl.full([SUB, GROUP_PAD], float("-inf"), tl.float32)
+    l_part = tl.zeros([SUB, T, GROUP_PAD], tl.float32)
+    acc = tl.zeros([SUB, HEAD_DIM, GROUP_PAD], tl.float32)
+    ones = tl.full([SUB, 16, T], 1.0, tl.float16)
+    p_sum = tl.zeros([SUB, 16, GROUP_PAD], tl.float32)
+    head_offs = kv_head * stride_cache_head
+    scale_head_offs = kv_head * stride_scale_head
+    tokens = start + cols
+    page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
+    scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
+    k_scale = tl.load(k_scales + scale_offs, mask=tokens < end, other=0.0)
+    v_scale = tl.load(v_scales + scale_offs, mask=tokens < end, other=0.0)
+    for n0 in range(start, end, BLOCK_N):
+        tokens = n0 + cols
+        token_mask = tokens < end
+        page, in_page = _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic, stride_pt)
+        offs = (page * stride_cache_page + in_page * stride_cache_token + head_offs)[:, :, None] + d[None, None, :]
+        k = tl.load(k_cache + offs, mask=token_mask[:, :, None], other=0)
+        v = tl.load(v_cache + offs, mask=token_mask[:, :, None], other=0)
+        next_tokens = tokens + BLOCK_N
+        next_mask = next_tokens < end
+        page, in_page = _int8_page_rows(page_table, slot, next_tokens, next_mask, tokens_per_page, magic,
+                                        stride_pt)
+        scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
+        next_k_scale = tl.load(k_scales + scale_offs, mask=next_mask, other=0.0)
+        next_v_scale = tl.load(v_scales + scale_offs, mask=next_mask, other=0.0)
+        s_int = tl.dot(k, q_hi, out_dtype=tl.int32) * 254 + tl.dot(k, q_lo, out_dtype=tl.int32)  # [SUB, T, G]
+        bias = tl.where(token_mask, 0.0, float("-inf"))
+        s = s_int.to(tl.float32) * (k_scale.to(tl.float32) * (1.0 / 254.0))[:, :, None] + bias[:, :, None]
+        m_new = tl.maximum(m_i, tl.max(s, 1) * q_factor[None, :])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a sub-tile with no token yet
+        p = tl.exp2(s * q_factor[None, None, :] - m_ref[:, None, :])
+        alpha = tl.exp2(m_i - m_ref)
+        l_part = l_part * alpha[:, None, :] + p
+        pv = (p * v_scale.to(tl.float32)[:, :, None]).to(tl.float16)
+        acc = acc * alpha[:, None, :] + tl.dot(tl.permute(_int8_v_fp16_biased(v), (0, 2, 1)), pv)
+        p_sum = p_sum * alpha[:, None, :] + tl.dot(ones, pv)  # every row: the sum of pv, exact products
+        m_i = m_new
+        k_scale, v_scale = next_k_scale, next_v_scale
+    m = tl.max(m_i, 0)
+    w = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])  # [SUB, G]
+    l_i = tl.sum(tl.sum(l_part, 1) * w, 0)
+    acc = acc - 1152.0 * tl.max(p_sum, 1)[:, None, :]  # the rows of p_sum are equal
+    acc = tl.trans(tl.sum(acc * w[:, None, :], 0))
+    return m * 0.6931471805599453, l_i, acc
+
+
 def int8_path(q: torch.Tensor, config: dict) -> str:
     """The int8 decode loop: the config's "int8" key, else DFLASH2_INT8_DECODE for 16-bit q with head_dim >= 32
     (an int8 mma takes 32 values a step), else legacy (float32 models keep exact float32 dots)."""
     if "int8" in config:
         return config["int8"]
     return INT8_DECODE if q.dtype != torch.float32 and q.shape[-1] >= 32 else "legacy"
+
+
+def int8_sub_tiles(block_n: int, num_warps: int) -> int:
+    """The imma_t loop's token sub-tiles: one a warp, of at least 16 tokens (the P V dot's k step)."""
+    return max(1, min(num_warps, block_n // 16))
