@@ -44,6 +44,30 @@ def _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic
 
 
 @triton.jit
+def _int8_scales(k_scales, v_scales, page_table, slot, tokens, end, tokens_per_page, magic, stride_pt,
+                 stride_scale_page, stride_scale_token, scale_head_offs):
+    """The K and V row scales of these tokens (0 past `end`)."""
+    page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
+    scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
+    return (tl.load(k_scales + scale_offs, mask=tokens < end, other=0.0),
+            tl.load(v_scales + scale_offs, mask=tokens < end, other=0.0))
+
+
+@triton.jit
+def _int8_rows_and_next_scales(k_scales, v_scales, page_table, slot, tokens, end, tokens_per_page, magic,
+                               stride_pt, stride_cache_page, stride_cache_token, head_offs, stride_scale_page,
+                               stride_scale_token, scale_head_offs, BLOCK_N: tl.constexpr):
+    """Each token's row offset in the cache, and the scales of the tile after this one (loaded a tile ahead, so
+    the loop never waits on a scale)."""
+    page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
+    offs = page * stride_cache_page + in_page * stride_cache_token + head_offs
+    next_k_scale, next_v_scale = _int8_scales(k_scales, v_scales, page_table, slot, tokens + BLOCK_N, end,
+                                              tokens_per_page, magic, stride_pt, stride_scale_page,
+                                              stride_scale_token, scale_head_offs)
+    return offs, next_k_scale, next_v_scale
+
+
+@triton.jit
 def _int8_tile(x, row_scale, F32: tl.constexpr):
     """int8 tile x [R, C] times its fp16 row scales [R] -> fp16 [R, C] (the dequantized values, as an fp16 cache
     would hold them), or float32 [R, C] for F32 (float32 models). PTX: 4 bytes at a time, flip the sign bits
@@ -90,25 +114,16 @@ def _int8_decode_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_t
     l_part = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
     head_offs = kv_head * stride_cache_head
     scale_head_offs = kv_head * stride_scale_head
-    tokens = start + cols
-    page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
-    scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
-    k_scale = tl.load(k_scales + scale_offs, mask=tokens < end, other=0.0)
-    v_scale = tl.load(v_scales + scale_offs, mask=tokens < end, other=0.0)
+    k_scale, v_scale = _int8_scales(k_scales, v_scales, page_table, slot, start + cols, end, tokens_per_page, magic,
+                                    stride_pt, stride_scale_page, stride_scale_token, scale_head_offs)
     for n0 in range(start, end, BLOCK_N):
         tokens = n0 + cols
         token_mask = tokens < end
-        page, in_page = _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic, stride_pt)
-        offs = page * stride_cache_page + in_page * stride_cache_token + head_offs
+        offs, next_k_scale, next_v_scale = _int8_rows_and_next_scales(
+            k_scales, v_scales, page_table, slot, tokens, end, tokens_per_page, magic, stride_pt, stride_cache_page,
+            stride_cache_token, head_offs, stride_scale_page, stride_scale_token, scale_head_offs, BLOCK_N)
         k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
         v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
-        next_tokens = tokens + BLOCK_N
-        next_mask = next_tokens < end
-        page, in_page = _int8_page_rows(page_table, slot, next_tokens, next_mask, tokens_per_page, magic,
-                                        stride_pt)
-        scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
-        next_k_scale = tl.load(k_scales + scale_offs, mask=next_mask, other=0.0)
-        next_v_scale = tl.load(v_scales + scale_offs, mask=next_mask, other=0.0)
         s = tl.dot(q_dot, tl.trans(_int8_tile(k, k_scale, F32)), input_precision=PRECISION) * scale
         s = tl.where(token_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -183,25 +198,16 @@ def _int8_imma_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_tab
     l_part = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
     head_offs = kv_head * stride_cache_head
     scale_head_offs = kv_head * stride_scale_head
-    tokens = start + cols
-    page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
-    scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
-    k_scale = tl.load(k_scales + scale_offs, mask=tokens < end, other=0.0)
-    v_scale = tl.load(v_scales + scale_offs, mask=tokens < end, other=0.0)
+    k_scale, v_scale = _int8_scales(k_scales, v_scales, page_table, slot, start + cols, end, tokens_per_page, magic,
+                                    stride_pt, stride_scale_page, stride_scale_token, scale_head_offs)
     for n0 in range(start, end, BLOCK_N):
         tokens = n0 + cols
         token_mask = tokens < end
-        page, in_page = _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic, stride_pt)
-        offs = page * stride_cache_page + in_page * stride_cache_token + head_offs
+        offs, next_k_scale, next_v_scale = _int8_rows_and_next_scales(
+            k_scales, v_scales, page_table, slot, tokens, end, tokens_per_page, magic, stride_pt, stride_cache_page,
+            stride_cache_token, head_offs, stride_scale_page, stride_scale_token, scale_head_offs, BLOCK_N)
         k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
         v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
-        next_tokens = tokens + BLOCK_N
-        next_mask = next_tokens < end
-        page, in_page = _int8_page_rows(page_table, slot, next_tokens, next_mask, tokens_per_page, magic,
-                                        stride_pt)
-        scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
-        next_k_scale = tl.load(k_scales + scale_offs, mask=next_mask, other=0.0)
-        next_v_scale = tl.load(v_scales + scale_offs, mask=next_mask, other=0.0)
         kt = tl.trans(k)
         s_int = tl.dot(q_hi, kt, out_dtype=tl.int32) * 254 + tl.dot(q_lo, kt, out_dtype=tl.int32)
         s = s_int.to(tl.float32) * (k_scale.to(tl.float32) * (1.0 / 254.0))[None, :]
@@ -242,25 +248,17 @@ def _int8_imma_t_tiles(q, k_cache, v_cache, k_scales, v_scales, page_table, slot
     p_sum = tl.zeros([SUB, 16, GROUP_PAD], tl.float32)
     head_offs = kv_head * stride_cache_head
     scale_head_offs = kv_head * stride_scale_head
-    tokens = start + cols
-    page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
-    scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
-    k_scale = tl.load(k_scales + scale_offs, mask=tokens < end, other=0.0)
-    v_scale = tl.load(v_scales + scale_offs, mask=tokens < end, other=0.0)
+    k_scale, v_scale = _int8_scales(k_scales, v_scales, page_table, slot, start + cols, end, tokens_per_page, magic,
+                                    stride_pt, stride_scale_page, stride_scale_token, scale_head_offs)
     for n0 in range(start, end, BLOCK_N):
         tokens = n0 + cols
         token_mask = tokens < end
-        page, in_page = _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic, stride_pt)
-        offs = (page * stride_cache_page + in_page * stride_cache_token + head_offs)[:, :, None] + d[None, None, :]
+        offs, next_k_scale, next_v_scale = _int8_rows_and_next_scales(
+            k_scales, v_scales, page_table, slot, tokens, end, tokens_per_page, magic, stride_pt, stride_cache_page,
+            stride_cache_token, head_offs, stride_scale_page, stride_scale_token, scale_head_offs, BLOCK_N)
+        offs = offs[:, :, None] + d[None, None, :]
         k = tl.load(k_cache + offs, mask=token_mask[:, :, None], other=0)
         v = tl.load(v_cache + offs, mask=token_mask[:, :, None], other=0)
-        next_tokens = tokens + BLOCK_N
-        next_mask = next_tokens < end
-        page, in_page = _int8_page_rows(page_table, slot, next_tokens, next_mask, tokens_per_page, magic,
-                                        stride_pt)
-        scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
-        next_k_scale = tl.load(k_scales + scale_offs, mask=next_mask, other=0.0)
-        next_v_scale = tl.load(v_scales + scale_offs, mask=next_mask, other=0.0)
         s_int = tl.dot(k, q_hi, out_dtype=tl.int32) * 254 + tl.dot(k, q_lo, out_dtype=tl.int32)  # [SUB, T, G]
         bias = tl.where(token_mask, 0.0, float("-inf"))
         s = s_int.to(tl.float32) * (k_scale.to(tl.float32) * (1.0 / 254.0))[:, :, None] + bias[:, :, None]
