@@ -8,11 +8,6 @@ best int4 config per shape. About a minute on an H200.
 GB/s counts the bytes each kernel reads for the weight (int4: 0.5 B a weight + 4 B a group of scale and zero).
 
 Timing as in gemv_bench.py: one CUDA graph of many calls cycling through L2-cold weight copies.
-
-`--early`: instead, the int4 GEMV and the 16-bit GEMV at their default configs under each early-weights setting
-of benchmarks/decode_chain_bench.py (gemv_parts: weights requested before the wait for the previous kernel; here
-that kernel is the same GEMV on another weight copy, so this is the GEMV's own tail, not a norm's or attention's;
-decode_chain_bench.py times the real chain). Leave DFLASH2_GEMV_EARLY unset for it.
 """
 from __future__ import annotations
 
@@ -25,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.decode_chain_bench import SETTINGS as EARLY_SETTINGS  # noqa: E402
 from benchmarks.gemv_bench import SHAPES, copies_for, cycle, random_packed, seconds_per_call  # noqa: E402
 from dflash2.kernels.triton import quant_matmul as qm  # noqa: E402
 from dflash2.kernels.triton.int4_gemv import int4_config, int4_gemv, prepare_int4  # noqa: E402
@@ -45,7 +39,6 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     parser.add_argument("--rows", type=int, default=1, help="activation rows M (the GEMV takes M <= 4)")
     parser.add_argument("--int4-only", action="store_true", help="skip cuBLAS and the 16-bit GEMV")
-    parser.add_argument("--early", action="store_true", help="early-weights settings at the default configs")
     args = parser.parse_args()
     rows, totals = [], {}
     m = args.rows
@@ -55,14 +48,10 @@ def main() -> None:
         candidates = []
         if not args.int4_only:
             dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16() for _ in range(copies_for(n * k * 2))]
-            if args.early:
-                gemv16 = [{**qm.gemv_config(16, n, k), **e, "early": name} for name, e in EARLY_SETTINGS.items()
-                          if "regs" not in name]
-            else:
-                candidates += [("cublas_bf16", {}, lambda w, c: torch.mm(x, w.t(), out=out), dense, n * k * 2)]
-                gemv16 = GEMV16_CONFIGS[:1]
+            candidates += [("cublas_bf16", {}, lambda w, c: torch.mm(x, w.t(), out=out), dense, n * k * 2)]
             candidates += [("gemv_bf16", c, lambda w, c: qm.gemv(x, {"bits": 16, "n": n, "k": k, "w": w}, out=out,
-                                                                  config=c), dense, n * k * 2) for c in gemv16]
+                                                                  config=c), dense, n * k * 2)
+                           for c in GEMV16_CONFIGS[:1]]
         fmt = WeightFormat(4, 128)
         int4, legacy = [], []
         for _ in range(copies_for(fmt.storage_bytes(n, k))):
@@ -72,12 +61,9 @@ def main() -> None:
                            "words": t["qweight"].view(torch.int32), "scales": t["scales"], "zeros": t["zeros"]})
         int4_bytes = n * k // 2 + 4 * n * (k // 128)
         legacy_config = qm.gemv_config(4, n, k)
-        if args.early:
-            configs = [{**int4_config(n, k, m), **e, "early": name} for name, e in EARLY_SETTINGS.items()]
-        else:
-            candidates += [("legacy_gemv_int4", legacy_config, lambda w, c: qm.gemv(x, w, out=out, config=c),
-                            legacy, int4_bytes)]
-            configs = INT4_CONFIGS + [c for c in [int4_config(n, k, m)] if c not in INT4_CONFIGS]
+        candidates += [("legacy_gemv_int4", legacy_config, lambda w, c: qm.gemv(x, w, out=out, config=c), legacy,
+                        int4_bytes)]
+        configs = INT4_CONFIGS + [c for c in [int4_config(n, k, m)] if c not in INT4_CONFIGS]
         candidates += [("gemv_int4", c, lambda w, c: int4_gemv(x, w, out=out, config=c), int4, int4_bytes)
                        for c in configs]
         for kernel, config, fn, weights, nbytes in candidates:
@@ -89,7 +75,7 @@ def main() -> None:
             row = {"shape": shape, "M": m, "kernel": kernel, "config": config, "us": round(seconds * 1e6, 2),
                    "GB_s": round(nbytes / seconds / 1e9, 1)}
             rows.append(row)
-            key = (kernel, json.dumps({"early": config["early"]} if args.early else config, sort_keys=True))
+            key = (kernel, json.dumps(config, sort_keys=True))
             totals.setdefault(key, {})[shape] = row["us"]
             print(json.dumps(row), flush=True)
         del candidates, int4, legacy
@@ -100,11 +86,7 @@ def main() -> None:
             total = sum(per_shape.values())
             if kernel not in best or total < best[kernel]["total_us"]:
                 best[kernel] = {"config": json.loads(config), "total_us": round(total, 1), "per_shape": per_shape}
-    print("best " + json.dumps(best), flush=True)  # --early: "config" is the setting's name
-    if args.early:  # every setting against off, per kernel: total us over the shapes
-        early_table = {f"{kernel} {json.loads(config)['early']}": round(sum(t.values()), 2)
-                       for (kernel, config), t in totals.items()}
-        print("early_totals_us " + json.dumps(early_table), flush=True)
+    print("best " + json.dumps(best), flush=True)
     per_shape = {}
     for row in rows:
         if row["kernel"] == "gemv_int4" and (row["shape"] not in per_shape or row["us"] < per_shape[row["shape"]]["us"]):

@@ -116,18 +116,17 @@ def main() -> None:
                   "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     for bits, weight, block_n, gs, t, words in ((16, "*bf16", 8, 512, 1, False), (8, "*i32", 8, 512, 1, True),
                                                (4, "*i32", 16, 128, 4, True)):
-        for early in (False, True):  # EARLY_L2: weight requests before the wait (gemv_parts, early weights)
-            constants = {"BITS": bits, "GS": gs, "T": t, "BLOCK_M": 1, "BLOCK_N": block_n, "SPLIT_K": 1,
-                         "SILU_MUL": False, "WORDS": words, "EARLY_L2": early}
-            report(f"GEMV {bits}-bit, M=1{', early L2' if early else ''} (per weight)", quant_matmul._gemv_kernel,
-                   {**gemv_types, "w_ptr": weight}, constants, elements_per_iteration=block_n * gs * t)
+        constants = {"BITS": bits, "GS": gs, "T": t, "BLOCK_M": 1, "BLOCK_N": block_n, "SPLIT_K": 1,
+                     "SILU_MUL": False, "WORDS": words}
+        report(f"GEMV {bits}-bit, M=1 (per weight)", quant_matmul._gemv_kernel, {**gemv_types, "w_ptr": weight},
+               constants, elements_per_iteration=block_n * gs * t)
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
              "cnt_ptr": "*i32"}
     for block_m, config in sorted(int4_gemv.INT4_GEMV_CONFIGS.items()):
         for block_n in sorted({config["BLOCK_N"], 2 * config["BLOCK_N"]} if block_m == 1 else {config["BLOCK_N"]}):
             constants = {"GS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNKS": config["CHUNKS"],
                          "SPLIT_K": 1, "SILU_MUL": False, "EVEN_M": True, "EVEN_N": True, "EVEN_K": True, "PREFETCH": False,
-                         "ASM": True, "EARLY_L2": False, "EARLY_REGS": False}
+                         "ASM": True}
             report(f"int4 GEMV, repacked, M={block_m}, BLOCK_N={block_n} (per weight)", int4_gemv._int4_gemv_kernel,
                    types, constants, elements_per_iteration=block_n * config["CHUNKS"] * 32,
                    num_warps=config["num_warps"], num_stages=config["num_stages"])

@@ -149,28 +149,23 @@ def test_int4_repack_layout():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("group_size, k, block_n, chunks, split_k, prefetch, early", [
-    (128, 512, 8, 4, 1, 0, 1),    # K a whole number of steps, N = 37 not of blocks
-    (64, 448, 4, 4, 1, 0, 1),     # K not a multiple of the step (the last step is part masked)
-    (32, 480, 8, 8, 3, 0, 1),     # split along K, ragged
-    (128, 256, 16, 2, 2, 0, 1),   # split along K, even
-    (64, 448, 8, 4, 1, 1, 1),     # the next step's words loaded ahead (the first before the wait), ragged K
-    (64, 448, 8, 4, 1, 1, 0),     # ... the first after the wait
-    (32, 512, 4, 2, 2, 1, 1),     # ... even K, split
-    (64, 448, 8, 16, 1, 0, 1),    # one K step a program, loaded before the wait (no loop), ragged
-    (32, 480, 8, 4, 4, 0, 1),     # ... one step a split, the last one part masked
-    (32, 480, 8, 4, 4, 0, 0),     # ... the loop
+@pytest.mark.parametrize("group_size, k, block_n, chunks, split_k, prefetch", [
+    (128, 512, 8, 4, 1, 0),    # K a whole number of steps, N = 37 not of blocks
+    (64, 448, 4, 4, 1, 0),     # K not a multiple of the step (the last step is part masked)
+    (32, 480, 8, 8, 3, 0),     # split along K, ragged
+    (128, 256, 16, 2, 2, 0),   # split along K, even
+    (64, 448, 8, 4, 1, 1),     # the next step's words loaded ahead, ragged K
+    (32, 512, 4, 2, 2, 1),     # ... even K, split
 ])
-def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split_k, prefetch, early):
+def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split_k, prefetch):
     """The int4 decode kernel (repacked words, 1 + q/16 and 16 + q/16 floats, scales outside the slot loop)
-    for 1..4 activation rows, ragged N and K, group sizes 32/64/128, split along K; early: the first step's
-    words in registers before the wait for the previous kernel (gemv_parts, early weights)."""
+    for 1..4 activation rows, ragged N and K, group sizes 32/64/128, split along K."""
     from dflash2.kernels.triton.int4_gemv import int4_gemv
 
     weight, prepared = _int4_prepared(N, k, group_size, seed=rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     config = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k,
-              "PREFETCH": prefetch, "EARLY_REGS": early}
+              "PREFETCH": prefetch}
     got = int4_gemv(x, prepared, config=config)
     torch.testing.assert_close(got, expected(x, weight), atol=2e-5, rtol=1e-5)
     assert torch.equal(int4_gemv(x, prepared, config=config), got)  # the split-K tickets reset themselves
@@ -199,28 +194,3 @@ def test_int4_gemv_is_the_backend_default():
     for rows in (1, 2, 4):
         x = torch.randn(rows, 256)
         torch.testing.assert_close(runtime.matmul(x), expected(x, weight), atol=2e-5, rtol=1e-5)
-
-
-def test_early_weight_settings(monkeypatch):
-    """How much a GEMV program asks L2 for before its wait: whole rows while the resident programs fit the
-    budget, an equal share in whole 128-byte lines past it; DFLASH2_GEMV_EARLY picks the ways."""
-    from dflash2.kernels.triton import gemv_parts
-
-    monkeypatch.setattr(gemv_parts, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(gemv_parts, "_INTERPRETED", False)
-    row_bytes = 2048  # int4, K = 4096
-    assert gemv_parts.early_row_bytes(16.0, row_bytes, 768, 8, 4, "cuda") == row_bytes  # qkv: 12.6 MB
-    share = gemv_parts.early_row_bytes(16.0, row_bytes, 16032, 8, 1, "cuda")  # lm_head: 4224 resident
-    assert share == (16 << 20) // (4224 * 8) // 128 * 128 and 0 < share < row_bytes
-    assert gemv_parts.early_row_bytes(0.0, row_bytes, 768, 8, 4, "cuda") == 0
-    config = {"EARLY_L2_MB": 8, "EARLY_REGS": 0}
-    for mode, settings in (("1", (8.0, False)), ("0", (0.0, False)), ("l2", (8.0, False)), ("regs", (0.0, True))):
-        monkeypatch.setattr(gemv_parts, "_EARLY_MODE", mode)
-        assert gemv_parts.early_settings(config) == settings
-    for mode, settings in (("1", (0.0, False)), ("l2", (gemv_parts.EARLY_ON_MB, False)), ("regs", (0.0, True))):
-        monkeypatch.setattr(gemv_parts, "_EARLY_MODE", mode)  # the defaults are off (slower on the H200)
-        assert gemv_parts.early_settings({}) == settings
-    monkeypatch.setattr(gemv_parts, "_EARLY_MODE", "1")
-    monkeypatch.setattr(gemv_parts, "_EARLY_MB", "32")
-    assert gemv_parts.early_settings(config) == (32.0, False)
-    assert gemv_parts.early_settings({}) == (0.0, False)

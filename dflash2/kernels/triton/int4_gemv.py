@@ -30,9 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash2.kernels.triton.gemv_parts import (_activation, _k_range, _prefetch_rows_l2, _store_or_reduce,
-                                               early_row_bytes, early_settings, prepare_io, split_counters)
-from dflash2.kernels.triton.pdl import pdl_args, pdl_launch_dependents, pdl_start, pdl_wait
+from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
+from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CHUNK = 32  # columns a thread takes from a row per step (4 int32 words)
@@ -139,49 +138,17 @@ def _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS: tl.constexpr, EVEN_N: tl
 
 
 @triton.jit
-def _step_sum(words, sz, x_base, x_cols, k0, k_end, c, m_ok, K, SILU_MUL: tl.constexpr, MASKED: tl.constexpr,
-              ASM: tl.constexpr):
-    """One K step's partial sums [C, BM, BN] from its words [C, 1, BN, 4] and scale/zero pairs [C, 1, BN]."""
-    f0, f1, f2, f3, f4, f5, f6, f7 = _slot_floats(words, ASM)
-    x_mask = (k0 + c * 32 < k_end)[:, None, None, None] & m_ok[None, :, None, None]
-    cols = k0 + x_cols
-    x0 = _x_slot(x_base, cols, x_mask, K, SILU_MUL, MASKED, ASM)
-    x1 = _x_slot(x_base, cols + 4, x_mask, K, SILU_MUL, MASKED, ASM)
-    x2 = _x_slot(x_base, cols + 8, x_mask, K, SILU_MUL, MASKED, ASM)
-    x3 = _x_slot(x_base, cols + 12, x_mask, K, SILU_MUL, MASKED, ASM)
-    x4 = _x_slot(x_base, cols + 16, x_mask, K, SILU_MUL, MASKED, ASM)
-    x5 = _x_slot(x_base, cols + 20, x_mask, K, SILU_MUL, MASKED, ASM)
-    x6 = _x_slot(x_base, cols + 24, x_mask, K, SILU_MUL, MASKED, ASM)
-    x7 = _x_slot(x_base, cols + 28, x_mask, K, SILU_MUL, MASKED, ASM)
-    f = f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3 + f4 * x4 + f5 * x5 + f6 * x6 + f7 * x7  # [C, BM, BN, 4]
-    xa = tl.sum(x1 + x3 + x5 + x7, axis=3)  # [C, BM, 1]
-    xb = tl.sum(x0 + x2 + x4 + x6, axis=3)
-    t = 16.0 * xa + 256.0 * xb
-    xs = xa + xb
-    s = sz.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return s * (16.0 * tl.sum(f, axis=3) - t - z * xs)
-
-
-@triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                       stride_sn, stride_om, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr,
                       EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                      early_bytes, EARLY_L2: tl.constexpr, EARLY_REGS: tl.constexpr, USE_PDL: tl.constexpr):
+                      USE_PDL: tl.constexpr):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
     low half and the fp16 zero in the high half. Offsets are int32 (the launcher checks they fit). PREFETCH: the
-    words and scales of step i + 1 are requested before step i is computed (registers for one more step).
-    Before the wait for the previous kernel (gemv_parts, early weights): EARLY_L2, the first early_bytes of
-    each row's K range and their scales to L2; EARLY_REGS, the first step into registers (with PREFETCH, or
-    when the launcher knows every program has one step)."""
-    EARLY: tl.constexpr = EARLY_L2 or EARLY_REGS
-    if EARLY:
-        pdl_launch_dependents(USE_PDL)
-    else:
-        pdl_start(USE_PDL)
+    words and scales of step i + 1 are requested before step i is computed (registers for one more step)."""
+    pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     STEP: tl.constexpr = CHUNKS * 32
     k_start, k_end = _k_range(K, pid_k, STEP, SPLIT_K)
@@ -198,32 +165,37 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     x_base = x_ptr + m_idx[None, :, None, None] * stride_xm  # [1, BM, 1, 1]
     x_cols = c4 * 32 + j4  # [C, 1, 1, 4]; + 4 p for slot p
     sz_base = sz_ptr + rows[None, None, :] * stride_sn  # [1, 1, BN]
-    if EARLY_L2:
-        row0 = pid * BLOCK_N
-        num_rows = tl.minimum(N - row0, BLOCK_N)
-        w_bytes = tl.minimum(early_bytes, (k_end - k_start) // 2)
-        _prefetch_rows_l2(w_ptr + row0 * stride_wn + k_start // 8, stride_wn * 4, num_rows, w_bytes)
-        _prefetch_rows_l2(sz_ptr + row0 * stride_sn + k_start // GS, stride_sn * 4, num_rows,
-                          tl.cdiv(2 * w_bytes, GS) * 4)
-    if EARLY_REGS:
+    acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
+    if PREFETCH:
         words_next, sz_next = _load_step(w_base, sz_base, k_start, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
-    if EARLY:
-        pdl_wait(USE_PDL)
-    MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
-    if EARLY_REGS and not PREFETCH:  # one K step a program (the launcher makes sure): straight code, no loop
-        acc = _step_sum(words_next, sz_next, x_base, x_cols, k_start, k_end, c, m_ok, K, SILU_MUL, MASKED, ASM)
-    else:
-        acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
-        if PREFETCH and not EARLY_REGS:
-            words_next, sz_next = _load_step(w_base, sz_base, k_start, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
-        for k0 in range(k_start, k_end, STEP):
-            if PREFETCH:  # this step's words came with the previous one; ask for the next step's now
-                words, sz = words_next, sz_next
-                words_next, sz_next = _load_step(w_base, sz_base, k0 + STEP, k_end, c, n_ok, GS, EVEN_N, EVEN_K,
-                                                 True)
-            else:
-                words, sz = _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
-            acc += _step_sum(words, sz, x_base, x_cols, k0, k_end, c, m_ok, K, SILU_MUL, MASKED, ASM)
+    for k0 in range(k_start, k_end, STEP):
+        c_ok = k0 + c * 32 < k_end
+        c_ok4 = c_ok[:, None, None, None]
+        if PREFETCH:  # this step's words came with the previous one; ask for the next step's now
+            words, sz = words_next, sz_next
+            words_next, sz_next = _load_step(w_base, sz_base, k0 + STEP, k_end, c, n_ok, GS, EVEN_N, EVEN_K, True)
+        else:
+            words, sz = _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
+        f0, f1, f2, f3, f4, f5, f6, f7 = _slot_floats(words, ASM)
+        x_mask = c_ok4 & m_ok[None, :, None, None]
+        MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
+        cols = k0 + x_cols
+        x0 = _x_slot(x_base, cols, x_mask, K, SILU_MUL, MASKED, ASM)
+        x1 = _x_slot(x_base, cols + 4, x_mask, K, SILU_MUL, MASKED, ASM)
+        x2 = _x_slot(x_base, cols + 8, x_mask, K, SILU_MUL, MASKED, ASM)
+        x3 = _x_slot(x_base, cols + 12, x_mask, K, SILU_MUL, MASKED, ASM)
+        x4 = _x_slot(x_base, cols + 16, x_mask, K, SILU_MUL, MASKED, ASM)
+        x5 = _x_slot(x_base, cols + 20, x_mask, K, SILU_MUL, MASKED, ASM)
+        x6 = _x_slot(x_base, cols + 24, x_mask, K, SILU_MUL, MASKED, ASM)
+        x7 = _x_slot(x_base, cols + 28, x_mask, K, SILU_MUL, MASKED, ASM)
+        f = f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3 + f4 * x4 + f5 * x5 + f6 * x6 + f7 * x7  # [C, BM, BN, 4]
+        xa = tl.sum(x1 + x3 + x5 + x7, axis=3)  # [C, BM, 1]
+        xb = tl.sum(x0 + x2 + x4 + x6, axis=3)
+        t = 16.0 * xa + 256.0 * xb
+        xs = xa + xb
+        s = sz.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        acc += s * (16.0 * tl.sum(f, axis=3) - t - z * xs)
     result = tl.sum(acc, axis=0)  # [BM, BN]
     _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, pid * BLOCK_N + tl.arange(0, BLOCK_N), M, N,
                      stride_om, pid, pid_k, SPLIT_K)
@@ -297,17 +269,10 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     even_k = k % (step * split_k) == 0
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = split_counters(x.device, tiles) if split_k > 1 else out
-    prefetch = bool(config.get("PREFETCH", 0)) and k > step * split_k
-    one_step = triton.cdiv(triton.cdiv(k, step), split_k) == 1  # every program: one K step (or none)
-    budget_mb, early_regs = early_settings(config)
-    early_regs = early_regs and (prefetch or one_step)
-    # a single step loaded early is the whole slice: L2 has nothing left to add
-    row_bytes = 0 if early_regs and one_step else triton.cdiv(k, split_k) // 2
-    early_bytes = early_row_bytes(budget_mb, row_bytes, tiles * split_k, block_n, config["num_warps"], x.device)
     _int4_gemv_kernel[(tiles, split_k)](
         x, weight["words"], weight["sz"], out, ws, counters, m, n, k, x.stride(0), weight["words"].stride(0),
         weight["sz"].stride(0), out.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
         CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, early_bytes=early_bytes, EARLY_L2=early_bytes > 0,
-        EARLY_REGS=early_regs, num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
+        PREFETCH=bool(config.get("PREFETCH", 0)) and k > step * split_k, EVEN_K=even_k, ASM=not _INTERPRETED,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
     return out

@@ -5,13 +5,8 @@ otherwise drains the first grid, then launches and ramps up the next, a few micr
 launched with `launch_pdl=True` may be started by the hardware once every program of the kernel before it
 has called `gdc_launch_dependents`; each of our kernels calls `pdl_start(USE_PDL)` first thing, which waits
 (`gdc_wait`) until the previous grid has completed and its writes are visible, then lets the next kernel
-launch. So no kernel touches memory before its predecessor is done (correctness is unchanged; the GEMVs'
-weights below are the one exception), but launch and ramp-up overlap the predecessor's tail. Kernels that
-do not call it (torch's) launch as usual.
-
-The decode GEMVs split it (`pdl_launch_dependents`, then requests for their weights, which no kernel writes,
-then `pdl_wait` before the activation): their weight stream starts under the predecessor's tail (norms,
-rotary, attention leave DRAM idle); see gemv_parts.early_settings.
+launch. So no kernel touches memory before its predecessor is done (correctness is unchanged), but launch
+and ramp-up overlap the predecessor's tail. Kernels that do not call it (torch's) launch as usual.
 
 On by default on CUDA devices of compute capability 9.0 or newer; `DFLASH2_PDL=0` turns it off; never under
 the interpreter. Launchers pass `**pdl_args()` (the kernel's USE_PDL constant and the launch option).
@@ -47,18 +42,3 @@ def pdl_start(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_launch_dependents(USE_PDL: tl.constexpr):
-    """Let the next kernel launch now (it still waits for all of this one before touching memory)."""
-    if USE_PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(USE_PDL: tl.constexpr):
-    """Wait for the previous kernel (all of it, writes visible). Only what no earlier kernel writes (weights)
-    may be read before this."""
-    if USE_PDL:
-        gdc_wait()

@@ -33,9 +33,8 @@ import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
 from dflash2.kernels.triton.int4_gemv import int4_gemv, int4_gemv_fits, prepare_int4
-from dflash2.kernels.triton.gemv_parts import (_activation, _k_range, _prefetch_rows_l2, _store_or_reduce,
-                                               early_row_bytes, early_settings, prepare_io, split_counters)
-from dflash2.kernels.triton.pdl import pdl_args, pdl_launch_dependents, pdl_start, pdl_wait
+from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
+from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 from dflash2.quantization.formats import WeightFormat, unpack_int6
 
 GEMV_MAX_M = 4  # more rows than this run the tl.dot kernel (16-bit: cuBLAS)
@@ -127,51 +126,20 @@ def _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS: t
     return result
 
 
-@triton.jit
-def _prefetch_weight_l2(w_ptr, hi_ptr, s_ptr, z_ptr, row0, num_rows, k_start, k_end, stride_wn, stride_hn,
-                        stride_sn, early_bytes, BITS: tl.constexpr, GS: tl.constexpr, WORDS: tl.constexpr):
-    """L2 requests for rows row0.. of the weight: the first early_bytes of the codes of columns [k_start,
-    k_end) (int6: of its 4-bit plane, and as many columns of the 2-bit plane), their scales and zeros (zeros
-    as wide as the scales)."""
-    ELEMENT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes (int32 words, u8, bf16, ...)
-    W_BITS: tl.constexpr = 8 * ELEMENT if BITS == 16 else (4 if BITS == 6 else BITS)  # bits a weight in w
-    w_bytes = tl.minimum(early_bytes, (k_end - k_start) * W_BITS // 8)
-    _prefetch_rows_l2(w_ptr + row0 * stride_wn + k_start * W_BITS // 8 // ELEMENT, stride_wn * ELEMENT, num_rows,
-                      w_bytes)
-    columns = w_bytes * 8 // W_BITS
-    if BITS == 6:
-        _prefetch_rows_l2(hi_ptr + row0 * stride_hn + k_start // 4, stride_hn, num_rows, columns // 4)
-    if BITS == 4 or BITS == 6:
-        S_BYTES: tl.constexpr = s_ptr.dtype.element_ty.primitive_bitwidth // 8
-        group_bytes = tl.cdiv(columns, GS) * S_BYTES
-        _prefetch_rows_l2(s_ptr + row0 * stride_sn + k_start // GS, stride_sn * S_BYTES, num_rows, group_bytes)
-        _prefetch_rows_l2(z_ptr + row0 * stride_sn + k_start // GS, stride_sn * S_BYTES, num_rows, group_bytes)
-
-
 # -- kernels ---------------------------------------------------------------------------------------------
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                  stride_xm, stride_wn, stride_hn, stride_sn, stride_om,
                  BITS: tl.constexpr, GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, WORDS: tl.constexpr,
-                 early_bytes, EARLY_L2: tl.constexpr, USE_PDL: tl.constexpr):
-    """EARLY_L2: before waiting for the previous kernel, ask L2 for the first early_bytes of each row's K range
-    and their scales / zeros (gemv_parts, early weights)."""
-    if EARLY_L2:
-        pdl_launch_dependents(USE_PDL)
-    else:
-        pdl_start(USE_PDL)
+                 USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
     rows = tl.where(n_mask, rows, 0).to(tl.int64)
     m_idx = tl.arange(0, BLOCK_M)
     k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
-    if EARLY_L2:
-        row0 = pid_n.to(tl.int64) * BLOCK_N
-        _prefetch_weight_l2(w_ptr, hi_ptr, s_ptr, z_ptr, row0, tl.minimum(N - row0, BLOCK_N).to(tl.int32),
-                            k_start, k_end, stride_wn, stride_hn, stride_sn, early_bytes, BITS, GS, WORDS)
-        pdl_wait(USE_PDL)
     grouped: tl.constexpr = BITS == 4 or BITS == 6
     defer: tl.constexpr = BLOCK_M == 1 and not grouped  # one row, no groups: reduce over K once, at the end
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -279,24 +247,8 @@ def gemv(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = Non
         return out
     config = config or gemv_config(weight["bits"], n, weight["k"])
     block_m = triton.next_power_of_2(m)
-    tiles = triton.cdiv(n, config["BLOCK_N"])
-    early_bytes = _early_bytes(weight, config, tiles, x.device)
-    _launch(_gemv_kernel, x, weight, out, tiles, config, block_m, silu_mul, early_bytes=early_bytes,
-            EARLY_L2=early_bytes > 0)
+    _launch(_gemv_kernel, x, weight, out, triton.cdiv(n, config["BLOCK_N"]), config, block_m, silu_mul)
     return out
-
-
-def _early_bytes(weight: dict[str, Any], config: dict[str, int], tiles: int, device: torch.device) -> int:
-    """Bytes of each row's K range a _gemv_kernel program asks L2 for before its wait (gemv_parts)."""
-    budget_mb, _ = early_settings(config)
-    if budget_mb <= 0:
-        return 0
-    bits, k = weight["bits"], weight["k"]
-    gs, t = _tile(bits, weight.get("group_size"), config["BLOCK_K"])
-    split_k = max(1, min(config["SPLIT_K"], triton.cdiv(k, gs * t)))
-    bits_stored = weight["w"].element_size() * 8 if bits == 16 else (4 if bits == 6 else bits)
-    row_bytes = triton.cdiv(k, split_k) * bits_stored // 8
-    return early_row_bytes(budget_mb, row_bytes, tiles * split_k, config["BLOCK_N"], config["num_warps"], device)
 
 
 def gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
