@@ -65,6 +65,32 @@ def _store_scales(scales, scale_offs, absmax, mask, KIND: tl.constexpr):
 
 
 @triton.jit
+def _token_rows(page_table, token_slots, positions, t, heads, stride_pt, tokens_per_page,
+                stride_cache_page, stride_cache_token, stride_cache_head,
+                stride_scale_page, stride_scale_token, stride_scale_head):
+    """Token t's position, and its rows in its page (one a KV head in `heads`): value and scale offsets."""
+    slot = tl.load(token_slots + t).to(tl.int64)
+    pos = tl.load(positions + t).to(tl.int64)
+    page = tl.load(page_table + slot * stride_pt + pos // tokens_per_page).to(tl.int64)
+    in_page = pos % tokens_per_page
+    return (pos, page * stride_cache_page + in_page * stride_cache_token + heads * stride_cache_head,
+            page * stride_scale_page + in_page * stride_scale_token + heads * stride_scale_head)
+
+
+@triton.jit
+def _row_divisors(k_scales, v_scales, scale_offs, k_absmax, v_absmax, mask, HEADS_PAD: tl.constexpr,
+                  KIND: tl.constexpr):
+    """For a quantized cache, store the K and V row scales and return what to divide the rows by; 1 for a float
+    cache."""
+    k_div = tl.full([HEADS_PAD], 1.0, tl.float32)
+    v_div = k_div
+    if KIND != 0:
+        k_div = _store_scales(k_scales, scale_offs, k_absmax, mask, KIND)
+        v_div = _store_scales(v_scales, scale_offs, v_absmax, mask, KIND)
+    return k_div, v_div
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, page_table, token_slots, positions,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cache_page, stride_cache_token,
                      stride_cache_head, stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
@@ -74,24 +100,20 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, page_ta
     """One token: its K and V rows (every KV head) into the token's page slot, quantized for KIND > 0."""
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(token_slots + t).to(tl.int64)
-    pos = tl.load(positions + t).to(tl.int64)
-    page = tl.load(page_table + slot * stride_pt + pos // tokens_per_page).to(tl.int64)
     heads = tl.arange(0, KV_HEADS_PAD)
     mask = heads < num_kv_heads
+    _, row_offs, scale_offs = _token_rows(page_table, token_slots, positions, t, heads, stride_pt, tokens_per_page,
+                                          stride_cache_page, stride_cache_token, stride_cache_head,
+                                          stride_scale_page, stride_scale_token, stride_scale_head)
     d = tl.arange(0, HEAD_DIM)
-    row_offs = page * stride_cache_page + (pos % tokens_per_page) * stride_cache_token + heads * stride_cache_head
     k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask[:, None], other=0.0)
     v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask[:, None], other=0.0)
-    k_div = tl.full([KV_HEADS_PAD], 1.0, tl.float32)
-    v_div = k_div
-    if KIND != 0:
-        scale_offs = page * stride_scale_page + (pos % tokens_per_page) * stride_scale_token \
-            + heads * stride_scale_head
-        k_div = _store_scales(k_scales, scale_offs, tl.max(tl.abs(k.to(tl.float32)), 1), mask, KIND)
-        v_div = _store_scales(v_scales, scale_offs, tl.max(tl.abs(v.to(tl.float32)), 1), mask, KIND)
+    k_div, v_div = _row_divisors(k_scales, v_scales, scale_offs, tl.max(tl.abs(k.to(tl.float32)), 1),
+                                 tl.max(tl.abs(v.to(tl.float32)), 1), mask, KV_HEADS_PAD, KIND)
     _store_rows(k_cache, row_offs, k, k_div, mask, 0, HEAD_DIM, KIND)
     _store_rows(v_cache, row_offs, v, v_div, mask, 0, HEAD_DIM, KIND)
+
+
 @triton.jit
 def _rms_norm_halves(x1, x2, weight_ptr, eps, HALF: tl.constexpr):
     """Per-row RMSNorm of rows given as halves [R, HALF] x2: float32 statistics over the whole row, the
@@ -102,7 +124,6 @@ def _rms_norm_halves(x1, x2, weight_ptr, eps, HALF: tl.constexpr):
     w1 = tl.load(weight_ptr + d)[None, :]
     w2 = tl.load(weight_ptr + HALF + d)[None, :]
     return w1 * (a * inv).to(x1.dtype), w2 * (b * inv).to(x2.dtype)
-
 
 
 @triton.jit
@@ -118,9 +139,11 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
     (Qwen3): q and k are RMS-normed per head first, as elementwise.qk_rms_norm_ would (one launch fewer)."""
     pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions + t).to(tl.int64)
-    slot = tl.load(token_slots + t).to(tl.int64)
-    page = tl.load(page_table + slot * stride_pt + pos // tokens_per_page).to(tl.int64)
+    hk = tl.arange(0, KV_HEADS_PAD)
+    kv_mask = hk < num_kv_heads
+    pos, row_offs, scale_offs = _token_rows(page_table, token_slots, positions, t, hk, stride_pt, tokens_per_page,
+                                            stride_cache_page, stride_cache_token, stride_cache_head,
+                                            stride_scale_page, stride_scale_token, stride_scale_head)
     d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * stride_cos + d)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cos + d)[None, :]
@@ -134,8 +157,6 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
     c, s = cos.to(q1.dtype), sin.to(q1.dtype)
     tl.store(q_ptr + q_offs, q1 * c - q2 * s, mask=q_mask)
     tl.store(q_ptr + q_offs + HALF, q2 * c + q1 * s, mask=q_mask)
-    hk = tl.arange(0, KV_HEADS_PAD)
-    kv_mask = hk < num_kv_heads
     k_offs = t * stride_kt + hk[:, None] * stride_kh + d[None, :]
     k1 = tl.load(k_ptr + k_offs, mask=kv_mask[:, None], other=0.0)
     k2 = tl.load(k_ptr + k_offs + HALF, mask=kv_mask[:, None], other=0.0)
@@ -145,15 +166,9 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
     v_offs = t * stride_vt + hk[:, None] * stride_vh + d[None, :]
     v1 = tl.load(v_ptr + v_offs, mask=kv_mask[:, None], other=0.0)
     v2 = tl.load(v_ptr + v_offs + HALF, mask=kv_mask[:, None], other=0.0)
-    row_offs = page * stride_cache_page + (pos % tokens_per_page) * stride_cache_token + hk * stride_cache_head
-    k_div = tl.full([KV_HEADS_PAD], 1.0, tl.float32)
-    v_div = k_div
-    if KIND != 0:
-        scale_offs = page * stride_scale_page + (pos % tokens_per_page) * stride_scale_token + hk * stride_scale_head
-        k_abs = tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), 1), tl.max(tl.abs(k2.to(tl.float32)), 1))
-        v_abs = tl.maximum(tl.max(tl.abs(v1.to(tl.float32)), 1), tl.max(tl.abs(v2.to(tl.float32)), 1))
-        k_div = _store_scales(k_scales, scale_offs, k_abs, kv_mask, KIND)
-        v_div = _store_scales(v_scales, scale_offs, v_abs, kv_mask, KIND)
+    k_abs = tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), 1), tl.max(tl.abs(k2.to(tl.float32)), 1))
+    v_abs = tl.maximum(tl.max(tl.abs(v1.to(tl.float32)), 1), tl.max(tl.abs(v2.to(tl.float32)), 1))
+    k_div, v_div = _row_divisors(k_scales, v_scales, scale_offs, k_abs, v_abs, kv_mask, KV_HEADS_PAD, KIND)
     _store_rows(k_cache, row_offs, k1, k_div, kv_mask, 0, HALF, KIND)
     _store_rows(k_cache, row_offs, k2, k_div, kv_mask, HALF, HALF, KIND)
     _store_rows(v_cache, row_offs, v1, v_div, kv_mask, 0, HALF, KIND)
