@@ -103,8 +103,11 @@ class ModelRunner:
         self._update_page_table(plan.chunks)
         # longest context first: the decode kernel starts programs in row order, so the longest sequences
         # are not left running alone at the end of the kernel (sorting ~256 rows costs tens of us a step)
-        decodes = sorted((c for c in plan.chunks if c.num_tokens == 1 and c.start > 0), key=lambda c: -c.start)
-        prefills = [c for c in plan.chunks if not (c.num_tokens == 1 and c.start > 0)]
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        for chunk in plan.chunks:
+            (decodes if chunk.num_tokens == 1 and chunk.start > 0 else prefills).append(chunk)
+        decodes.sort(key=lambda c: -c.start)
         ordered = decodes + prefills
         host = _HostBatch.build(ordered, len(decodes))
         shape = self.graphs.shape_for(host, len(decodes)) if self.graphs is not None else None
