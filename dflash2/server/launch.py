@@ -7,7 +7,6 @@ to load stops the server with exit status 1.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -22,12 +21,6 @@ from dflash2.server.observer import ObserverConfig, RequestObserver, request_log
 from dflash2.server.state import ServerState
 
 logger = logging.getLogger("dflash2.server")
-
-# The engine thread and the event loop share one GIL. On a GPU the engine's host work (plan, launch, commit) is
-# Python that holds it for most of each step, and the event loop then waits up to the switch interval each time
-# it wakes (a new connection, its request, each SSE write). DFLASH2_SWITCH_INTERVAL_MS sets sys.setswitchinterval
-# for the server process (Python's default: 5 ms).
-SWITCH_INTERVAL_ENV = "DFLASH2_SWITCH_INTERVAL_MS"
 
 
 def build_state(config: ServerConfig, engine_factory: Callable[[], Any]) -> ServerState:
@@ -51,9 +44,6 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
     import uvicorn
 
     _set_up_request_log(config)
-    if os.environ.get(SWITCH_INTERVAL_ENV):
-        sys.setswitchinterval(float(os.environ[SWITCH_INTERVAL_ENV]) / 1000.0)
-        logger.info("GIL switch interval %.2f ms", sys.getswitchinterval() * 1000.0)
     state = build_state(config, engine_factory)
     load_errors: list[BaseException] = []
 
