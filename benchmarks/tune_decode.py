@@ -88,8 +88,8 @@ def measure(name: str, kind: str, layout_name: str, grid: list, int8_path: str |
 
 
 def current(label: str) -> tuple:
-    """The (BLOCK_N, warps, stages) decode_attention takes today for a kind label ("int8-imma" -> int8's)."""
-    config = tri.DECODE_CONFIGS.get(label.split("-")[0], tri.DECODE_CONFIG)
+    """The (BLOCK_N, warps, stages) decode_attention takes today for a kind label ("int8-imma": that loop's)."""
+    config = tri.DECODE_CONFIGS.get(label, tri.DECODE_CONFIG)
     return config["BLOCK_N"], config["num_warps"], config["num_stages"]
 
 

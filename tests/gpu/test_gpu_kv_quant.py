@@ -101,7 +101,7 @@ def test_decode_kernel_reads_the_quantized_cache(kind, head_major, num_splits):
 def _int8_config(path: str, block_n: int | None = None, num_warps: int | None = None) -> dict:
     from dflash2.kernels.triton import attention as tri
 
-    config = {**tri.DECODE_CONFIGS["int8"], "int8": path}
+    config = {**tri.DECODE_CONFIGS.get(f"int8-{path}", tri.DECODE_CONFIG), "int8": path}
     return {**config, **({"BLOCK_N": block_n} if block_n else {}), **({"num_warps": num_warps} if num_warps else {})}
 
 

@@ -34,10 +34,19 @@ from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 PREFILL_BLOCK_M = 64
 DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}  # best of benchmarks/tune_decode.py on H200
-# per KV kind where tuning found better (benchmarks/tune_decode.py prints the dict to paste); else DECODE_CONFIG.
-# W1 shapes on the H200 (results/tune_decode_kv_2026-11-29_s3.json): bf16 218.6 us a layer (4 warps: 224.8),
-# int8 198.7 (BLOCK_N 32, 4 warps: 244.7), both with the legacy int8 loop
-DECODE_CONFIGS: dict[str, dict[str, int]] = {"int8": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}
+# per KV kind ("int8-<loop>" for int8) where tuning found better (benchmarks/tune_decode.py prints the dict to
+# paste); else DECODE_CONFIG. W1 shapes at 500 tokens on the H200 (results/tune_decode_2026-11-29_s5.json): bf16
+# 146.1 us a layer, int8 imma_t 91.0 at DECODE_CONFIG, imma 104.8 at 1 warp; legacy from the third session's tuning
+DECODE_CONFIGS: dict[str, dict[str, int]] = {"int8-imma": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 2},
+                                             "int8-legacy": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}
+
+
+def default_decode_config(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
+    """decode_attention's config for this q and cache: DECODE_CONFIGS by KV kind (int8: by its loop)."""
+    kind = kv_kind(k_cache.dtype)
+    if kind == "int8":
+        kind = f"int8-{int8_path(q, {})}"
+    return DECODE_CONFIGS.get(kind, DECODE_CONFIG)
 
 
 @triton.jit
@@ -277,7 +286,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q [B, H, D] over each request's first lengths[b] cached positions -> [B, H, D]. `config` overrides
     DECODE_CONFIG (benchmarks/tune_decode.py)."""
     batch, num_heads, dim = q.shape
-    config = DECODE_CONFIGS.get(kv_kind(k_cache.dtype), DECODE_CONFIG) if config is None else config
+    config = default_decode_config(q, k_cache) if config is None else config
     kind, k_scales, v_scales, *scale_strides = scale_args(k_cache, k_scale, v_scale)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
