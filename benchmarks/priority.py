@@ -42,7 +42,7 @@ from benchmarks.w3_server import (COUNTERS, GAUGES, cuda_available, percentile_m
                                   server_side, step_stats, w3_server)
 from dflash2.bench.client import RequestResult  # noqa: E402
 from dflash2.bench.dataset import BenchItem, load_dataset  # noqa: E402
-from dflash2.bench.load import LoadConfig, run_async, run_load  # noqa: E402
+from dflash2.bench.load import LoadConfig, run_async, run_load, run_per_priority  # noqa: E402
 
 CLASSES = (0, 100, 1000)
 PROPORTIONS = (70, 20, 10)
@@ -101,6 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--transport", default="auto", choices=["auto", "raw", "httpx"],
                       help="the bench client's HTTP transport (auto: the lean asyncio reader for http://; httpx "
                            "costs ~3x the client CPU per token and adds its own queueing at GPU token rates)")
+    load.add_argument("--client-processes", default="per-class", choices=["per-class", "one"],
+                      help="Poisson overload: each priority class sends from its own client process, at its "
+                           "share of the rate (per-class, as separate services would), or all from one process "
+                           "(one: its event loop reads every bulk stream too, and its queueing adds to the "
+                           "urgent TTFT it measures)")
     p.add_argument("--output", default=None, help="write the JSON report here (also printed)")
     return p.parse_args(argv)
 
@@ -172,12 +177,15 @@ def class_stats(results: list[RequestResult]) -> dict[str, Any]:
             "latency_p50_ms": percentile_ms(e2e, 50), "latency_p99_ms": percentile_ms(e2e, 99)}
 
 
-async def overload(config: LoadConfig, items: list[BenchItem]) -> tuple[Any, dict, dict]:
+async def overload(config: LoadConfig, items: list[BenchItem], per_class: bool) -> tuple[Any, dict, dict]:
     peaks: dict[str, float] = {}
     samples: dict[str, list[float]] = {}
     sampler = asyncio.create_task(sample_gauges(config.url, peaks, samples))
     try:
-        load = await run_load(config, items)
+        if per_class and config.request_rate != float("inf"):
+            load = await asyncio.to_thread(run_per_priority, config, items)
+        else:
+            load = await run_load(config, items)
     finally:
         sampler.cancel()
     return load, peaks, {k: round(float(np.mean(v)), 3) for k, v in samples.items()}
@@ -232,17 +240,19 @@ def run(args: argparse.Namespace, url: str) -> Phases:
     phases.marks.append(time.time())
 
     # 3. Overload: the whole mix, arrivals above capacity.
-    print(f"overload: {num_prompts} requests, {describe_arrivals(load_config)}; capacity ~{capacity:.2f} req/s, "
+    print(f"overload: {num_prompts} requests, {describe_arrivals(load_config, args.client_processes)}; capacity ~{capacity:.2f} req/s, "
           f"server max_num_seqs {args.max_num_seqs}", flush=True)
-    phases.load, phases.peaks, phases.means = run_async(overload(load_config, items))
+    phases.load, phases.peaks, phases.means = run_async(overload(load_config, items,
+                                                                  args.client_processes == "per-class"))
     phases.snapshots.append(scrape(url))
     phases.marks.append(time.time())
     return phases
 
 
-def describe_arrivals(config: LoadConfig) -> str:
+def describe_arrivals(config: LoadConfig, client_processes: str = "one") -> str:
     if config.request_rate != float("inf"):
-        return f"Poisson at {config.request_rate:.2f} req/s"
+        split = ", one client process per priority class" if client_processes == "per-class" else ""
+        return f"Poisson at {config.request_rate:.2f} req/s{split}"
     return f"closed loop, {config.concurrency} in flight"
 
 
@@ -271,7 +281,7 @@ def build_report(args: argparse.Namespace, phases: Phases, server_log: str | Non
                  "engine_steps": step_stats(start, before),
                  "server_side": server_side(server_log, *phases.marks[0:2]) if server_log else None},
         "overload": {
-            "requests": len(load.results), "arrivals": describe_arrivals(config),
+            "requests": len(load.results), "arrivals": describe_arrivals(config, args.client_processes),
             "capacity_req_per_s": round(phases.capacity_req_per_s, 3),
             "offered_req_per_s": round(config.request_rate, 3) if config.request_rate != float("inf") else None,
             "served_req_per_s": round(completed / load.duration_s, 3), "duration_s": round(load.duration_s, 2),

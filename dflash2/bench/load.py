@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -39,6 +39,7 @@ class LoadConfig:
     seed: int = 0
     progress: bool = True
     transport: str = "auto"  # "raw" (lean asyncio HTTP/1.1, http:// only), "httpx"; auto: raw for http://
+    scrape_metrics: bool = True  # sample the server's GPU gauges once a second while the load runs
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "raw", "httpx"):
@@ -87,14 +88,57 @@ async def run_load(config: LoadConfig, items: list[BenchItem]) -> LoadResult:
     limits = httpx.Limits(max_connections=config.concurrency + 1, max_keepalive_connections=config.concurrency + 1)
     async with httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits) as client:
         scraper = _Scraper(client, config.url)
-        scrape_task = asyncio.create_task(scraper.run())
+        scrape_task = asyncio.create_task(scraper.run()) if config.scrape_metrics else None
         started = time.perf_counter()
         try:
             results = await _drive(client, config, items, headers)
         finally:
-            scrape_task.cancel()
+            if scrape_task is not None:
+                scrape_task.cancel()
         duration = time.perf_counter() - started
     return LoadResult(results, duration, scraper.gpu_utilization, scraper.gpu_memory)
+
+
+def run_in_processes(jobs: list[tuple[LoadConfig, list[BenchItem]]], start_in_s: float = 5.0) -> list[LoadResult]:
+    """Each (config, items) load in its own (spawned) client process, all starting at the same moment
+    (`start_in_s` from now, after every process has imported what it needs): one process per kind of client,
+    as when an urgent service and a bulk service share the server, so that one client's event loop busy with
+    thousands of bulk tokens a second does not queue the other's first tokens."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    start_at = time.time() + start_in_s
+    with ProcessPoolExecutor(max_workers=len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_run_at, start_at, config, items) for config, items in jobs]
+        return [future.result() for future in futures]
+
+
+def run_per_priority(config: LoadConfig, items: list[BenchItem]) -> LoadResult:
+    """config's load (Poisson arrivals) split by priority, each priority from its own client process at its
+    share of the rate: independent Poisson streams that add up to arrivals at config.request_rate of the same
+    requests. Only the least urgent client scrapes /metrics."""
+    if config.num_prompts is None or config.request_rate == float("inf"):
+        raise ValueError("a load split by priority needs --num-prompts and a --request-rate")
+    sequence = [items[i % len(items)] for i in range(config.num_prompts)]
+    priorities = sorted({item.priority for item in sequence})
+    jobs = []
+    for priority in priorities:
+        mine = [item for item in sequence if item.priority == priority]
+        jobs.append((replace(config, num_prompts=len(mine), concurrency=len(mine), seed=config.seed + priority,
+                             request_rate=config.request_rate * len(mine) / len(sequence),
+                             scrape_metrics=priority == priorities[0], progress=False), mine))
+    loads = run_in_processes(jobs)
+    return LoadResult([r for load in loads for r in load.results], max(load.duration_s for load in loads),
+                      loads[0].gpu_utilization_samples, loads[0].gpu_memory_samples)
+
+
+def _run_at(start_at: float, config: LoadConfig, items: list[BenchItem]) -> LoadResult:
+    import httpx  # noqa: F401 - imported before the start, not inside the timed run
+    import tqdm  # noqa: F401
+    import uvloop  # noqa: F401
+
+    time.sleep(max(0.0, start_at - time.time()))
+    return run_async(run_load(config, items))
 
 
 async def _drive(client: Any, config: LoadConfig, items: list[BenchItem],

@@ -292,3 +292,23 @@ def test_bench_sweep_writes_a_chart(real_server, tmp_path):
     assert [level["concurrency"] for level in report["sweep"]] == [1, 2]
     assert report["knee_concurrency"] in (1, 2)
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_split_by_priority_runs_each_class_in_its_own_client(real_server):
+    """W3's Poisson overload from one client process per priority (benchmarks/priority.py): every request of
+    the cycled dataset is sent once, by its class's process, and each completes."""
+    from collections import Counter
+
+    from dflash2.bench.dataset import BenchItem
+    from dflash2.bench.load import LoadConfig, run_per_priority
+
+    items = [BenchItem(PROMPT, 3, priority) for priority in (0, 0, 0, 100, 1000)]
+    config = LoadConfig(url=real_server.url, num_prompts=9, request_rate=20.0, api_key=API_KEY, ignore_eos=True,
+                        progress=False, timeout_s=120)
+    load = run_per_priority(config, items)
+    assert [r.error for r in load.results if not r.ok] == []
+    assert Counter(r.priority for r in load.results) == Counter({0: 6, 100: 2, 1000: 1})
+    assert [r.output_tokens for r in load.results] == [3] * 9
+    assert load.duration_s > 0
+    with pytest.raises(ValueError, match="request-rate"):
+        run_per_priority(LoadConfig(url=real_server.url, num_prompts=2), items)
