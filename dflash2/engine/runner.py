@@ -74,6 +74,7 @@ class ModelRunner:
         self.device_pages = self.pool_bytes.view(num_pages + 1, layout.page_bytes)
         self.host_pages = torch.empty((options.num_host_pages, layout.page_bytes), dtype=torch.uint8,
                                       pin_memory=self.device.type == "cuda")
+        self.swap_out_copies: torch.cuda.Event | None = None  # the last swap-out's host copies (side stream)
         self.max_pages_per_slot = -(-options.max_model_len // layout.tokens_per_page)
         self.pad_slot = options.max_slots  # an extra row whose pages are all the scratch page
         self.page_table = torch.full((options.max_slots + 1, self.max_pages_per_slot), self.scratch_page,
@@ -158,7 +159,10 @@ class ModelRunner:
             in:  host pages (pinned) --runs--> staging (device) --index_copy_--> device pages
 
         one gather or scatter kernel per direction, and one async copy per run of consecutive host pages
-        (pairs are sorted by host page, so the staging rows of a run are consecutive too).
+        (pairs are sorted by host page, so the staging rows of a run are consecutive too). The swap-out's
+        copies to the host run on a side stream (the copy engine), after the gather: the step's kernels may
+        write the freed device pages as soon as the gather has read them, without waiting for the host
+        copies. A later swap-in waits for them (it may read those host pages).
         """
         if not swap_out and not swap_in:
             return
@@ -170,6 +174,7 @@ class ModelRunner:
             self.host_pages[[h for _, h in swap_out]] = out_pages
             self.device_pages[[d for _, d in swap_in]] = in_pages
             return
+        main = torch.cuda.current_stream(self.device)
         out_staging = None
         if swap_out:
             out_staging = self.device_pages.index_select(0, to_device([d for d, _ in swap_out], torch.long,
@@ -177,11 +182,19 @@ class ModelRunner:
         if swap_in:
             in_staging = torch.empty((len(swap_in), self.device_pages.shape[1]), dtype=torch.uint8,
                                      device=self.device)
+            if self.swap_out_copies is not None:  # earlier swap-outs' host copies, before reading host pages
+                main.wait_event(self.swap_out_copies)
             for row, host_page, count in _runs([h for h, _ in swap_in]):
                 in_staging[row:row + count].copy_(self.host_pages[host_page:host_page + count], non_blocking=True)
         if out_staging is not None:
-            for row, host_page, count in _runs([h for _, h in swap_out]):
-                self.host_pages[host_page:host_page + count].copy_(out_staging[row:row + count], non_blocking=True)
+            side = _copy_stream(self.device)
+            side.wait_stream(main)  # after the gather, and after this plan's swap-in reads of host pages
+            with torch.cuda.stream(side):
+                for row, host_page, count in _runs([h for _, h in swap_out]):
+                    self.host_pages[host_page:host_page + count].copy_(out_staging[row:row + count],
+                                                                       non_blocking=True)
+            out_staging.record_stream(side)  # not reused by the allocator before these copies end
+            self.swap_out_copies = side.record_event()
         if swap_in:
             self.device_pages.index_copy_(0, to_device([d for _, d in swap_in], torch.long, self.device),
                                           in_staging)
@@ -321,6 +334,16 @@ class _HostBatch:
         has_placeholders = bool(token_ids) and min(token_ids) < 0
         return _HostBatch(token_ids, positions, token_slots, decode_lengths, segments, sample_rows, sample_chunks,
                           logit_chunks, has_placeholders)
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream a device's swap-out copies to the host run on (one a device, made on first use)."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:

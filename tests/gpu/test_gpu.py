@@ -107,6 +107,30 @@ def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama):
     assert runs["eager"] == [hf_greedy(hf_model, p, q.max_tokens) for p, q in zip(prompts, params)]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_with_swap_gives_transformers_tokens_on_the_gpu(tiny_llama, overlap):
+    """Urgent arrivals on a small pool pause running requests: their pages go to pinned host pages (the
+    copies to the host on a side stream) and come back, graphs on; every request's greedy tokens stay
+    transformers'."""
+    from dflash2 import LLM, SamplingParams
+    from tests.engine_runs import run_with_urgent_arrivals
+    from tests.tiny_models import hf_greedy
+
+    hf_model, directory = tiny_llama
+    rng = random.Random(7)
+    low = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 40))] for _ in range(4)]
+    high = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 40))] for _ in range(3)]
+    params = SamplingParams(max_tokens=14, min_tokens=14, temperature=0)
+    llm = LLM(directory, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=64, page_bytes=4096,
+              kv_cache_memory=f"{12 * 4096}B", swap_space=f"{64 * 4096}B", prefill_chunk_size=16,
+              max_num_batched_tokens=32, overlap=overlap)
+    engine = llm.engine
+    got = run_with_urgent_arrivals(engine, low, high, params, steps_before=4)
+    assert engine.scheduler.num_swap_outs > 0
+    assert got == [hf_greedy(hf_model, prompt, 14) for prompt in low + high]
+    assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0
+
+
 def test_qwen3_graphs_agree_with_transformers(tmp_path):
     """Qwen3's q/k norms run as one in-place kernel on CUDA; bf16 logits feed the device argmax."""
     from dflash2 import LLM, SamplingParams

@@ -555,7 +555,8 @@ def test_the_runner_swaps_pages_reading_every_source_before_writing(device: str)
     if device == "cuda":
         host_pages = host_pages.pin_memory()
     before_device, before_host = device_pages.cpu().clone(), host_pages.clone()
-    runner = types.SimpleNamespace(device=torch.device(device), device_pages=device_pages, host_pages=host_pages)
+    runner = types.SimpleNamespace(device=torch.device(device), device_pages=device_pages, host_pages=host_pages,
+                                   swap_out_copies=None)
     # Host page 1 is read by a swap-in and written by a swap-out; device page 2 read by a swap-out and
     # written by a swap-in; host pages 3, 4, 0 and device pages 6, 7 make runs and a gap.
     swap_out = [(2, 1), (5, 4), (3, 3), (0, 0)]
@@ -572,4 +573,14 @@ def test_the_runner_swaps_pages_reading_every_source_before_writing(device: str)
         assert torch.equal(after_device[page], before_device[page])
     for page in (2, 5):
         assert torch.equal(after_host[page], before_host[page])
+    # A swap-out's host copies run on a side stream on the GPU: a swap-in right after (no sync) that reads a
+    # host page it wrote waits for them, and the step's writes into the freed device page do not.
+    page = device_pages[4].cpu().clone()
+    ModelRunner._swap(runner, [(4, 5)], [])
+    device_pages[4] = 7
+    ModelRunner._swap(runner, [], [(5, 3)])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(device_pages[3].cpu(), page) and torch.equal(host_pages[5], page)
+    assert int(device_pages[4].min()) == 7
     ModelRunner._swap(runner, [], [])  # nothing to copy: nothing happens

@@ -36,8 +36,10 @@ PREFILL_BLOCK_M = 64
 DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}  # best of benchmarks/tune_decode.py on H200
 # per KV kind ("int8-<loop>" for int8) where tuning found better (benchmarks/tune_decode.py prints the dict to
 # paste); else DECODE_CONFIG. W1 shapes at 500 tokens on the H200 (results/tune_decode_2026-11-29_s5.json): bf16
-# 146.1 us a layer, int8 imma_t 91.0 at DECODE_CONFIG, imma 104.8 at 1 warp; legacy from the third session's tuning
-DECODE_CONFIGS: dict[str, dict[str, int]] = {"int8-imma": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 2},
+# 146.1 us a layer, int8 imma_t 91.0 at BLOCK_N 32 (103.5 at 64), imma 104.8 at 1 warp; but W1 itself (contexts
+# to ~1,000 tokens) ran imma_t faster at BLOCK_N 64: 36,518 vs 35,830 out tok/s, same call. legacy: third session
+DECODE_CONFIGS: dict[str, dict[str, int]] = {"int8-imma_t": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2},
+                                             "int8-imma": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 2},
                                              "int8-legacy": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}
 
 
