@@ -13,6 +13,8 @@
 #     opentelemetry-api==1.45.2 uvloop==0.23.0 httptools==0.9.0   (fastapi 0.165 imports opentelemetry)
 # Overrides: PYTHON (default python3), W3_RUNS (default "closed poisson"), W3_INSTALL=0 (skip the install), W3_TIMEOUT (seconds per run), W3_ARGS
 # (appended last to both runs, so they win, e.g. W3_ARGS="--kv-cache-memory 256MiB --overload 2").
+# DFLASH2_STEP_TRACE=$OUT/steps.jsonl reaches the server through the environment: one line per engine step
+# (benchmarks/step_trace_report.py summarizes it).
 set -uo pipefail
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/out}

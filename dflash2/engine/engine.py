@@ -42,6 +42,7 @@ from dflash2.engine.memory import gpu_pool_bytes
 from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepResult
 from dflash2.engine.sampler import make_generator
 from dflash2.engine.scheduler import Scheduler
+from dflash2.engine.step_trace import StepTrace
 from dflash2.loading.model_loader import load_model
 from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenView, check_priority
 from dflash2.sampling_params import MAX_PRIORITY, SamplingParams
@@ -109,6 +110,7 @@ class Engine:
             self.runner.capture_graphs(graph_batch_sizes(sched.max_num_seqs),
                                        mixed_graph_shapes(sched.max_num_seqs, self._graph_prefill_tokens()))
         self.overlap = config.overlap if config.overlap is not None else device.type == "cuda"
+        self.trace = StepTrace.from_env(device)  # one JSON line a step, if DFLASH2_STEP_TRACE names a file
         self._in_flight: tuple[StepPlan, PendingStep] | None = None
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -167,13 +169,19 @@ class Engine:
         if plan:
             self._mark_scheduled(plan)
             urgent_first_token = self._has_outranking_first_token(plan)
+            trace = self.trace.begin(plan, self.requests, self.last_plan_seconds) if self.trace else None
             launch_started = time.perf_counter()
             pending = self.runner.launch(plan, self.requests)
             self.last_launch_seconds = time.perf_counter() - launch_started
+            if trace is not None:
+                self.trace.launched(trace, self.last_launch_seconds)
+                pending.trace = trace
             if not self.overlap:
                 finish_started = time.perf_counter()
                 outputs += self._commit(plan, self.runner.collect(pending), None)
                 self.last_finish_seconds += time.perf_counter() - finish_started
+                if trace is not None:
+                    self.trace.finished(trace, time.perf_counter() - finish_started)
                 return outputs
             self._add_placeholders(pending)
             launched = (plan, pending)
@@ -228,6 +236,8 @@ class Engine:
         self._in_flight = None
         outputs = self._commit(plan, self.runner.collect(pending), pending.placeholders)
         self.last_finish_seconds += time.perf_counter() - started
+        if pending.trace is not None:
+            self.trace.finished(pending.trace, time.perf_counter() - started)
         return outputs
 
     def _commit(self, plan: StepPlan, result: StepResult, placeholders: list[int] | None) -> list[RequestOutput]:

@@ -59,6 +59,7 @@ class PendingStep:
     done: torch.cuda.Event | None
     logprob_job: tuple | None = None
     prompt_logprob_jobs: list[tuple] = field(default_factory=list)
+    trace: dict | None = None  # the step's StepTrace record (DFLASH2_STEP_TRACE), written once collected
 
 
 class ModelRunner:

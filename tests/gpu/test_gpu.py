@@ -131,6 +131,25 @@ def test_preemption_with_swap_gives_transformers_tokens_on_the_gpu(tiny_llama, o
     assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0
 
 
+def test_step_trace_times_each_step_on_the_device(tiny_llama, tmp_path, monkeypatch):
+    """DFLASH2_STEP_TRACE on CUDA (graphs, overlap): every step's line has its device time."""
+    import json
+
+    from dflash2 import LLM, SamplingParams
+    from dflash2.engine.step_trace import ENV
+
+    _, directory = tiny_llama
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(ENV, str(path))
+    llm = LLM(directory, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=64, page_bytes=4096,
+              kv_cache_memory="1MiB", prefill_chunk_size=16, max_num_batched_tokens=32)
+    prompts = [[3 + i, 40 + i, 7, 9, 11] * (i + 1) for i in range(4)]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=6, min_tokens=6, temperature=0))
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sum(r["prefill_tokens"] + r["decodes"] for r in records) == sum(len(p) + 5 for p in prompts)
+    assert all(r["device_ms"] is not None and r["device_ms"] > 0 for r in records)
+
+
 def test_qwen3_graphs_agree_with_transformers(tmp_path):
     """Qwen3's q/k norms run as one in-place kernel on CUDA; bf16 logits feed the device argmax."""
     from dflash2 import LLM, SamplingParams

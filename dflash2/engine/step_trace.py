@@ -1,0 +1,86 @@
+"""StepTrace: one JSON line per engine step, for finding what an urgent request waits behind.
+
+Off unless DFLASH2_STEP_TRACE names a file (appended to). Each line, written when the step's results are in:
+
+    t_ms            when the step was planned, from the trace's start (monotonic clock)
+    plan_ms, launch_ms, finish_ms
+                    host time: Scheduler.plan(), building inputs and launching, collecting and committing
+    device_ms       CUDA only: the step's time on the device, from events recorded around its launch (an event
+                    is timed when the device reaches it, so a step queued behind another one starts its clock
+                    when that one ends); null on the CPU
+    decodes, prefill_chunks, prefill_tokens
+    swap_out_pages, swap_in_pages, preempted
+    top_priority    the highest priority among the step's requests
+    first_token_priority
+                    the highest priority among requests whose first token this step samples (null: none)
+
+The records cost a few dict entries and two events a step; the only wait is on the end event, once the step's
+own results are in (so it has been reached, or is within microseconds).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+import torch
+
+from dflash2.engine.plan import StepPlan
+from dflash2.request import Request
+
+ENV = "DFLASH2_STEP_TRACE"
+
+
+class StepTrace:
+    def __init__(self, path: str, device: torch.device) -> None:
+        self.file: TextIO = open(path, "a", buffering=1)
+        self.cuda = device.type == "cuda"
+        self.started = time.monotonic()
+
+    @classmethod
+    def from_env(cls, device: torch.device) -> StepTrace | None:
+        path = os.environ.get(ENV)
+        return cls(path, device) if path else None
+
+    def begin(self, plan: StepPlan, requests: Mapping[str, Request], plan_seconds: float) -> dict[str, Any]:
+        """The step's shape, before its launch (which starts the device clock)."""
+        decodes = prefill_chunks = prefill_tokens = 0
+        top = first = None
+        for chunk in plan.chunks:
+            if chunk.is_decode:
+                decodes += 1
+            else:
+                prefill_chunks += 1
+                prefill_tokens += chunk.num_tokens
+            request = requests.get(chunk.request_id)
+            if request is None:
+                continue
+            top = request.priority if top is None else max(top, request.priority)
+            if chunk.sample and request.num_output_tokens == 0:
+                first = request.priority if first is None else max(first, request.priority)
+        record: dict[str, Any] = {
+            "t_ms": round((time.monotonic() - self.started - plan_seconds) * 1e3, 3),
+            "plan_ms": round(plan_seconds * 1e3, 3), "launch_ms": None, "finish_ms": None, "device_ms": None,
+            "decodes": decodes, "prefill_chunks": prefill_chunks, "prefill_tokens": prefill_tokens,
+            "swap_out_pages": len(plan.swap_out), "swap_in_pages": len(plan.swap_in),
+            "preempted": len(plan.preempted), "top_priority": top, "first_token_priority": first}
+        if self.cuda:
+            record["_events"] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            record["_events"][0].record()
+        return record
+
+    def launched(self, record: dict[str, Any], launch_seconds: float) -> None:
+        record["launch_ms"] = round(launch_seconds * 1e3, 3)
+        if self.cuda:
+            record["_events"][1].record()
+
+    def finished(self, record: dict[str, Any], finish_seconds: float) -> None:
+        """Write the line, once the step's results are in."""
+        record["finish_ms"] = round(finish_seconds * 1e3, 3)
+        events = record.pop("_events", None)
+        if events is not None:
+            events[1].synchronize()  # recorded just after the step's own end event: reached by now, or within us
+            record["device_ms"] = round(events[0].elapsed_time(events[1]), 3)
+        self.file.write(json.dumps(record) + "\n")

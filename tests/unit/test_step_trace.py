@@ -1,0 +1,75 @@
+"""DFLASH2_STEP_TRACE: one JSON line per step, whose shapes add up to the work the engine did."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from dflash2 import LLM, SamplingParams
+from dflash2.engine.step_trace import ENV
+from tests.engine_runs import run_with_urgent_arrivals
+from tests.tiny_models import build_tiny_model
+
+PAGE_BYTES = 2048  # tiny llama: 512 bytes a token in float32 -> 4 tokens a page
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    directory = str(tmp_path_factory.mktemp("tiny-llama"))
+    build_tiny_model("llama", directory)
+    return directory
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 23))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_step_trace_records_every_step_of_a_preempting_run(tiny_llama, tmp_path, monkeypatch, overlap):
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(ENV, str(path))
+    llm = LLM(tiny_llama, page_bytes=PAGE_BYTES, kv_cache_memory=16 * PAGE_BYTES, max_num_batched_tokens=64,
+              max_model_len=60, max_num_seqs=4, swap_space=f"{64 * PAGE_BYTES}B", overlap=overlap)
+    engine = llm.engine
+    low, high = prompts(4, seed=21), prompts(3, seed=22)
+    params = SamplingParams(max_tokens=14, min_tokens=14, temperature=0)
+    run_with_urgent_arrivals(engine, low, high, params, steps_before=4)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+
+    # every token the model computed is in exactly one step: each prompt once (swapped, not recomputed) and
+    # every output token but the last fed back once
+    assert engine.scheduler.num_swap_outs > 0
+    assert sum(r["prefill_tokens"] + r["decodes"] for r in records) == sum(len(p) + 13 for p in low + high)
+    assert sum(r["swap_out_pages"] for r in records) == sum(r["swap_in_pages"] for r in records) > 0
+    assert sum(r["preempted"] for r in records) == engine.scheduler.num_swap_outs
+    assert [r["top_priority"] for r in records[:4]] == [0] * 4  # before the urgent arrivals
+    assert max(r["first_token_priority"] or 0 for r in records) == 1000
+    assert all(r["device_ms"] is None for r in records)  # CPU: no device clock
+    assert all(r[key] >= 0 for r in records for key in ("plan_ms", "launch_ms", "finish_ms"))
+    assert [r["t_ms"] for r in records] == sorted(r["t_ms"] for r in records)
+
+
+def test_no_trace_without_the_variable(tiny_llama, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert LLM(tiny_llama, page_bytes=PAGE_BYTES, max_model_len=60).engine.trace is None
+
+
+def test_the_report_groups_steps_by_kind():
+    from benchmarks.step_trace_report import summarize
+
+    def step(t, tokens, decodes, swaps=0, first=None, device=None):
+        return {"t_ms": t, "plan_ms": 0.5, "launch_ms": 1.0, "finish_ms": 0.25, "device_ms": device,
+                "decodes": decodes, "prefill_chunks": int(tokens > 0), "prefill_tokens": tokens,
+                "swap_out_pages": swaps, "swap_in_pages": 0, "preempted": 0, "top_priority": 0,
+                "first_token_priority": first}
+
+    report = summarize([step(0.0, 0, 4, device=2.0), step(3.0, 300, 4, swaps=2, first=1000, device=4.0),
+                        step(10.0, 2048, 0, first=0, device=8.0)])
+    assert {name: entry["steps"] for name, entry in report.items()} == {
+        "all": 3, "decode_only": 1, "prefill_le_1024": 1, "with_swaps": 1, "urgent_first_token": 1,
+        "prefill_over_1024": 1}
+    assert report["all"]["device_ms"] == {"p50": 4.0, "p99": 7.92, "max": 8.0}
+    assert report["all"]["gap_ms"] == {"p50": 3.5, "p99": 5.46, "max": 5.5}  # 3 - 0 - 1.5, 10 - 3 - 1.5; last: none
+    assert report["urgent_first_token"]["launch_ms"] == {"p50": 1.0, "p99": 1.0, "max": 1.0}
