@@ -42,15 +42,17 @@ def main() -> None:
         engine.step()
     step_times: list[tuple[float, float, float]] = []
 
+    def timed_step() -> None:
+        engine.step()
+        step_times.append((engine.last_plan_seconds, engine.last_launch_seconds, engine.last_finish_seconds))
+
     def one_prefill(seed: int) -> float:
         prompt = {"prompt_token_ids": [(seed * 7919 + i * 31) % 30000 + 100 for i in range(args.prompt_len)]}
         engine.add_request(prompt, params)
-        engine.step()  # plan + launch the prefill (its token is committed by the next call)
+        timed_step()  # plan + launch the prefill (its token is committed by the next call)
         launch = engine.last_launch_seconds
-        step_times.append((engine.last_plan_seconds, engine.last_launch_seconds, engine.last_finish_seconds))
         for _ in range(3):  # its token arrives (and, with --decodes, a few decode-only steps)
-            engine.step()
-            step_times.append((engine.last_plan_seconds, engine.last_launch_seconds, engine.last_finish_seconds))
+            timed_step()
         while not args.decodes and engine.has_unfinished():
             engine.step()
         return launch

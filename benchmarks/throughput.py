@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,6 +22,7 @@ import torch  # noqa: E402
 from benchmarks.common import finish, sync  # noqa: E402
 from benchmarks.roofline import decode_ceiling_tok_s  # noqa: E402
 from dflash2 import LLM, SamplingParams  # noqa: E402
+from dflash2.engine.step_trace import StepTrace  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -51,28 +53,20 @@ def timed_steps(engine, steps: int) -> float:
 
 def gpu_busy_events(llm: LLM, prompts: list, params: SamplingParams, warm_steps: int, steps: int) -> dict:
     """GPU busy over `steps` steps of steady decode without a profiler (CUPTI slows the host: on some hosts a
-    profiled step took 12 ms against 8.4 unprofiled): CUDA events recorded around each step's launch (its
-    kernels, copies and the sampled-token copy) time that step's device work, from when the device reached it;
-    busy = the sum of those times / wall. Gaps where the device waited for the host between steps are not
-    counted; within an eager step they would be (W1's decode steps are graph replays)."""
-    runner = llm.engine.runner
-    launch, events = runner.launch, []
-
-    def timed_launch(plan, requests):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        pending = launch(plan, requests)
-        end.record()
-        events.append((start, end))
-        return pending
-
-    with steady_decode(llm, prompts, params, warm_steps) as engine:
-        runner.launch = timed_launch
-        try:
+    profiled step took 12 ms against 8.4 unprofiled): the engine's step trace (engine/step_trace.py) times each
+    step's device work with CUDA events around its launch (its kernels, copies and the sampled-token copy),
+    from when the device reached it; busy = the sum of those times / wall. Gaps where the device waited for the
+    host between steps are not counted; within an eager step they would be (W1's decode steps are graph
+    replays)."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "steps.jsonl")
+        with steady_decode(llm, prompts, params, warm_steps) as engine:
+            engine.trace = StepTrace(path, engine.model.device)
             wall = timed_steps(engine, steps)
-        finally:
-            del runner.launch  # back to the class's method
-    busy_ms = sum(start.elapsed_time(end) for start, end in events)
+        engine.trace.close()  # the run has drained: every traced step's line is written, in launch order
+        engine.trace = None
+        with open(path) as f:
+            busy_ms = sum(json.loads(line)["device_ms"] for line in f.readlines()[:steps])
     return {"method": "cuda events around each step's launch", "steps": steps, "wall_ms": round(wall * 1e3, 2),
             "device_ms": round(busy_ms, 2), "busy_fraction_of_wall": round(busy_ms / 1e3 / wall, 3)}
 

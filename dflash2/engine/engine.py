@@ -168,8 +168,9 @@ class Engine:
         urgent_first_token = False
         if plan:
             self._mark_scheduled(plan)
-            urgent_first_token = self._has_outranking_first_token(plan)
-            trace = self.trace.begin(plan, self.requests, self.last_plan_seconds) if self.trace else None
+            lowest, top, first_token_top = self._step_priorities(plan)
+            urgent_first_token = first_token_top is not None and first_token_top > lowest
+            trace = self.trace.begin(plan, top, first_token_top, self.last_plan_seconds) if self.trace else None
             launch_started = time.perf_counter()
             pending = self.runner.launch(plan, self.requests)
             self.last_launch_seconds = time.perf_counter() - launch_started
@@ -179,9 +180,10 @@ class Engine:
             if not self.overlap:
                 finish_started = time.perf_counter()
                 outputs += self._commit(plan, self.runner.collect(pending), None)
-                self.last_finish_seconds += time.perf_counter() - finish_started
+                finish_seconds = time.perf_counter() - finish_started
+                self.last_finish_seconds += finish_seconds
                 if trace is not None:
-                    self.trace.finished(trace, time.perf_counter() - finish_started)
+                    self.trace.finished(trace, finish_seconds)
                 return outputs
             self._add_placeholders(pending)
             launched = (plan, pending)
@@ -192,20 +194,24 @@ class Engine:
             outputs += self._finish_in_flight()  # host time): the device idles for one launch, only here
         return outputs
 
-    def _has_outranking_first_token(self, plan: StepPlan) -> bool:
-        """Whether this step samples the first token of a request that outranks another one in the step
-        (one pass over the chunks, on every step)."""
-        lowest = first_token_top = None
+    def _step_priorities(self, plan: StepPlan) -> tuple[int | None, int | None, int | None]:
+        """The lowest and highest priority among the step's requests, and the highest among those whose first
+        token it samples (None: no such request). One pass over the chunks, on every step: a step whose first
+        token outranks another request in it is committed at once (step())."""
+        lowest = top = first_token_top = None
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue
-            if lowest is None or request.priority < lowest:
-                lowest = request.priority
+            priority = request.priority
+            if lowest is None or priority < lowest:
+                lowest = priority
+            if top is None or priority > top:
+                top = priority
             if chunk.sample and request.num_output_tokens == 0 \
-                    and (first_token_top is None or request.priority > first_token_top):
-                first_token_top = request.priority
-        return first_token_top is not None and first_token_top > lowest
+                    and (first_token_top is None or priority > first_token_top):
+                first_token_top = priority
+        return lowest, top, first_token_top
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         now = time.monotonic()
@@ -235,9 +241,10 @@ class Engine:
         plan, pending = self._in_flight
         self._in_flight = None
         outputs = self._commit(plan, self.runner.collect(pending), pending.placeholders)
-        self.last_finish_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.last_finish_seconds += elapsed
         if pending.trace is not None:
-            self.trace.finished(pending.trace, time.perf_counter() - started)
+            self.trace.finished(pending.trace, elapsed)
         return outputs
 
     def _commit(self, plan: StepPlan, result: StepResult, placeholders: list[int] | None) -> list[RequestOutput]:

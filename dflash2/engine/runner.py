@@ -75,7 +75,9 @@ class ModelRunner:
         self.device_pages = self.pool_bytes.view(num_pages + 1, layout.page_bytes)
         self.host_pages = torch.empty((options.num_host_pages, layout.page_bytes), dtype=torch.uint8,
                                       pin_memory=self.device.type == "cuda")
-        self.swap_out_copies: torch.cuda.Event | None = None  # the last swap-out's host copies (side stream)
+        # swap-out copies to the host run on their own stream (_swap); the last one's event
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.swap_out_copies: torch.cuda.Event | None = None
         self.max_pages_per_slot = -(-options.max_model_len // layout.tokens_per_page)
         self.pad_slot = options.max_slots  # an extra row whose pages are all the scratch page
         self.page_table = torch.full((options.max_slots + 1, self.max_pages_per_slot), self.scratch_page,
@@ -188,7 +190,7 @@ class ModelRunner:
             for row, host_page, count in _runs([h for h, _ in swap_in]):
                 in_staging[row:row + count].copy_(self.host_pages[host_page:host_page + count], non_blocking=True)
         if out_staging is not None:
-            side = _copy_stream(self.device)
+            side = self.copy_stream
             side.wait_stream(main)  # after the gather, and after this plan's swap-in reads of host pages
             with torch.cuda.stream(side):
                 for row, host_page, count in _runs([h for _, h in swap_out]):
@@ -335,16 +337,6 @@ class _HostBatch:
         has_placeholders = bool(token_ids) and min(token_ids) < 0
         return _HostBatch(token_ids, positions, token_slots, decode_lengths, segments, sample_rows, sample_chunks,
                           logit_chunks, has_placeholders)
-
-
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream a device's swap-out copies to the host run on (one a device, made on first use)."""
-    if device not in _COPY_STREAMS:
-        _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    return _COPY_STREAMS[device]
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:

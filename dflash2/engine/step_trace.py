@@ -22,13 +22,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
 from typing import Any, TextIO
 
 import torch
 
 from dflash2.engine.plan import StepPlan
-from dflash2.request import Request
 
 ENV = "DFLASH2_STEP_TRACE"
 
@@ -44,28 +42,24 @@ class StepTrace:
         path = os.environ.get(ENV)
         return cls(path, device) if path else None
 
-    def begin(self, plan: StepPlan, requests: Mapping[str, Request], plan_seconds: float) -> dict[str, Any]:
-        """The step's shape, before its launch (which starts the device clock)."""
+    def begin(self, plan: StepPlan, top_priority: int | None, first_token_priority: int | None,
+              plan_seconds: float) -> dict[str, Any]:
+        """The step's shape, before its launch (which starts the device clock); the priorities as
+        Engine._step_priorities found them."""
         decodes = prefill_chunks = prefill_tokens = 0
-        top = first = None
         for chunk in plan.chunks:
             if chunk.is_decode:
                 decodes += 1
             else:
                 prefill_chunks += 1
                 prefill_tokens += chunk.num_tokens
-            request = requests.get(chunk.request_id)
-            if request is None:
-                continue
-            top = request.priority if top is None else max(top, request.priority)
-            if chunk.sample and request.num_output_tokens == 0:
-                first = request.priority if first is None else max(first, request.priority)
         record: dict[str, Any] = {
             "t_ms": round((time.monotonic() - self.started - plan_seconds) * 1e3, 3),
             "plan_ms": round(plan_seconds * 1e3, 3), "launch_ms": None, "finish_ms": None, "device_ms": None,
             "decodes": decodes, "prefill_chunks": prefill_chunks, "prefill_tokens": prefill_tokens,
             "swap_out_pages": len(plan.swap_out), "swap_in_pages": len(plan.swap_in),
-            "preempted": len(plan.preempted), "top_priority": top, "first_token_priority": first}
+            "preempted": len(plan.preempted), "top_priority": top_priority,
+            "first_token_priority": first_token_priority}
         if self.cuda:
             record["_events"] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             record["_events"][0].record()
@@ -84,3 +78,6 @@ class StepTrace:
             events[1].synchronize()  # recorded just after the step's own end event: reached by now, or within us
             record["device_ms"] = round(events[0].elapsed_time(events[1]), 3)
         self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.file.close()

@@ -556,6 +556,7 @@ def test_the_runner_swaps_pages_reading_every_source_before_writing(device: str)
         host_pages = host_pages.pin_memory()
     before_device, before_host = device_pages.cpu().clone(), host_pages.clone()
     runner = types.SimpleNamespace(device=torch.device(device), device_pages=device_pages, host_pages=host_pages,
+                                   copy_stream=torch.cuda.Stream() if device == "cuda" else None,
                                    swap_out_copies=None)
     # Host page 1 is read by a swap-in and written by a swap-out; device page 2 read by a swap-out and
     # written by a swap-in; host pages 3, 4, 0 and device pages 6, 7 make runs and a gap.
