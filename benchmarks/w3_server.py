@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -33,9 +38,28 @@ def cuda_available() -> bool:
 
 
 def w3_server(flags: list[str], threads: int | None = None, log_dir: str | None = None) -> ServerProcess:
-    """`dflash2 serve` with these flags on a free localhost port (OMP_NUM_THREADS=threads if given)."""
-    return ServerProcess(*flags, env={"OMP_NUM_THREADS": str(threads)} if threads else None,
-                         log_dir=log_dir or tempfile.mkdtemp(prefix="dflash2-w3-"))
+    """`dflash2 serve` with these flags on a free localhost port (OMP_NUM_THREADS=threads if given).
+    W3_SERVER_PREFIX, if set, goes before the command: a profiler that runs the server as its child, e.g.
+    `py-spy record -f raw -t -g -o spy.txt --`."""
+    prefix = shlex.split(os.environ.get("W3_SERVER_PREFIX", ""))
+    kind = _ProfiledServer if prefix else ServerProcess
+    return kind(*flags, command=[*prefix, sys.executable, "-m", "dflash2.cli.main", "serve"],
+                env={"OMP_NUM_THREADS": str(threads)} if threads else None,
+                log_dir=log_dir or tempfile.mkdtemp(prefix="dflash2-w3-"))
+
+
+class _ProfiledServer(ServerProcess):
+    """The server under a profiler (W3_SERVER_PREFIX): stopped with SIGINT, on which py-spy writes its file and
+    ends the server (on SIGTERM it exits without either)."""
+
+    def stop(self, wait_s: float = 30.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                pass
+        super().stop(wait_s)
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -177,6 +177,9 @@ class SchedulerConfig:
     # it outranks by preemption_threshold share at most this many tokens a step (None: no cap), so the
     # urgent request's steps stay short.
     max_outranked_prefill_tokens: int | None = 64
+    # ... and the decodes of the requests it outranks skip the steps that run its prompt chunks (shorter
+    # urgent steps; each outranked request loses one token's step per urgent prompt chunk)
+    outranked_decodes_wait: bool = False
 
     def __post_init__(self) -> None:
         if self.max_outranked_prefill_tokens is not None and self.max_outranked_prefill_tokens < 0:

@@ -49,6 +49,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-outranked-prefill-tokens", type=int, default=64,
              help="while a more urgent request waits or prefills, the prefill chunks it outranks share at most "
                   "this many tokens a step (keeps its steps short; -1: no cap)")
+    add_flag(parser, "--outranked-decodes-wait", action="store_true",
+             help="... and the decodes it outranks skip the steps that run its prompt (shorter urgent steps)")
     add_flag(parser, "--low-priority-values-first", action="store_true",
              help="vLLM's convention: a smaller priority value is more urgent")
     add_flag(parser, "--max-queue-len", type=int, default=None,
@@ -106,6 +108,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs.update(preemption_threshold=args.preemption_threshold,
                   priority_aging_seconds=args.priority_aging_seconds,
                   max_outranked_prefill_tokens=None if cap == -1 else cap,
+                  outranked_decodes_wait=args.outranked_decodes_wait,
                   low_priority_values_first=args.low_priority_values_first)
     return kwargs
 

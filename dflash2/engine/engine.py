@@ -10,9 +10,10 @@ Overlapped (the default on GPU): step N+1 is planned and launched before step N 
     host:    plan N+1 | launch N+1 | collect+commit N | plan N+2 | launch N+2 | collect+commit N+1 ...
     device:  ...... step N ......  | ............ step N+1 ...........| ......... step N+2 ....
 
-A step that samples the first token of a request outranking another request in it is committed in the same
-call, right after its launch, so that token is not held back for the next step's launch (the next step then
-starts from an idle device; same-priority batches never take this path).
+A step that samples the first token of a request that outranks a running request, and that no request in the
+step outranks, is committed in the same call, right after its launch, so that token is not held back for the
+next step's launch (the next step then starts from an idle device; same-priority batches never take this path,
+nor does a less urgent first token while a more urgent request runs: the device would idle for it).
 
 Step N's sampled tokens are not known on the host when N+1 is planned, so each request gets a
 placeholder token (resolved on the device from the runner's future-token buffer, and on the host at
@@ -169,7 +170,7 @@ class Engine:
         if plan:
             self._mark_scheduled(plan)
             lowest, top, first_token_top = self._step_priorities(plan)
-            urgent_first_token = first_token_top is not None and first_token_top > lowest
+            urgent_first_token = self._urgent_first_token(lowest, top, first_token_top)
             trace = self.trace.begin(plan, top, first_token_top, self.last_plan_seconds) if self.trace else None
             launch_started = time.perf_counter()
             pending = self.runner.launch(plan, self.requests)
@@ -212,6 +213,15 @@ class Engine:
                     and (first_token_top is None or priority > first_token_top):
                 first_token_top = priority
         return lowest, top, first_token_top
+
+    def _urgent_first_token(self, lowest: int | None, top: int | None, first_token_top: int | None) -> bool:
+        """Whether the step samples the first token of a request that no request in it outranks and that
+        outranks some running request (in the step or waiting out of it): that step is committed at once."""
+        if first_token_top is None or first_token_top < top:
+            return False
+        if first_token_top > lowest:
+            return True
+        return any(r.priority < first_token_top for r in self.scheduler.running.values())
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         now = time.monotonic()

@@ -4,9 +4,16 @@ Order: effective priority (higher first), then arrival (earlier first). A reques
 changes, so one that is paused and put back keeps its place in line. With aging, the effective priority
 grows with time spent since arrival, by a full priority range (65536) every `aging_seconds`, so any
 request waiting that long outranks any newer one: nothing starves under sustained urgent load.
+
+The line is kept sorted as requests join and leave (a step under overload reads it with hundreds waiting):
+aging adds the same amount to everyone's priority per second waited, so the order by
+    priority + 65536 (now - arrival_time) / aging_seconds
+is the order by priority - 65536 arrival_time / aging_seconds, which does not change with `now` (while no
+request's arrival_time lies ahead of the clock; a test clock that does this gets a full sort).
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterator
 
@@ -21,14 +28,31 @@ class WaitingQueue:
         self.clock = clock
         self._requests: dict[str, Request] = {}
         self._arrival: dict[str, int] = {}
+        self._line: list[tuple[float, int, str]] = []  # (static key, arrival number, id), sorted
+        self._keys: dict[str, tuple[float, int, str]] = {}
+        self._latest_arrival_time = float("-inf")
 
     def add(self, request: Request, arrival: int) -> None:
-        self._requests[request.request_id] = request
-        self._arrival[request.request_id] = arrival
+        request_id = request.request_id
+        self._requests[request_id] = request
+        self._arrival[request_id] = arrival
+        entry = (-self._static_priority(request), arrival, request_id)
+        self._keys[request_id] = entry
+        bisect.insort(self._line, entry)
+        self._latest_arrival_time = max(self._latest_arrival_time, request.arrival_time)
 
     def remove(self, request: Request) -> None:
-        del self._requests[request.request_id]
-        del self._arrival[request.request_id]
+        request_id = request.request_id
+        del self._requests[request_id]
+        del self._arrival[request_id]
+        entry = self._keys.pop(request_id)
+        del self._line[bisect.bisect_left(self._line, entry)]
+
+    def _static_priority(self, request: Request) -> float:
+        """The effective priority less what every waiting request gains alike per second (see above)."""
+        if not self.aging_seconds:
+            return float(request.priority)
+        return request.priority - self.PRIORITY_RANGE * request.arrival_time / self.aging_seconds
 
     def effective_priority(self, request: Request, now: float | None = None) -> float:
         if not self.aging_seconds:
@@ -38,9 +62,13 @@ class WaitingQueue:
         return request.priority + self.PRIORITY_RANGE * waited / self.aging_seconds
 
     def ordered(self) -> list[Request]:
-        now = self.clock()
-        return sorted(self._requests.values(),
-                      key=lambda r: (-self.effective_priority(r, now), self._arrival[r.request_id]))
+        if self.aging_seconds:
+            now = self.clock()
+            if now < self._latest_arrival_time:  # someone's waited time is clamped at 0: sort in full
+                return sorted(self._requests.values(),
+                              key=lambda r: (-self.effective_priority(r, now), self._arrival[r.request_id]))
+        requests = self._requests
+        return [requests[request_id] for _, _, request_id in self._line]
 
     def __contains__(self, request: object) -> bool:
         return isinstance(request, Request) and request.request_id in self._requests

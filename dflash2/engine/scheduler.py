@@ -15,7 +15,9 @@ Per step, under a token budget of `max_num_batched_tokens`, in this order:
 
   While a request of the top priority present (waiting, or running with prompt left) exists, the prefill
   chunks of requests it outranks by `preemption_threshold` share at most `max_outranked_prefill_tokens`
-  tokens per step, so that the urgent request's steps stay short.
+  tokens per step, so that the urgent request's steps stay short. With `outranked_decodes_wait`, the decodes
+  of the requests it outranks wait too, in every step that runs a prompt chunk of a request not outranked
+  (they run as usual in a step that has none, e.g. when the urgent request cannot be admitted).
 Preemption, least urgent first (lowest priority, then most recently admitted):
   - pages run out for a running request: a running request no more urgent than it is paused;
   - a waiting request cannot be admitted (pages, max_num_seqs or budget): running requests outranked by
@@ -77,14 +79,21 @@ class Scheduler:
         plan = StepPlan()
         self._start_plan()
         ranked = sorted((r for r in self.running.values() if not r.finish_pending), key=self._running_rank)
+        held: list[Request] = []  # outranked decodes that wait for the urgent prompt's chunk
         for request in ranked:  # 1. decodes
             if not _is_prefill(request):
-                self._run(request, plan)
+                if self.config.outranked_decodes_wait and self._outranked(request):
+                    held.append(request)
+                else:
+                    self._run(request, plan)
         for request in ranked:  # 2. prefills, each after the waiting requests that outrank it
             if _is_prefill(request):
                 self._admit(plan, above=self._effective(request))
                 self._run(request, plan)
         self._admit(plan)  # 3. the rest of the line
+        if held and not self._urgent_prompt_ran:
+            for request in held:  # no urgent prompt chunk made it into this step: nothing to wait for
+                self._run(request, plan)
         for chunk in plan.chunks:
             self.running[chunk.request_id].num_computed_tokens = chunk.start + chunk.num_tokens
         return plan
@@ -97,15 +106,16 @@ class Scheduler:
         self._admission_closed = False
         self._now = self.waiting.clock()
         self._order: list[Request] | None = self.waiting.ordered()  # the line; sorted again when one joins it
-        # The outranked-prefill cap: who is on top, and what is left of the cap this step.
-        self._capped_from: float | None = None
+        # The outranked-prefill cap and waiting decodes: who is on top, and what is left of the cap this step.
+        self._outranked_from: float | None = None
         self._cap_left = self.config.max_outranked_prefill_tokens
         self._charged: dict[str, int] = {}  # request id -> tokens of its chunk counted against the cap
-        if self._cap_left is not None:
+        self._urgent_prompt_ran = False  # a prompt chunk of a request not outranked is in this plan
+        if self._cap_left is not None or self.config.outranked_decodes_wait:
             contenders = self._order[:1] + [r for r in self.running.values() if _is_prefill(r)]
             if contenders:  # the line's head is its most urgent request
                 top = max(self._effective(r) for r in contenders)
-                self._capped_from = top - self.config.preemption_threshold
+                self._outranked_from = top - self.config.preemption_threshold
 
     def _run(self, request: Request, plan: StepPlan) -> None:
         """Give a running request its next chunk, if budget (and the cap) leave it one."""
@@ -258,9 +268,12 @@ class Scheduler:
         self._scheduled[request.request_id] = chunk
         plan.chunks.append(chunk)
         self._budget -= num_new
-        if _is_prefill(request) and self._capped(request):
-            self._charged[request.request_id] = num_new
-            self._cap_left_add(-num_new)
+        if _is_prefill(request):
+            if self._capped(request):
+                self._charged[request.request_id] = num_new
+                self._cap_left_add(-num_new)
+            elif self._outranked_from is not None:
+                self._urgent_prompt_ran = True
 
     def _chunk_size(self, request: Request) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, self._budget)
@@ -272,9 +285,13 @@ class Scheduler:
     def _effective(self, request: Request) -> float:
         return self.waiting.effective_priority(request, self._now)
 
+    def _outranked(self, request: Request) -> bool:
+        """Whether the top request present (waiting, or with prompt left) outranks this one in this plan."""
+        return self._outranked_from is not None and self._effective(request) <= self._outranked_from
+
     def _capped(self, request: Request) -> bool:
         """Whether the request's prefill chunks count against the cap in this plan."""
-        return self._capped_from is not None and self._effective(request) <= self._capped_from
+        return self._cap_left is not None and self._outranked(request)
 
     def _cap_blocks(self, request: Request) -> bool:
         """A waiting request the cap leaves no prefill tokens this step (it waits, and so does the line

@@ -28,7 +28,8 @@ class LLM:
                  enable_prefix_caching: bool = True, attention_backend: str = "auto", enforce_eager: bool = False,
                  overlap: bool | None = None, swap_space: float | int | str = 0, preemption_threshold: int = 1,
                  priority_aging_seconds: float | None = None, low_priority_values_first: bool = False,
-                 max_outranked_prefill_tokens: int | None = 64, cuda_graph_max_prefill_tokens: int = 2048) -> None:
+                 max_outranked_prefill_tokens: int | None = 64, outranked_decodes_wait: bool = False,
+                 cuda_graph_max_prefill_tokens: int = 2048) -> None:
         """`swap_space`: pinned host memory for paused requests' KV, in GiB as a number (vLLM's unit) or a
         size string such as "512MiB"."""
         config = EngineConfig(
@@ -45,7 +46,8 @@ class LLM:
                                       prefill_chunk_size=prefill_chunk_size, max_model_len=max_model_len,
                                       preemption_threshold=preemption_threshold,
                                       priority_aging_seconds=priority_aging_seconds,
-                                      max_outranked_prefill_tokens=max_outranked_prefill_tokens),
+                                      max_outranked_prefill_tokens=max_outranked_prefill_tokens,
+                                      outranked_decodes_wait=outranked_decodes_wait),
         )
         self.engine = Engine(config)
 

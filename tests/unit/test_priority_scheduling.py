@@ -194,6 +194,32 @@ def test_equal_priorities_are_never_capped() -> None:
     assert chunks(engine.step()) == [("a", 8, 4, True), ("b", 8, 4, True)]
 
 
+def test_outranked_decodes_wait_for_the_urgent_prompt_chunks() -> None:
+    engine = FakeEngine(40, 4, max_num_batched_tokens=16, prefill_chunk_size=4, outranked_decodes_wait=True)
+    engine.add(make_request("d", [1, 2], max_tokens=8), make_request("h", [3, 4], max_tokens=8, priority=1000))
+    assert chunks(engine.step()) == [("h", 0, 2, True), ("d", 0, 2, True)]  # nobody outranks d's prompt yet
+    assert chunks(engine.step()) == [("h", 2, 1, True), ("d", 2, 1, True)]
+    engine.add(make_request("u", list(range(10, 16)), max_tokens=2, priority=1000))
+    # u outranks d, not h: h decodes beside u's chunks, d waits for both of them
+    assert chunks(engine.step()) == [("h", 3, 1, True), ("u", 0, 4, False)]
+    assert chunks(engine.step()) == [("h", 4, 1, True), ("u", 4, 2, True)]
+    assert chunks(engine.step()) == [("h", 5, 1, True), ("u", 6, 1, True), ("d", 3, 1, True)]
+    assert engine.scheduler.num_preemptions == 0
+    engine.run_to_completion()
+
+
+def test_outranked_decodes_run_when_the_urgent_request_cannot_be_admitted() -> None:
+    # 4 pages of 2 tokens: h (1000) holds 2, d (0) 1; u's first chunk needs 3, and pausing d frees only 1
+    engine = FakeEngine(4, 2, max_num_batched_tokens=16, prefill_chunk_size=6, outranked_decodes_wait=True)
+    engine.add(make_request("h", [3, 4, 5], max_tokens=2, priority=1000), make_request("d", [1], max_tokens=2))
+    assert chunks(engine.step()) == [("h", 0, 3, True), ("d", 0, 1, True)]
+    engine.add(make_request("u", list(range(10, 16)), max_tokens=1, priority=1000))
+    plan = engine.step()
+    assert chunks(plan) == [("h", 3, 1, True), ("d", 1, 1, True)] and plan.preempted == []
+    assert engine.waiting == ["u"]
+    engine.run_to_completion()
+
+
 @pytest.mark.parametrize("seed", [464, 1848])
 def test_a_page_freed_by_one_copy_may_be_the_destination_of_another_in_the_same_step(seed: int) -> None:
     # Random load (these seeds produce such plans): a swap-in frees a host page that a later swap-out in the
@@ -449,6 +475,26 @@ def test_the_waiting_queue_orders_by_effective_priority_then_arrival_number() ->
     assert [r.request_id for r in queue.ordered()] == ["c", "a", "b"]
     queue.remove(c)
     assert [r.request_id for r in queue] == ["a", "b"] and c not in queue
+
+
+@pytest.mark.parametrize("aging", [None, 0.5, 7.0])
+def test_the_kept_line_matches_a_full_sort_by_effective_priority_as_requests_come_and_go(aging) -> None:
+    rng = random.Random(5)
+    t = [100.0]
+    queue = WaitingQueue(aging, clock=lambda: t[0])
+    present: list = []
+    numbers = rng.sample(range(10_000), 400)  # arrival numbers are unique; a paused request keeps its old one
+    for i in range(400):
+        t[0] += rng.choice([0.0, 0.01, 0.3])
+        if present and rng.random() < 0.4:
+            queue.remove(present.pop(rng.randrange(len(present))))
+        else:
+            request = make_request(f"r{i}", [1], max_tokens=1, priority=rng.choice([0, 0, 100, 1000]),
+                                   arrival_time=t[0] - rng.choice([0.0, 0.0, 2.0]))
+            queue.add(request, numbers[i])
+            present.append(request)
+        expected = sorted(present, key=lambda r: (-queue.effective_priority(r, t[0]), queue._arrival[r.request_id]))
+        assert [r.request_id for r in queue.ordered()] == [r.request_id for r in expected]
 
 
 # -- bugs ------------------------------------------------------------------------------------------------
