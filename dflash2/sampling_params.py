@@ -26,6 +26,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled one is always included)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token
+    # "every_step": Engine.step() returns an output for this request every step it makes a token (streaming);
+    # "final_only": only when it finishes (LLM.generate; vLLM's RequestOutputKind.FINAL_ONLY)
+    output_kind: str = "every_step"
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -54,6 +57,8 @@ class SamplingParams:
         _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
         _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
                f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        _check(self.output_kind in OUTPUT_KINDS,
+               f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
                "stop_token_ids must be non-negative integers")
@@ -66,6 +71,14 @@ class SamplingParams:
     def has_penalty(self) -> bool:
         """Repetition, frequency or presence penalty: sampling reads the request's token history."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+    @property
+    def final_only(self) -> bool:
+        return self.output_kind == "final_only"
+
+
+OUTPUT_KINDS = ("every_step", "final_only")
 
 
 def _check(ok: bool, message: str) -> None:

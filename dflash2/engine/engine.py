@@ -269,12 +269,15 @@ class Engine:
             num_outputs = self._place_token(request, token_id, placeholders[index] if placeholders else None)
             self._record_logprobs(request, token_id, result.logprobs.get(request_id))
             status = self._check_stop(request, token_id, num_outputs)
-            if status is not None:
-                self.scheduler.finish(request, status)
-            outputs.append(self._output(request, [token_id], num_outputs))
-            if status is not None:
-                del self.requests[request_id]
-                del self._detokenizers[request_id]
+            if status is None:
+                if not request.sampling_params.final_only:
+                    outputs.append(self._output(request, [token_id], num_outputs))
+                continue
+            self.scheduler.finish(request, status)
+            new_ids = request.output_token_ids[:num_outputs] if request.sampling_params.final_only else [token_id]
+            outputs.append(self._output(request, list(new_ids), num_outputs))
+            del self.requests[request_id]
+            del self._detokenizers[request_id]
         self.scheduler.on_step_done(plan)
         return outputs
 

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,6 +67,8 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt(sampling_params, len(prompts), SamplingParams(), "sampling_params")
+        # only the last output of each request is kept: the engine need not build the others
+        params = [dataclasses.replace(p, output_kind="final_only") for p in params]
         priorities = _per_prompt(priority, len(prompts), 0, "priority")
         request_ids = []
         try:

@@ -71,6 +71,24 @@ def test_stop_strings_cut_the_text(bundled_llm):
     assert " Paris" not in output.text
 
 
+def test_a_final_only_request_gets_one_output_equal_to_the_last_streamed_one(bundled_llm):
+    engine = bundled_llm.engine
+    prompt = "The capital of France is the city of"
+    final = engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, output_kind="final_only"))
+    streamed = engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0))
+    seen = {final.request_id: [], streamed.request_id: []}
+    while engine.has_unfinished():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    (only,), every = seen[final.request_id], seen[streamed.request_id]
+    assert len(every) == 6 and only.finished and every[-1].finished
+    assert only.outputs[0].token_ids == every[-1].outputs[0].token_ids
+    assert only.outputs[0].text == every[-1].outputs[0].text == "".join(o.delta_text for o in every)
+    assert only.delta_token_ids == only.outputs[0].token_ids and only.delta_text == only.outputs[0].text
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="cumulative")
+
+
 def test_seeded_sampling_is_reproducible(bundled_llm):
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
     first = bundled_llm.generate(["Tell me a story", "Another prompt"], [params, SamplingParams(max_tokens=5)])
