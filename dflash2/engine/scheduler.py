@@ -85,7 +85,7 @@ class Scheduler:
                 if self.config.outranked_decodes_wait and self._outranked(request):
                     held.append(request)
                 else:
-                    self._run(request, plan)
+                    self._run_decode(request, plan)
         for request in ranked:  # 2. prefills, each after the waiting requests that outrank it
             if _is_prefill(request):
                 self._admit(plan, above=self._effective(request))
@@ -124,6 +124,22 @@ class Scheduler:
         num_new = self._chunk_size(request)
         if num_new > 0 and self._make_room(request, num_new, plan):
             self._schedule(request, num_new, plan)
+
+    def _run_decode(self, request: Request, plan: StepPlan) -> None:
+        """_run for a request with one token to compute (the common case, inlined: a step may hold hundreds)."""
+        start = request.num_computed_tokens
+        if self._budget == 0 or request.status is not RequestStatus.RUNNING or request.num_tokens <= start:
+            return
+        if not self._make_room(request, 1, plan):
+            return
+        request_id = request.request_id
+        new_pages_start, new_page_ids = self.kv.take_new_pages(request_id)
+        chunk = ScheduledChunk(request_id, start, (request.token_ids[start],), self.kv.slot_of(request_id),
+                               new_pages_start, new_page_ids, sample=start + 1 == request.num_tokens,
+                               all_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens)
+        self._scheduled[request_id] = chunk
+        plan.chunks.append(chunk)
+        self._budget -= 1
 
     def on_step_done(self, plan: StepPlan) -> None:
         """Hash the pages the step filled (call once the step's input tokens are all known)."""
