@@ -14,7 +14,9 @@
 # Overrides: PYTHON (default python3), W3_RUNS (default "closed poisson"), W3_INSTALL=0 (skip the install), W3_TIMEOUT (seconds per run), W3_ARGS
 # (appended last to both runs, so they win, e.g. W3_ARGS="--kv-cache-memory 256MiB --overload 2").
 # DFLASH2_STEP_TRACE=$OUT/steps.jsonl reaches the server through the environment: one line per engine step
-# (benchmarks/step_trace_report.py summarizes it).
+# (benchmarks/step_trace_report.py summarizes it). W3_SERVER_PREFIX runs the server under a profiler
+# (w3_server.py), e.g. W3_SERVER_PREFIX="py-spy record -r 250 -f raw -t -g --nonblocking -o $OUT/spy.txt --"
+# with the py-spy wheel in .whl/ (it lands in /tmp/site/bin: put that on PATH).
 set -uo pipefail
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/out}
