@@ -171,6 +171,9 @@ def main() -> None:
     parser.add_argument("--blas", default=None, help="torch.backends.cuda.preferred_blas_library: cublas or cublaslt")
     parser.add_argument("--warmup-tokens", type=int, default=32)
     parser.add_argument("--decode-block-n", type=int, default=None)
+    parser.add_argument("--decode-config", action="append", default=[],
+                        help="LABEL=BLOCK_N,num_warps,num_stages for a DECODE_CONFIGS entry (repeat), e.g. "
+                             "int8-imma_t=128,2,2 (the labels tune_decode.py prints)")
     parser.add_argument("--peer-json", default=None)
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
@@ -187,6 +190,12 @@ def main() -> None:
         from dflash2.kernels.triton.attention import DECODE_CONFIG
 
         DECODE_CONFIG["BLOCK_N"] = args.decode_block_n
+    for spec in args.decode_config:
+        from dflash2.kernels.triton.attention import DECODE_CONFIGS
+
+        label, _, values = spec.partition("=")
+        block_n, warps, stages = (int(v) for v in values.split(","))
+        DECODE_CONFIGS[label] = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
     llm = LLM(args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               prefill_chunk_size=args.prefill_chunk_size,
@@ -220,6 +229,8 @@ def main() -> None:
               "cuda_graphs": llm.engine.runner.graphs is not None, "overlap": llm.engine.overlap,
               "max_num_batched_tokens": args.max_num_batched_tokens, "prefill_chunk_size": args.prefill_chunk_size,
               "phases": log.summary()}
+    if args.decode_config:
+        result["decode_configs"] = args.decode_config
     if args.profile_prefill:
         result["prefill_profile"] = prefill_profile(llm, prompts[:64], params)
     if args.profile:
