@@ -61,6 +61,7 @@ class Request:
         self.finish_pending = False
         self.stop_reason: int | str | None = None
         self.generator: Any = None  # torch.Generator when sampling_params.seed is set
+        self.sampling_row: Any = None  # the runner's SamplingRow for steps that read no token history
         self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)

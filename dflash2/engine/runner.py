@@ -280,11 +280,17 @@ class ModelRunner:
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params
-        # the history is copied only for rows that read it (penalties, or min_tokens not yet reached)
-        needs_history = params.has_penalty or request.num_output_tokens < params.min_tokens
-        return SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
-                           output_token_ids=request.output_token_ids if needs_history else (),
-                           generator=request.generator, eos_token_ids=self.eos_token_ids)
+        # the history is copied only for rows that read it (penalties, or min_tokens not yet reached); a row
+        # without it never changes, so the request keeps it from step to step
+        if params.has_penalty or request.num_output_tokens < params.min_tokens:
+            return SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
+                               output_token_ids=request.output_token_ids, generator=request.generator,
+                               eos_token_ids=self.eos_token_ids)
+        if request.sampling_row is None:
+            request.sampling_row = SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
+                                               output_token_ids=(), generator=request.generator,
+                                               eos_token_ids=self.eos_token_ids)
+        return request.sampling_row
 
     def _prompt_logprob_job(self, chunk: ScheduledChunk, hidden: torch.Tensor, first_row: int,
                             request: Request) -> tuple | None:
