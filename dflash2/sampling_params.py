@@ -72,7 +72,6 @@ class SamplingParams:
         """Repetition, frequency or presence penalty: sampling reads the request's token history."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-
     @property
     def final_only(self) -> bool:
         return self.output_kind == "final_only"

@@ -275,7 +275,7 @@ class Engine:
                 continue
             self.scheduler.finish(request, status)
             new_ids = request.output_token_ids[:num_outputs] if request.sampling_params.final_only else [token_id]
-            outputs.append(self._output(request, list(new_ids), num_outputs))
+            outputs.append(self._output(request, new_ids, num_outputs))
             del self.requests[request_id]
             del self._detokenizers[request_id]
         self.scheduler.on_step_done(plan)

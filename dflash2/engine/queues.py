@@ -27,15 +27,13 @@ class WaitingQueue:
         self.aging_seconds = aging_seconds
         self.clock = clock
         self._requests: dict[str, Request] = {}
-        self._arrival: dict[str, int] = {}
         self._line: list[tuple[float, int, str]] = []  # (static key, arrival number, id), sorted
-        self._keys: dict[str, tuple[float, int, str]] = {}
+        self._keys: dict[str, tuple[float, int, str]] = {}  # each waiting request's entry in the line
         self._latest_arrival_time = float("-inf")
 
     def add(self, request: Request, arrival: int) -> None:
         request_id = request.request_id
         self._requests[request_id] = request
-        self._arrival[request_id] = arrival
         entry = (-self._static_priority(request), arrival, request_id)
         self._keys[request_id] = entry
         bisect.insort(self._line, entry)
@@ -44,9 +42,12 @@ class WaitingQueue:
     def remove(self, request: Request) -> None:
         request_id = request.request_id
         del self._requests[request_id]
-        del self._arrival[request_id]
         entry = self._keys.pop(request_id)
         del self._line[bisect.bisect_left(self._line, entry)]
+
+    def arrival(self, request: Request) -> int:
+        """A waiting request's arrival number (its place in line among equal priorities)."""
+        return self._keys[request.request_id][1]
 
     def _static_priority(self, request: Request) -> float:
         """The effective priority less what every waiting request gains alike per second (see above)."""
@@ -66,7 +67,7 @@ class WaitingQueue:
             now = self.clock()
             if now < self._latest_arrival_time:  # someone's waited time is clamped at 0: sort in full
                 return sorted(self._requests.values(),
-                              key=lambda r: (-self.effective_priority(r, now), self._arrival[r.request_id]))
+                              key=lambda r: (-self.effective_priority(r, now), self.arrival(r)))
         requests = self._requests
         return [requests[request_id] for _, _, request_id in self._line]
 

@@ -110,7 +110,7 @@ class ModelRunner:
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
         for chunk in plan.chunks:
-            (decodes if chunk.num_tokens == 1 and chunk.start > 0 else prefills).append(chunk)
+            (decodes if chunk.is_decode else prefills).append(chunk)
         decodes.sort(key=lambda c: -c.start)
         ordered = decodes + prefills
         host = _HostBatch.build(ordered, len(decodes))
@@ -282,14 +282,14 @@ class ModelRunner:
         params = request.sampling_params
         # the history is copied only for rows that read it (penalties, or min_tokens not yet reached); a row
         # without it never changes, so the request keeps it from step to step
-        if params.has_penalty or request.num_output_tokens < params.min_tokens:
-            return SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
-                               output_token_ids=request.output_token_ids, generator=request.generator,
-                               eos_token_ids=self.eos_token_ids)
-        if request.sampling_row is None:
-            request.sampling_row = SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
-                                               output_token_ids=(), generator=request.generator,
-                                               eos_token_ids=self.eos_token_ids)
+        needs_history = params.has_penalty or request.num_output_tokens < params.min_tokens
+        if needs_history or request.sampling_row is None:
+            row = SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
+                              output_token_ids=request.output_token_ids if needs_history else (),
+                              generator=request.generator, eos_token_ids=self.eos_token_ids)
+            if needs_history:
+                return row
+            request.sampling_row = row
         return request.sampling_row
 
     def _prompt_logprob_job(self, chunk: ScheduledChunk, hidden: torch.Tensor, first_row: int,

@@ -126,20 +126,13 @@ class Scheduler:
             self._schedule(request, num_new, plan)
 
     def _run_decode(self, request: Request, plan: StepPlan) -> None:
-        """_run for a request with one token to compute (the common case, inlined: a step may hold hundreds)."""
+        """_run for a request with one token to compute (the common case: a step may hold hundreds), without the
+        chunk-size and cap checks that only prefills need."""
         start = request.num_computed_tokens
         if self._budget == 0 or request.status is not RequestStatus.RUNNING or request.num_tokens <= start:
             return
-        if not self._make_room(request, 1, plan):
-            return
-        request_id = request.request_id
-        new_pages_start, new_page_ids = self.kv.take_new_pages(request_id)
-        chunk = ScheduledChunk(request_id, start, (request.token_ids[start],), self.kv.slot_of(request_id),
-                               new_pages_start, new_page_ids, sample=start + 1 == request.num_tokens,
-                               all_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens)
-        self._scheduled[request_id] = chunk
-        plan.chunks.append(chunk)
-        self._budget -= 1
+        if self._make_room(request, 1, plan):
+            self._add(self._chunk(request, 1), plan)
 
     def on_step_done(self, plan: StepPlan) -> None:
         """Hash the pages the step filled (call once the step's input tokens are all known)."""
@@ -280,16 +273,18 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _schedule(self, request: Request, num_new: int, plan: StepPlan) -> None:
-        chunk = self._chunk(request, num_new)
-        self._scheduled[request.request_id] = chunk
-        plan.chunks.append(chunk)
-        self._budget -= num_new
+        self._add(self._chunk(request, num_new), plan)
         if _is_prefill(request):
             if self._capped(request):
                 self._charged[request.request_id] = num_new
                 self._cap_left_add(-num_new)
             elif self._outranked_from is not None:
                 self._urgent_prompt_ran = True
+
+    def _add(self, chunk: ScheduledChunk, plan: StepPlan) -> None:
+        self._scheduled[chunk.request_id] = chunk
+        plan.chunks.append(chunk)
+        self._budget -= chunk.num_tokens
 
     def _chunk_size(self, request: Request) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, self._budget)
@@ -321,17 +316,12 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
-        new_pages_start, new_page_ids = self.kv.take_new_pages(request.request_id)
-        return ScheduledChunk(
-            request_id=request.request_id,
-            start=start,
-            token_ids=tuple(request.token_ids[start:end]),
-            slot=self.kv.slot_of(request.request_id),
-            new_pages_start=new_pages_start,
-            new_page_ids=new_page_ids,
-            sample=end == request.num_tokens,
-            all_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens,
-        )
+        request_id = request.request_id
+        new_pages_start, new_page_ids = self.kv.take_new_pages(request_id)
+        # positional: this runs for every request of every step
+        return ScheduledChunk(request_id, start, tuple(request.token_ids[start:end]), self.kv.slot_of(request_id),
+                              new_pages_start, new_page_ids, end == len(request.token_ids),
+                              request.wants_prompt_logprobs and start < request.num_prompt_tokens)
 
     def _running_rank(self, request: Request) -> tuple[int, bool, int]:
         """Most urgent first: higher priority, then decodes before prefills, then earlier admission."""

@@ -174,8 +174,7 @@ async def create_chat_completion(http_request: HTTPRequest, body: ChatCompletion
     truncated = state.truncate(prompts, body.truncate_prompt_tokens)
     params = body.sampling_params(body.requested_max_tokens, body.num_logprobs)
     generation = await Generation.start(state.engine, f"chatcmpl-{uuid.uuid4().hex}", prompts, params,
-                                        body.priority,
-                                        http_request)
+                                        body.priority, http_request)
     headers = TRUNCATION_HEADER if truncated else None
     formatter = _ChatFormat(state, generation, model, body.num_logprobs)
     if body.stream:

@@ -493,7 +493,7 @@ def test_the_kept_line_matches_a_full_sort_by_effective_priority_as_requests_com
                                    arrival_time=t[0] - rng.choice([0.0, 0.0, 2.0]))
             queue.add(request, numbers[i])
             present.append(request)
-        expected = sorted(present, key=lambda r: (-queue.effective_priority(r, t[0]), queue._arrival[r.request_id]))
+        expected = sorted(present, key=lambda r: (-queue.effective_priority(r, t[0]), queue.arrival(r)))
         assert [r.request_id for r in queue.ordered()] == [r.request_id for r in expected]
 
 
