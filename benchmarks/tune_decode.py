@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/tune_decode.py [--kinds bf16,int8,int4,fp8] [--layouts head_major,token_major]
                                                       [--int8-paths imma_t,imma,legacy] [--cases w1,w2] [--length 800]
+                                                      [--grid "64,2,2 64,2,3"]
                                                       [--output tune.json]      (GPU)
 Caches are real engine pools: Qwen3-0.6B (28 layers, 8 KV heads, GQA 2, head 128) in 1 MiB pages (9 bf16
 tokens a page, 18 int8, 35 int4), 256 requests of --length tokens (800), layer 0 read; W2 is llama-3-8b batch 1
@@ -101,7 +102,10 @@ def main() -> None:
     parser.add_argument("--cases", default="w1,w2", help="w2 runs with bf16 only")
     parser.add_argument("--length", type=int, default=None, help="W1 context tokens (default 800)")
     parser.add_argument("--output", default=None, help="also write every row and the summary as JSON here")
+    parser.add_argument("--grid", default=None,
+                        help="the configs to time, every kind alike: 'BLOCK_N,warps,stages' items separated by spaces")
     args = parser.parse_args()
+    grid = [tuple(int(v) for v in item.split(",")) for item in args.grid.split()] if args.grid else None
     kinds, layouts, cases = args.kinds.split(","), args.layouts.split(","), args.cases.split(",")
     results: list[dict] = []
     for kind, layout_name in itertools.product(kinds, layouts):
@@ -109,9 +113,9 @@ def main() -> None:
             break
         if kind == "int8":
             for path in args.int8_paths.split(","):
-                results += measure("w1", kind, layout_name, INT8_GRID, path, args.length)
+                results += measure("w1", kind, layout_name, grid or INT8_GRID, path, args.length)
         else:
-            results += measure("w1", kind, layout_name, GRID, length=args.length)
+            results += measure("w1", kind, layout_name, grid or GRID, length=args.length)
     if "bf16" in kinds and "w2" in cases:
         for layout_name in layouts:
             results += measure("w2", "bf16", layout_name, GRID)

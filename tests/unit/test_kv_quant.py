@@ -222,6 +222,30 @@ def test_triton_mixed_batch_and_fused_rotary_write_match_torch(kind):
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_int8_prefill_in_half_precision(dtype):
+    """int8 prefill of a 16-bit model (tiles dequantized to fp16 in registers, fp16 dots): chunks after a cached
+    prefix and whole prompts, tiles straddling pages, against the float32 reference reading the same cache;
+    closer than the output's own rounding allows a wrong scale or a shifted tile."""
+    shapes = [(9, 1), (90, 70), (40, 40), (75, 3)]  # (context_len, query_len); one decode row first
+    lengths = [c for c, _ in shapes]
+    cache, *_, table = filled_caches("int8", lengths, seed=8)
+    assert 64 % cache.k.shape[1] != 0  # the kernel's 64-token tiles straddle pages
+    meta = mixed_batch_metadata(shapes, table, tri.PREFILL_BLOCK_M)
+    num_tokens = sum(n for _, n in shapes)
+    q = torch.randn(num_tokens, NUM_KV_HEADS * 2, HEAD_DIM, generator=torch.Generator().manual_seed(9)) * 2
+    expected = torch.zeros(num_tokens, NUM_KV_HEADS * 2, HEAD_DIM)
+    got = torch.zeros(num_tokens, NUM_KV_HEADS * 2, HEAD_DIM, dtype=dtype)
+    tri.prefill_attention(q.to(dtype), cache, meta, 0.25, got, row_offset=1)
+    for seg in meta.prefills:  # the reference: each chunk over its dequantized pages
+        rows = slice(seg.query_start, seg.query_start + seg.query_len)
+        keys, values = (ref.gather_pages(c, table[seg.slot], seg.context_len, s, torch.float32)
+                        for c, s in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)))
+        expected[rows] = ref.prefill_attention(q[rows].to(dtype).float(), keys, values, 0.25)
+    error = float((got[1:].float() - expected[1:]).norm() / expected[1:].norm())
+    assert error < (4e-3 if dtype == torch.bfloat16 else 1e-3), error
+
+
 # -- the engine ------------------------------------------------------------------------------------------
 PAGE_BYTES = 1152  # tiny qwen2 (2 layers, 2 KV heads, head 16): int8 144 bytes/token -> 8 tokens a page
 

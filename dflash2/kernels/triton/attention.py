@@ -8,7 +8,8 @@ int4 packed two a byte, fp8 e4m3) carry an fp16 scale per token and head: the wr
 (absmax / qmax, round half up), and `_load_kv_tile` hands the stored values and the scales to the
 attention loops, which fold the K scale into the scores and the V scale into the probabilities, since a
 per-token scale commutes with both dot products: no per-element dequantize multiply. int8 decode of 16-bit
-models runs its own loops (int8_decode.py).
+models runs its own loops (int8_decode.py); int8 prefill of 16-bit models dequantizes each tile to fp16 in
+registers (int8_decode._int8_tile: byte tricks, no int -> float conversions) for fp16 dots.
 Decode splits each sequence into NUM_SPLITS equal pieces (so one graph serves every length), each
 program handling all query heads of one KV head; the last program of a row and KV head to finish (a ticket
 from a self-resetting counter) merges the pieces by their log-sum-exp, so decode is one launch (with one
@@ -27,8 +28,8 @@ import triton.language as tl
 
 from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
 from dflash2.kernels.triton.gemv_parts import split_counters
-from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_imma_tiles, int8_path,
-                                                int8_sub_tiles)
+from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_imma_tiles, _int8_tile,
+                                                int8_path, int8_sub_tiles)
 from dflash2.kernels.triton.kv_write import rotary_write_kv, scale_args, write_kv
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
@@ -244,16 +245,31 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, out
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     kv_end = tl.minimum(context, context - q_len + m_start + BLOCK_M)
+    # int8 under a 16-bit model: tiles dequantized to fp16 by _int8_tile (exact bytes, one multiply by the
+    # scale) and fp16 dots, instead of int8 -> bf16 casts in the loop; q clamped to fp16's range once
+    INT8_FP16: tl.constexpr = KIND == 1 and q_ptr.dtype.element_ty != tl.float32
+    if INT8_FP16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     for n0 in range(0, kv_end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
-        s, v, v_scale = _tile_scores(
-            q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
-            stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-            stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
         allowed = (tokens[None, :] <= q_pos[:, None]) & token_mask[None, :]
-        s = tl.where(allowed, s, float("-inf"))
-        m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, True)
+        if INT8_FP16:
+            k, v, k_scale, v_scale = _load_kv_tile(
+                k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+                stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+                stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+            s = tl.dot(q, tl.trans(_int8_tile(k, k_scale.to(tl.float16), False))) * scale
+            s = tl.where(allowed, s, float("-inf"))
+            m_i, l_i, acc = _softmax_update(s, _int8_tile(v, v_scale.to(tl.float16), False), v_scale, m_i, l_i,
+                                            acc, q, 0, PRECISION, True)  # kind 0: V arrives scaled
+        else:
+            s, v, v_scale = _tile_scores(
+                q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+                stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+                stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
+            s = tl.where(allowed, s, float("-inf"))
+            m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, True)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
