@@ -60,6 +60,7 @@ class Request:
         # Set when the host knows the request will finish once in-flight steps land (overlapped steps).
         self.finish_pending = False
         self.stop_reason: int | str | None = None
+        self.num_streamed_tokens = 0  # output tokens already handed out in a RequestOutput
         self.generator: Any = None  # torch.Generator when sampling_params.seed is set
         self.sampling_row: Any = None  # the runner's SamplingRow for steps that read no token history
         self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None

@@ -35,6 +35,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--disable-log-requests", action="store_true", help="no JSON line per finished request")
     add_flag(parser, "--log-tokens", action="store_true", help="a JSON line per generated token")
     add_flag(parser, "--disable-log-stats", action="store_true", help="no periodic throughput line")
+    add_flag(parser, "--stream-interval", type=int, default=1,
+             help="a stream gets its tokens every this many (its first and last at once): fewer SSE events to "
+                  "build and write under load")
     add_flag(parser, "--max-batch-size", type=int, default=None, help="alias of --max-num-seqs")
     add_flag(parser, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
     add_flag(parser, "--cuda-graph-max-prefill-tokens", type=int, default=2048,
@@ -110,6 +113,9 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   max_outranked_prefill_tokens=None if cap == -1 else cap,
                   outranked_decodes_wait=args.outranked_decodes_wait,
                   low_priority_values_first=args.low_priority_values_first)
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
+    kwargs["stream_interval"] = args.stream_interval
     return kwargs
 
 

@@ -68,8 +68,15 @@ class EngineConfig:
     cuda_graph_max_prefill_tokens: int = 2048
     overlap: bool | None = None  # overlapped scheduling; None: on for CUDA, off on the CPU
     low_priority_values_first: bool = False  # vLLM's convention: a smaller number is more urgent
+    # a streamed request's output comes every this many tokens (its first and last at once): fewer outputs
+    # to build and to write under load (vLLM's --stream-interval)
+    stream_interval: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -270,16 +277,28 @@ class Engine:
             self._record_logprobs(request, token_id, result.logprobs.get(request_id))
             status = self._check_stop(request, token_id, num_outputs)
             if status is None:
-                if not request.sampling_params.final_only:
-                    outputs.append(self._output(request, [token_id], num_outputs))
+                streamed = request.num_streamed_tokens
+                if not request.sampling_params.final_only and (
+                        streamed == 0 or num_outputs - streamed >= self.config.stream_interval):
+                    outputs.append(self._output(request, self._unstreamed(request, token_id, num_outputs),
+                                                num_outputs))
                 continue
             self.scheduler.finish(request, status)
-            new_ids = request.output_token_ids[:num_outputs] if request.sampling_params.final_only else [token_id]
-            outputs.append(self._output(request, new_ids, num_outputs))
+            outputs.append(self._output(request, self._unstreamed(request, token_id, num_outputs), num_outputs))
             del self.requests[request_id]
             del self._detokenizers[request_id]
         self.scheduler.on_step_done(plan)
         return outputs
+
+    @staticmethod
+    def _unstreamed(request: Request, token_id: int, num_outputs: int) -> list[int]:
+        """The output tokens up to num_outputs not yet in an output (the latest one is token_id); marks them
+        streamed."""
+        streamed, request.num_streamed_tokens = request.num_streamed_tokens, num_outputs
+        if streamed == num_outputs - 1:
+            return [token_id]
+        first = request.num_prompt_tokens
+        return request.token_ids[first + streamed:first + num_outputs]
 
     @staticmethod
     def _place_token(request: Request, token_id: int, placeholder: int | None) -> int:

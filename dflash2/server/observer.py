@@ -6,13 +6,16 @@ One request's clock (time.monotonic):
     |<─────────────── TTFT ──────────────────────────>|
     |<──────────────────────────────── e2e ─────────────────────────────────────────>|
 
-Everything here runs on the engine thread, right after the step that produced the outputs.
+Everything here runs on the engine thread, right after the step that produced the outputs, except the GPU
+readings (device memory, NVML busy percent): a GpuSampler thread takes them once a second, so that the driver
+calls never stall the engine loop (they did, once a second, by a few milliseconds).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +73,7 @@ class RequestObserver:
         self._seen_swapped_bytes = 0
         self._seen_evictions = 0
         self._seen_prefix = (0, 0)
+        self.gpu_sampler = GpuSampler(engine, metrics) if _is_cuda(engine) else None
         self._gauge_tick = (time.monotonic(), 0)  # (when, evictions then)
         self._stats_tick = (time.monotonic(), 0, 0)  # (when, prompt tokens then, generation tokens then)
         self._num_prompt_tokens = 0
@@ -156,7 +160,6 @@ class RequestObserver:
         when, evictions = self._gauge_tick
         if now - when >= _GAUGE_INTERVAL_S:
             self.metrics.cache_eviction_rate.set((self._seen_evictions - evictions) / (now - when))
-            self.metrics.set_gpu(*_gpu_readings(self.engine))
             self._gauge_tick = (now, self._seen_evictions)
         if self.config.log_stats and now - self._stats_tick[0] >= self.config.stats_interval_s:
             self._log_stats(now)
@@ -216,11 +219,35 @@ def _ms(seconds: float) -> float:
     return round(1000.0 * seconds, 3)
 
 
-def _gpu_readings(engine: Any) -> tuple[float | None, float | None]:
-    """(fraction of device memory in use, NVML busy percent) for a CUDA engine; (None, None) on the CPU."""
-    device = getattr(engine.model, "device", None)
-    if device is None or getattr(device, "type", "cpu") != "cuda":
-        return None, None
+def _is_cuda(engine: Any) -> bool:
+    return getattr(getattr(engine.model, "device", None), "type", "cpu") == "cuda"
+
+
+class GpuSampler:
+    """Sets the GPU gauges once every `interval_s` from a daemon thread of its own (a CUDA engine only)."""
+
+    def __init__(self, engine: Any, metrics: ServerMetrics, interval_s: float = _GAUGE_INTERVAL_S) -> None:
+        self.device = engine.model.device
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="dflash2-gpu-sampler", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            try:
+                self.metrics.set_gpu(*gpu_readings(self.device))
+            except Exception:  # noqa: BLE001 - a gauge reading must never take the server down
+                logger.exception("reading the GPU gauges failed; they stop updating")
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def gpu_readings(device: Any) -> tuple[float | None, float | None]:
+    """(fraction of device memory in use, NVML busy percent) of a CUDA device."""
     import torch
 
     free, total = torch.cuda.mem_get_info(device)

@@ -3,6 +3,8 @@ refusals, aborts, a failing step, a failing load. No model, no HTTP."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -261,3 +263,32 @@ def test_what_is_alive_at_startup_is_frozen_out_of_garbage_collection():
         return frozen
 
     assert run(scenario) > 0
+
+
+def test_gpu_gauges_are_read_on_their_own_thread_not_the_engine_loop(monkeypatch):
+    """The driver calls behind the GPU gauges once stalled the engine loop every second: a GpuSampler thread
+    takes them now."""
+    from dflash2.server import observer as observer_module
+
+    calls = []
+
+    def readings(device):
+        calls.append((device, threading.current_thread().name))
+        return 0.25, 40.0
+
+    monkeypatch.setattr(observer_module, "gpu_readings", readings)
+    metrics = ServerMetrics("fake")
+    engine = SimpleNamespace(model=SimpleNamespace(device=SimpleNamespace(type="cuda")))
+    sampler = observer_module.GpuSampler(engine, metrics, interval_s=0.01)
+    try:
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        sampler.stop()
+        sampler.thread.join(5)
+    assert calls and calls[0] == (engine.model.device, "dflash2-gpu-sampler")
+    assert not sampler.thread.is_alive()
+    text = metrics.render().decode()
+    assert 'dflash2_gpu_memory_utilization{model_name="fake"} 0.25' in text
+    assert 'dflash2_gpu_utilization_perc{model_name="fake"} 40.0' in text
