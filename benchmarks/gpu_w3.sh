@@ -10,7 +10,8 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl fastapi==0.165.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 starlette==1.10.0 \
 #     annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 click==8.5.1 typing-extensions==4.16.0 \
-#     opentelemetry-api==1.45.2 uvloop==0.23.0 httptools==0.9.0   (fastapi 0.165 imports opentelemetry)
+#     opentelemetry-api==1.45.2 uvloop==0.23.0 httptools==0.9.0 nvidia-ml-py==13.615.71   (fastapi 0.165 imports
+#     opentelemetry; nvidia-ml-py: the GPU gauges)
 # Overrides: PYTHON (default python3), W3_RUNS (default "closed poisson"), W3_INSTALL=0 (skip the install), W3_TIMEOUT (seconds per run), W3_ARGS
 # (appended last to both runs, so they win, e.g. W3_ARGS="--kv-cache-memory 256MiB --overload 2").
 # DFLASH2_STEP_TRACE=$OUT/steps.jsonl reaches the server through the environment: one line per engine step

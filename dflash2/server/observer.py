@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from dflash2.request import Request, RequestOutput
@@ -224,7 +225,11 @@ def _is_cuda(engine: Any) -> bool:
 
 
 class GpuSampler:
-    """Sets the GPU gauges once every `interval_s` from a daemon thread of its own (a CUDA engine only)."""
+    """Sets the GPU gauges every `interval_s` from a daemon thread of its own (a CUDA engine only), through NVML
+    (initialized once; its calls release the GIL and take no CUDA context lock). Without pynvml it reads device
+    memory through CUDA every FALLBACK_INTERVAL_S instead, and no busy percent."""
+
+    FALLBACK_INTERVAL_S = 10.0
 
     def __init__(self, engine: Any, metrics: ServerMetrics, interval_s: float = _GAUGE_INTERVAL_S) -> None:
         self.device = engine.model.device
@@ -235,9 +240,13 @@ class GpuSampler:
         self.thread.start()
 
     def _run(self) -> None:
-        while not self.stopped.wait(self.interval_s):
+        try:
+            read, interval_s = nvml_reader(self.device), self.interval_s
+        except Exception:  # noqa: BLE001 - no pynvml, or NVML cannot start
+            read, interval_s = (lambda: cuda_memory_reading(self.device)), max(self.interval_s, self.FALLBACK_INTERVAL_S)
+        while not self.stopped.wait(interval_s):
             try:
-                self.metrics.set_gpu(*gpu_readings(self.device))
+                self.metrics.set_gpu(*read())
             except Exception:  # noqa: BLE001 - a gauge reading must never take the server down
                 logger.exception("reading the GPU gauges failed; they stop updating")
                 return
@@ -246,16 +255,25 @@ class GpuSampler:
         self.stopped.set()
 
 
-def gpu_readings(device: Any) -> tuple[float | None, float | None]:
-    """(fraction of device memory in use, NVML busy percent) of a CUDA device."""
+def nvml_reader(device: Any) -> Callable[[], tuple[float, float]]:
+    """A function giving (fraction of device memory in use, busy percent) of this CUDA device through NVML."""
+    import pynvml
+    import torch
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
+
+    def read() -> tuple[float, float]:
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return memory.used / memory.total, float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    return read
+
+
+def cuda_memory_reading(device: Any) -> tuple[float, None]:
     import torch
 
     free, total = torch.cuda.mem_get_info(device)
-    try:
-        utilization = float(torch.cuda.utilization(device))
-    except Exception:  # noqa: BLE001 - NVML (pynvml) is optional
-        utilization = None
-    return 1.0 - free / total, utilization
+    return 1.0 - free / total, None
 
 
 def _http_times(tracked: Tracked) -> dict[str, float]:

@@ -272,11 +272,13 @@ def test_gpu_gauges_are_read_on_their_own_thread_not_the_engine_loop(monkeypatch
 
     calls = []
 
-    def readings(device):
-        calls.append((device, threading.current_thread().name))
-        return 0.25, 40.0
+    def reader(device):
+        def read():
+            calls.append((device, threading.current_thread().name))
+            return 0.25, 40.0
+        return read
 
-    monkeypatch.setattr(observer_module, "gpu_readings", readings)
+    monkeypatch.setattr(observer_module, "nvml_reader", reader)
     metrics = ServerMetrics("fake")
     engine = SimpleNamespace(model=SimpleNamespace(device=SimpleNamespace(type="cuda")))
     sampler = observer_module.GpuSampler(engine, metrics, interval_s=0.01)
