@@ -36,12 +36,13 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memo
 #   closed: 128 requests in flight (closed loop), as the first GPU run (results/w3_gpu_2026-11-29.json: 6.47x);
 #   poisson: Poisson arrivals at 1.5x the measured capacity, 1,600 requests (160 urgent: a p99 that is not just
 #   the worst one or two; with 80, six runs of the same code gave ratios from 1.74 to 5.01).
-# 200 idle requests for the same reason (the p99 of 30 is their maximum; of 100, the worst two, which one
-# stall could set).
+# 1,000 idle requests (~10 s) for the same reason: the p99 of 100 or 200 is their worst one or two, which a
+# single hiccup of the server or the client sets (priority.py also refuses to judge an idle phase whose p99 is
+# over twice its median).
 # --max-outranked-prefill-tokens is the server's default (64), spelled out so the JSON names it.
 common=(--model qwen3-0.6b --load-format dummy --device cuda --synthetic 400 --prompt-len 256 --output-len 64
   --max-model-len 512 --kv-cache-memory 384MiB --swap-space 4 --max-num-seqs 32 --prefill-chunk-size 512
-  --max-num-batched-tokens 2048 --max-outranked-prefill-tokens 64 --idle-requests 200)
+  --max-num-batched-tokens 2048 --max-outranked-prefill-tokens 64 --idle-requests 1000)
 status=0
 for run in ${W3_RUNS:-closed poisson}; do
   if [ $run = closed ]; then extra=(--concurrency 128); else extra=(--synthetic 1600); fi

@@ -6,7 +6,9 @@
     3. offer load above capacity: Poisson arrivals at --overload (1.5) x that capacity, priorities 0/100/1000
        in proportions 70/20/10, with the `dflash2 bench` machinery, sampling the server's queue gauges;
     4. report per class p50/p99 TTFT and end-to-end latency, preemptions, swapped bytes, errors, completed,
-       and the target: the 1000-class p99 TTFT under overload <= 2x its idle p99, zero errors, all completed.
+       and the target: the 1000-class p99 TTFT under overload <= 2x its idle p99, zero errors, all completed,
+       judged only when the idle phase is stable (idle p99 <= 2x idle p50: else a few disturbed idle
+       requests would set the p99 the ratio divides by); the server-side ratio is reported beside it.
 
 CPU, the bundled model and the shipped sample dataset (about 2 minutes on 2 cores):
     .venv/bin/python benchmarks/priority.py --output benchmarks/results/w3_cpu.json
@@ -48,6 +50,10 @@ CLASSES = (0, 100, 1000)
 PROPORTIONS = (70, 20, 10)
 URGENT = 1000
 TARGET_RATIO = 2.0
+# One request at a time on an idle server has a tight TTFT: a p99 over this many times the median means a few
+# requests met interference (a stall in the server, a hiccup in the client), and the ratio over such a p99
+# would pass the target for the wrong reason: the target is then not judged met.
+IDLE_SPREAD_LIMIT = 2.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -265,13 +271,13 @@ def build_report(args: argparse.Namespace, phases: Phases, server_log: str | Non
     errors: dict[str, int] = {}
     for r in failed:
         errors[str(r.error)[:200]] = errors.get(str(r.error)[:200], 0) + 1
-    urgent = per_class.get(str(URGENT), {})
-    ratio = (urgent["ttft_p99_ms"] / idle_stats["ttft_p99_ms"]
-             if urgent.get("ttft_p99_ms") and idle_stats["ttft_p99_ms"] else None)
     completed = sum(s["completed"] for s in per_class.values())
     start, before, after = phases.snapshots
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in COUNTERS}
-    met = ratio is not None and ratio <= TARGET_RATIO and not failed and completed == len(load.results)
+    sides = (server_side(server_log, *phases.marks[0:2]), server_side(server_log, *phases.marks[1:3])) \
+        if server_log else (None, None)
+    target = verdict(per_class.get(str(URGENT), {}).get("ttft_p99_ms"), idle_stats["ttft_p50_ms"],
+                     idle_stats["ttft_p99_ms"], len(failed), completed, len(load.results))
     return {
         "workload": "W3", "date": time.strftime("%Y-%m-%d"), "device": _device_name(args.device),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -279,7 +285,7 @@ def build_report(args: argparse.Namespace, phases: Phases, server_log: str | Non
         "server_torch_threads": server_threads(args) if not args.url else None,
         "idle": {**idle_stats, "priority": URGENT, "max_tokens": args.idle_max_tokens,
                  "engine_steps": step_stats(start, before),
-                 "server_side": server_side(server_log, *phases.marks[0:2]) if server_log else None},
+                 "server_side": sides[0]},
         "overload": {
             "requests": len(load.results), "arrivals": describe_arrivals(config, args.client_processes),
             "capacity_req_per_s": round(phases.capacity_req_per_s, 3),
@@ -288,7 +294,7 @@ def build_report(args: argparse.Namespace, phases: Phases, server_log: str | Non
             "completed": completed, "errors": len(failed), "error_messages": errors,
             "output_tokens_per_s": round(sum(r.output_tokens for r in load.results if r.ok) / load.duration_s, 1),
             "per_class": per_class,
-            "server_side": server_side(server_log, *phases.marks[1:3]) if server_log else None,
+            "server_side": sides[1],
             "engine_steps": step_stats(before, after),
             "preemptions": int(delta["dflash2_num_preemptions_total"]),
             "swap_outs": int(delta["dflash2_num_swap_outs_total"]),
@@ -297,10 +303,29 @@ def build_report(args: argparse.Namespace, phases: Phases, server_log: str | Non
             "peak": {name.removeprefix("dflash2_"): value for name, value in phases.peaks.items()},
             "mean": {name.removeprefix("dflash2_"): value for name, value in phases.means.items()},
         },
-        "target": {"urgent_ttft_p99_ratio": round(ratio, 2) if ratio is not None else None,
-                   "max_ratio": TARGET_RATIO, "zero_errors": not failed,
-                   "all_completed": completed == len(load.results), "met": bool(met)},
+        "target": {**target, "server_side_ratio": _server_side_ratio(*sides)},
     }
+
+
+def verdict(urgent_p99: float | None, idle_p50: float | None, idle_p99: float | None, failed: int, completed: int,
+            requested: int) -> dict[str, Any]:
+    """The target: urgent p99 TTFT under overload <= TARGET_RATIO x the idle p99, zero errors, every request
+    completed, judged only on a stable idle phase (its p99 at most IDLE_SPREAD_LIMIT x its median)."""
+    ratio = urgent_p99 / idle_p99 if urgent_p99 and idle_p99 else None
+    spread = idle_p99 / idle_p50 if idle_p50 and idle_p99 else None
+    stable = spread is not None and spread <= IDLE_SPREAD_LIMIT
+    met = ratio is not None and ratio <= TARGET_RATIO and stable and not failed and completed == requested
+    return {"urgent_ttft_p99_ratio": round(ratio, 2) if ratio is not None else None, "max_ratio": TARGET_RATIO,
+            "zero_errors": not failed, "all_completed": completed == requested,
+            "idle_p99_over_p50": round(spread, 2) if spread is not None else None, "idle_stable": stable,
+            "met": met}
+
+
+def _server_side_ratio(idle: dict | None, load: dict | None) -> float | None:
+    """The same ratio from the server's own TTFTs (its request log), for reading beside the client's."""
+    idle_p99 = ((idle or {}).get(str(URGENT)) or {}).get("ttft_p99_ms")
+    load_p99 = ((load or {}).get(str(URGENT)) or {}).get("ttft_p99_ms")
+    return round(load_p99 / idle_p99, 2) if idle_p99 and load_p99 else None
 
 
 def _device_name(device: str) -> str:

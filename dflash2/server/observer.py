@@ -7,8 +7,8 @@ One request's clock (time.monotonic):
     |<──────────────────────────────── e2e ─────────────────────────────────────────>|
 
 Everything here runs on the engine thread, right after the step that produced the outputs, except the GPU
-readings (device memory, NVML busy percent): a GpuSampler thread takes them once a second, so that the driver
-calls never stall the engine loop (they did, once a second, by a few milliseconds).
+readings (device memory, busy percent): a GpuSampler thread takes them through NVML once a second (read on the
+engine thread, through CUDA and torch.cuda.utilization, they stalled it by a few milliseconds each time).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dflash2.request import Request, RequestOutput
@@ -243,7 +243,8 @@ class GpuSampler:
         try:
             read, interval_s = nvml_reader(self.device), self.interval_s
         except Exception:  # noqa: BLE001 - no pynvml, or NVML cannot start
-            read, interval_s = (lambda: cuda_memory_reading(self.device)), max(self.interval_s, self.FALLBACK_INTERVAL_S)
+            read = lambda: cuda_memory_reading(self.device)  # noqa: E731
+            interval_s = max(self.interval_s, self.FALLBACK_INTERVAL_S)
         while not self.stopped.wait(interval_s):
             try:
                 self.metrics.set_gpu(*read())
@@ -261,6 +262,7 @@ def nvml_reader(device: Any) -> Callable[[], tuple[float, float]]:
     import torch
 
     pynvml.nvmlInit()
+    # torch's own mapping of a CUDA device to its NVML index (it honours CUDA_VISIBLE_DEVICES)
     handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
 
     def read() -> tuple[float, float]:

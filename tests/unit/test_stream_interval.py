@@ -15,9 +15,10 @@ def tiny(tmp_path_factory):
     return directory
 
 
-def streamed(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, list]:
+def streamed(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list]:
     engine = llm.engine
-    ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=n, min_tokens=n, temperature=0)).request_id
+    ids = [engine.add_request({"prompt_token_ids": p},
+                              SamplingParams(max_tokens=n, min_tokens=n, temperature=0)).request_id
            for p, n in zip(prompts, max_tokens)]
     seen = {request_id: [] for request_id in ids}
     while engine.has_unfinished():
