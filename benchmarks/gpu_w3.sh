@@ -32,10 +32,12 @@ $PYTHON -c "import fastapi, uvicorn, pydantic, starlette, prometheus_client, htt
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 # qwen3-0.6b in bf16 puts 9 tokens in a 1 MiB page: 384 MiB holds ~3,400 tokens, about 10 of the 32 requests
 # that may run at once (prompts 128-384 tokens + 64 new), so pages run out and requests are swapped.
-# Two runs, each bounded by W3_TIMEOUT (default 160 s; both take ~3-4 min in all):
+# Two runs, each bounded by W3_TIMEOUT (default 240 s; the Poisson run should take ~100 s at 4,800 requests, an
+# estimate from the 1,600-request runs, not yet run at this size):
 #   closed: 128 requests in flight (closed loop), as the first GPU run (results/w3_gpu_2026-11-29.json: 6.47x);
-#   poisson: Poisson arrivals at 1.5x the measured capacity, 1,600 requests (160 urgent: a p99 that is not just
-#   the worst one or two; with 80, six runs of the same code gave ratios from 1.74 to 5.01).
+#   poisson: Poisson arrivals at 1.5x the measured capacity, 4,800 requests (~60 s, 480 urgent: a p99 that is
+#   not the worst one or two; with 80 urgent, six runs of the same code gave ratios from 1.74 to 5.01, and with
+#   160 the client's urgent p99 still moved 12-25 ms between runs of the same code, seventh session).
 # 1,000 idle requests (~10 s) for the same reason: the p99 of 100 or 200 is their worst one or two, which a
 # single hiccup of the server or the client sets (priority.py also refuses to judge an idle phase whose p99 is
 # over twice its median).
@@ -45,8 +47,8 @@ common=(--model qwen3-0.6b --load-format dummy --device cuda --synthetic 400 --p
   --max-num-batched-tokens 2048 --max-outranked-prefill-tokens 64 --idle-requests 1000)
 status=0
 for run in ${W3_RUNS:-closed poisson}; do
-  if [ $run = closed ]; then extra=(--concurrency 128); else extra=(--synthetic 1600); fi
-  timeout ${W3_TIMEOUT:-160} $PYTHON benchmarks/priority.py "${common[@]}" "${extra[@]}" \
+  if [ $run = closed ]; then extra=(--concurrency 128); else extra=(--synthetic 4800); fi
+  timeout ${W3_TIMEOUT:-240} $PYTHON benchmarks/priority.py "${common[@]}" "${extra[@]}" \
     --server-log-dir "$OUT/w3_server_$run" --output "$OUT/w3_gpu_$run.json" ${W3_ARGS:-} > "$OUT/w3_gpu_$run.log" 2>&1
   run_status=$?
   [ $run_status -gt $status ] && status=$run_status

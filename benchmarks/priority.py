@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.w3_server import (COUNTERS, GAUGES, cuda_available, percentile_ms, scrape,  # noqa: E402
-                                  server_side, step_stats, w3_server)
+                                  server_side, step_stats, ttft_breakdown, w3_server)
 from dflash2.bench.client import RequestResult  # noqa: E402
 from dflash2.bench.dataset import BenchItem, load_dataset  # noqa: E402
 from dflash2.bench.load import LoadConfig, run_async, run_load, run_per_priority  # noqa: E402
@@ -276,6 +276,9 @@ def build_report(args: argparse.Namespace, phases: Phases, server_log: str | Non
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in COUNTERS}
     sides = (server_side(server_log, *phases.marks[0:2]), server_side(server_log, *phases.marks[1:3])) \
         if server_log else (None, None)
+    urgent_results = [r for r in load.results if r.priority == URGENT]
+    breakdowns = (ttft_breakdown(server_log, idle.results), ttft_breakdown(server_log, urgent_results)) \
+        if server_log else (None, None)
     target = verdict(per_class.get(str(URGENT), {}).get("ttft_p99_ms"), idle_stats["ttft_p50_ms"],
                      idle_stats["ttft_p99_ms"], len(failed), completed, len(load.results))
     return {
@@ -285,7 +288,7 @@ def build_report(args: argparse.Namespace, phases: Phases, server_log: str | Non
         "server_torch_threads": server_threads(args) if not args.url else None,
         "idle": {**idle_stats, "priority": URGENT, "max_tokens": args.idle_max_tokens,
                  "engine_steps": step_stats(start, before),
-                 "server_side": sides[0]},
+                 "server_side": sides[0], "ttft_breakdown": breakdowns[0]},
         "overload": {
             "requests": len(load.results), "arrivals": describe_arrivals(config, args.client_processes),
             "capacity_req_per_s": round(phases.capacity_req_per_s, 3),
@@ -295,6 +298,7 @@ def build_report(args: argparse.Namespace, phases: Phases, server_log: str | Non
             "output_tokens_per_s": round(sum(r.output_tokens for r in load.results if r.ok) / load.duration_s, 1),
             "per_class": per_class,
             "server_side": sides[1],
+            "urgent_ttft_breakdown": breakdowns[1],
             "engine_steps": step_stats(before, after),
             "preemptions": int(delta["dflash2_num_preemptions_total"]),
             "swap_outs": int(delta["dflash2_num_swap_outs_total"]),

@@ -131,3 +131,36 @@ def server_side(log_path: str, since: float, until: float) -> dict[str, Any]:
     return {str(priority): {f"{key}_p{q}_ms": percentile_ms(values, q) for key, values in s.items() if values
                             for q in (50, 99)}
             for priority, s in sorted(per_class.items())}
+
+
+def ttft_breakdown(log_path: str, results: list[Any], slowest: int = 5) -> dict[str, Any] | None:
+    """Where each client TTFT went, for the results whose response id is in the server's request log (client and
+    server on one host share its monotonic clock): `before_app`, the client sending -> the app received it
+    (connecting, the server's event loop accepting and parsing); `in_app`, received -> its first tokens written
+    to the stream; `after_write`, written -> the client parsed them. The three add up to the client's TTFT.
+    Returns p50/p99 of each and the `slowest` requests' parts, or None when nothing matches."""
+    wanted = {r.request_id: r for r in results if r.ok and r.ttft_s is not None and r.request_id}
+    parts: list[tuple[float, float, float, float]] = []  # (ttft, before_app, in_app, after_write), seconds
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            record = json.loads(line)
+            result = wanted.get(record.get("request_id"))
+            if result is None or record.get("received_monotonic") is None or record.get("first_sent_monotonic") is None:
+                continue
+            received, written = record["received_monotonic"], record["first_sent_monotonic"]
+            parts.append((result.ttft_s, received - result.started_at, written - received,
+                          result.started_at + result.ttft_s - written))
+    if not parts:
+        return None
+    names = ("before_app", "in_app", "after_write")
+    summary: dict[str, Any] = {"requests": len(parts)}
+    for i, name in enumerate(names, start=1):
+        summary[f"{name}_p50_ms"] = percentile_ms([p[i] for p in parts], 50)
+        summary[f"{name}_p99_ms"] = percentile_ms([p[i] for p in parts], 99)
+    summary["slowest"] = [{"ttft_ms": round(p[0] * 1000, 1),
+                           **{name: round(p[i] * 1000, 1) for i, name in enumerate(names, start=1)}}
+                          for p in sorted(parts, reverse=True)[:slowest]]
+    return summary
+

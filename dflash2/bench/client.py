@@ -36,7 +36,8 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
-    started_at: float = 0.0
+    started_at: float = 0.0  # time.perf_counter() when sending began (on Linux: the host-wide monotonic clock)
+    request_id: str | None = None  # the "id" of the response's chunks
 
     @property
     def tpot_s(self) -> float | None:
@@ -110,6 +111,8 @@ class _Events:
             return False
         result = self.result
         chunk = json.loads(data)
+        if result.request_id is None:
+            result.request_id = chunk.get("id")
         if "error" in chunk:
             result.error = str(chunk["error"].get("message", chunk["error"]))
             return False

@@ -88,8 +88,6 @@ class Generation:
                     yield batch  # what came before the error is sent first
                     batch = []
                 batch.append(self._take(item))
-            if self.timing.first_sent_at is None:
-                self.timing.first_sent_at = time.monotonic()
             yield batch
 
     async def collect(self, http_request: HTTPRequest) -> list[RequestOutput]:

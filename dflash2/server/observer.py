@@ -50,7 +50,8 @@ class StreamTiming:
     TTFT into HTTP in, engine, and HTTP out."""
 
     received_at: float | None = None  # the ASGI app saw the request
-    first_sent_at: float | None = None  # the first batch with tokens went to the response stream
+    first_sent_at: float | None = None  # the first text of tokens went to the response stream (a token whose
+    # text is held back, half a character or a possible stop string, is not sent yet: the client sees nothing)
 
 
 @dataclass(frozen=True)
@@ -279,12 +280,16 @@ def cuda_memory_reading(device: Any) -> tuple[float, None]:
 
 
 def _http_times(tracked: Tracked) -> dict[str, float]:
-    """received -> handed to the engine thread, and the engine's first token -> written to the stream."""
+    """received -> handed to the engine thread, and the engine's first token -> written to the stream; and the
+    two HTTP-side instants themselves (time.monotonic, seconds: the host-wide clock a client on this machine
+    can set its own times beside, as benchmarks/priority.py does)."""
     timing, times = tracked.timing, {}
     if timing is None:
         return times
     if timing.received_at is not None:
         times["http_in_ms"] = _ms(tracked.submitted_at - timing.received_at)
+        times["received_monotonic"] = round(timing.received_at, 6)
     if timing.first_sent_at is not None and tracked.first_token_at is not None:
         times["http_out_ms"] = _ms(timing.first_sent_at - tracked.first_token_at)
+        times["first_sent_monotonic"] = round(timing.first_sent_at, 6)
     return times

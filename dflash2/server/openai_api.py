@@ -11,6 +11,7 @@ A stream is server-sent events, one JSON chunk per `data:` line, closed by `data
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -261,8 +262,11 @@ async def stream_events(state: ServerState, generation: Generation, formatter: A
                 events.append(formatter.event_text(output, extra))
                 if output.finished:
                     finals.append(output)
-            if events:
-                yield "".join(events)  # one write for all the tokens that piled up while the loop was busy
+            text = "".join(events)  # one write for all the tokens that piled up while the loop was busy
+            if text:
+                if generation.timing.first_sent_at is None:
+                    generation.timing.first_sent_at = time.monotonic()  # the first token the client can see
+                yield text
         if include_usage:
             yield sse({**formatter.header([]), "usage": usage(finals)})
         if metrics is not None:

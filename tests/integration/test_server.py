@@ -157,6 +157,26 @@ def test_request_log_splits_the_http_side_from_the_engine(client, real_server):
     assert whole_record["http_in_ms"] >= 0 and "http_out_ms" not in whole_record  # not streamed
 
 
+def test_a_client_ttft_splits_into_sending_the_app_and_the_way_back(real_server):
+    """W3's breakdown (benchmarks/w3_server.py): the bench client's send time and the server log's monotonic
+    instants (received, first tokens written) share the host's clock, so the three parts are each >= 0 and add
+    up to the client's TTFT."""
+    from benchmarks.w3_server import ttft_breakdown
+    from dflash2.bench.client import send_raw
+    from dflash2.bench.dataset import BenchItem
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    results = [asyncio.run(send_raw(real_server.url, "/v1/completions", BenchItem(PROMPT, 3, 1000), MODEL, True,
+                                    headers)) for _ in range(3)]
+    assert all(r.ok and r.request_id.startswith("cmpl-") for r in results)
+    time.sleep(0.2)
+    summary = ttft_breakdown(str(real_server.stdout_path), results)
+    assert summary["requests"] == 3 and len(summary["slowest"]) == 3
+    for row in summary["slowest"]:
+        parts = (row["before_app"], row["in_app"], row["after_write"])
+        assert min(parts) >= 0 and abs(sum(parts) - row["ttft_ms"]) <= 0.3  # each part rounded to 0.1 ms
+
+
 def test_vllm_extra_sampling_fields(client, bundled_llm):
     forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
                                        extra_body={"ignore_eos": True, "min_tokens": 10, "top_k": 5,

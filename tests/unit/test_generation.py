@@ -48,3 +48,36 @@ def test_outputs_before_an_error_are_sent_then_the_error_raised():
 def test_no_output_in_time_is_a_stream_timeout():
     batches = collect([output(1)], timeout_s=0.05)
     assert batches[0] == [1] and isinstance(batches[1], StreamTimeout)
+
+
+def test_the_first_sent_time_is_the_first_text_the_client_sees():
+    """A first token whose text is held back (the bundled instruct model often starts a raw prompt with its
+    end-of-turn token, which has no text) is not sent, so the request log's first-written time is stamped with
+    the first text that is: after the second output was queued, not at the first."""
+    import time
+    from types import SimpleNamespace
+
+    from dflash2.server.openai_api import _CompletionFormat, stream_events
+
+    def plain(token: int, text: str, finished: bool = False) -> RequestOutput:
+        completion = CompletionOutput(0, text, [token], None, None, "length" if finished else None)
+        return RequestOutput("r", None, [1], None, [completion], finished, delta_text=text, delta_token_ids=[token])
+
+    async def main():
+        state = SimpleNamespace(config=SimpleNamespace(streaming_timeout_ms=None), metrics=None)
+        generation = Generation(NoEngine(), "r", ["r"])
+        stream = stream_events(state, generation, _CompletionFormat(state, generation, "m", None, None), False)
+        generation.outputs.put_nowait(plain(2, ""))
+        queued = {}
+
+        def second() -> None:
+            queued["at"] = time.monotonic()
+            generation.outputs.put_nowait(plain(7, "x", finished=True))
+        asyncio.get_running_loop().call_later(0.05, second)
+        first_chunk = await stream.__anext__()
+        rest = [chunk async for chunk in stream]
+        return first_chunk, rest, generation.timing.first_sent_at, queued["at"]
+
+    first_chunk, rest, first_sent_at, second_queued_at = asyncio.run(main())
+    assert '"text": "x"' in first_chunk and rest == ["data: [DONE]\n\n"]
+    assert first_sent_at is not None and first_sent_at >= second_queued_at
