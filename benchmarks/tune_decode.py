@@ -3,9 +3,13 @@
     PYTHONPATH=$PWD python3 benchmarks/tune_decode.py [--kinds bf16,int8,int4,fp8] [--layouts head_major,token_major]
                                                       [--int8-paths imma_t,imma,legacy] [--cases w1,w2] [--length 800]
                                                       [--grid "64,2,2 64,2,3"]
+                                                      [--w1-data .bench/w1_throughput.jsonl --decoded 256]
                                                       [--output tune.json]      (GPU)
 Caches are real engine pools: Qwen3-0.6B (28 layers, 8 KV heads, GQA 2, head 128) in 1 MiB pages (9 bf16
-tokens a page, 18 int8, 35 int4), 256 requests of --length tokens (800), layer 0 read; W2 is llama-3-8b batch 1
+tokens a page, 18 int8, 35 int4), 256 requests of --length tokens (800) in shuffled pages, or with --w1-data W1's
+own prompts after --decoded steps in the pages the engine would give them (prompt pages in runs, decode pages
+interleaved, rows longest first: the uniform case has ranked configs unlike W1 itself), layer 0 read; W2 is
+llama-3-8b batch 1
 at 384 tokens (bf16 only). int8 runs each of its decode loops (int8_decode.INT8_DECODE: "imma_t", integer K.q^T
 dots a warp per token sub-tile; "imma", integer q.K dots; "legacy", K/V dequantized to fp16) over INT8_GRID,
 labelled "int8-imma_t" / "int8-imma" / "int8-legacy". Bandwidth counts
@@ -37,13 +41,47 @@ GRID = list(itertools.product((16, 32, 64), (2, 4), (1, 2)))  # BLOCK_N, warps, 
 INT8_GRID = list(itertools.product((32, 64, 128), (1, 2, 4), (2,))) + [(64, 2, 3), (128, 4, 3)]
 
 
-def case(kind: str, head_major: bool, batch: int, length: int, layers: int, kv_heads: int, group: int, dim: int):
+def engine_pages(prompt_lengths: list[int], decoded: int, tokens_per_page: int) -> tuple[list[list[int]], list[int]]:
+    """Page ids as the engine hands them out to these requests, and their lengths, after `decoded` steps of
+    decoding together: each prompt's pages in one run at its prefill (requests in order), then one page at a
+    time as a request's tokens cross a page boundary, in step order (so decode pages interleave across
+    requests). Rows come longest first, as the runner orders decode rows."""
+    next_page = 0
+    tables: list[list[int]] = []
+    for length in prompt_lengths:
+        count = -(-length // tokens_per_page)
+        tables.append(list(range(next_page, next_page + count)))
+        next_page += count
+    lengths = list(prompt_lengths)
+    for _ in range(decoded):
+        for i, table in enumerate(tables):
+            lengths[i] += 1
+            if lengths[i] > len(table) * tokens_per_page:
+                table.append(next_page)
+                next_page += 1
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [tables[i] for i in order], [lengths[i] for i in order]
+
+
+def case(kind: str, head_major: bool, batch: int, length: int, layers: int, kv_heads: int, group: int, dim: int,
+         prompt_lengths: list[int] | None = None, decoded: int = 0):
+    """A real cache pool and the decode inputs: `batch` requests of `length` tokens in shuffled pages, or, with
+    `prompt_lengths`, those requests after `decoded` steps in the pages the engine would give them."""
     arch = ModelArchConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=kv_heads * group * dim,
                            intermediate_size=64, num_layers=layers, num_heads=kv_heads * group,
                            num_kv_heads=kv_heads, head_dim=dim, max_position_embeddings=8192)
     layout = KVLayout.for_model(arch, kind, 1 << 20, head_major=head_major)
-    pages_each = -(-length // layout.tokens_per_page)
-    num_pages = batch * pages_each
+    if prompt_lengths:
+        tables, request_lengths = engine_pages(prompt_lengths, decoded, layout.tokens_per_page)
+        batch = len(tables)
+        num_pages = max(max(t) for t in tables) + 1
+        width = max(len(t) for t in tables)
+        rows = [t + [0] * (width - len(t)) for t in tables]
+    else:
+        pages_each = -(-length // layout.tokens_per_page)
+        num_pages = batch * pages_each
+        request_lengths = [length] * batch
+        rows = torch.randperm(num_pages, dtype=torch.int64).view(batch, pages_each).tolist()
     pool = torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8, device="cuda")
     cache = layout.layer_views(pool)[0]
     for view in (cache.k, cache.v):
@@ -54,26 +92,27 @@ def case(kind: str, head_major: bool, batch: int, length: int, layers: int, kv_h
     for scales in (cache.k_scale, cache.v_scale):
         if scales is not None:
             scales.fill_(0.02)
-    table = torch.randperm(num_pages, device="cuda", dtype=torch.int64).to(torch.int32).view(batch, pages_each)
+    table = torch.tensor(rows, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, kv_heads * group, dim, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(batch, device="cuda", dtype=torch.int32)
-    lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-    kv_bytes = 2 * batch * length * kv_heads * (layout.row_bytes + layout.scale_bytes)
+    lengths = torch.tensor(request_lengths, dtype=torch.int32, device="cuda")
+    kv_bytes = 2 * sum(request_lengths) * kv_heads * (layout.row_bytes + layout.scale_bytes)
     return q, cache, table, slots, lengths, kv_bytes, layout.tokens_per_page
 
 
 def measure(name: str, kind: str, layout_name: str, grid: list, int8_path: str | None = None,
-            length: int | None = None) -> list[dict]:
+            length: int | None = None, prompt_lengths: list[int] | None = None, decoded: int = 0) -> list[dict]:
     shape = {**CASES[name], **({"length": length} if length else {})}
-    q, cache, table, slots, lengths, kv_bytes, tpp = case(kind, layout_name == "head_major", **shape)
-    splits = tri.decode_num_splits(shape["batch"], shape["kv_heads"])
+    q, cache, table, slots, lengths, kv_bytes, tpp = case(kind, layout_name == "head_major", **shape,
+                                                          prompt_lengths=prompt_lengths, decoded=decoded)
+    splits = tri.decode_num_splits(len(lengths), shape["kv_heads"])
     label = f"{kind}-{int8_path}" if int8_path else kind
     rows = []
     for block_n, warps, stages in grid:
         config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
                   **({"int8": int8_path} if int8_path else {})}
         row = {"case": name, "kind": label, "layout": layout_name, "tokens_per_page": tpp,
-               "length": shape["length"], **config}
+               **({"prompts": "w1", "decoded": decoded} if prompt_lengths else {"length": shape["length"]}), **config}
         try:
             ms = triton.testing.do_bench(
                 lambda: tri.decode_attention(q, cache.k, cache.v, table, slots, lengths, 0.088, splits,
@@ -102,10 +141,19 @@ def main() -> None:
     parser.add_argument("--cases", default="w1,w2", help="w2 runs with bf16 only")
     parser.add_argument("--length", type=int, default=None, help="W1 context tokens (default 800)")
     parser.add_argument("--output", default=None, help="also write every row and the summary as JSON here")
+    parser.add_argument("--w1-data", default=None,
+                        help="W1's jsonl (.bench/w1_throughput.jsonl): its prompts' lengths, in the pages the engine "
+                             "would give them, instead of --length tokens for every row in shuffled pages")
+    parser.add_argument("--decoded", type=int, default=256, help="with --w1-data: tokens decoded so far")
     parser.add_argument("--grid", default=None,
                         help="the configs to time, every kind alike: 'BLOCK_N,warps,stages' items separated by spaces")
     args = parser.parse_args()
     grid = [tuple(int(v) for v in item.split(",")) for item in args.grid.split()] if args.grid else None
+    prompts = None
+    if args.w1_data:
+        with open(args.w1_data) as f:
+            prompts = [len(json.loads(line)["prompt_token_ids"]) for line in f if line.strip()]
+    w1 = dict(length=args.length, prompt_lengths=prompts, decoded=args.decoded)
     kinds, layouts, cases = args.kinds.split(","), args.layouts.split(","), args.cases.split(",")
     results: list[dict] = []
     for kind, layout_name in itertools.product(kinds, layouts):
@@ -113,9 +161,9 @@ def main() -> None:
             break
         if kind == "int8":
             for path in args.int8_paths.split(","):
-                results += measure("w1", kind, layout_name, grid or INT8_GRID, path, args.length)
+                results += measure("w1", kind, layout_name, grid or INT8_GRID, path, **w1)
         else:
-            results += measure("w1", kind, layout_name, grid or GRID, length=args.length)
+            results += measure("w1", kind, layout_name, grid or GRID, **w1)
     if "bf16" in kinds and "w2" in cases:
         for layout_name in layouts:
             results += measure("w2", "bf16", layout_name, GRID)
