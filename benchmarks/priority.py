@@ -10,7 +10,7 @@
        judged only when the idle phase is stable (idle p99 <= 2x idle p50: else a few disturbed idle
        requests would set the p99 the ratio divides by); the server-side ratio is reported beside it.
 
-CPU, the bundled model and the shipped sample dataset (about 2 minutes on 2 cores):
+CPU, the bundled model and the shipped sample dataset through the chat endpoint (about 4 minutes on 2 cores):
     .venv/bin/python benchmarks/priority.py --output benchmarks/results/w3_cpu.json
 GPU, dummy Qwen3-0.6B and a tokenizer-free dataset of token ids (see benchmarks/gpu_w3.sh):
     python3 benchmarks/priority.py --model qwen3-0.6b --load-format dummy --device cuda \\
@@ -87,7 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="instead of a dataset: N prompts of random token ids (no tokenizer needed)")
     load.add_argument("--prompt-len", type=int, default=256, help="--synthetic: tokens per prompt (+-50%%)")
     load.add_argument("--output-len", type=int, default=64, help="--synthetic: new tokens per request")
-    load.add_argument("--endpoint", default=None, help="default: /v1/completions, /generate with --synthetic")
+    load.add_argument("--endpoint", default=None,
+                      help="default: /v1/chat/completions for text prompts (the bundled model is an instruct "
+                           "model: on a raw prompt its first token is mostly its end-of-turn token, which shows no "
+                           "text, so a completion's first text is its second token), else /generate (token ids, "
+                           "--synthetic)")
     load.add_argument("--idle-requests", type=int, default=20, help="sequential priority-1000 requests")
     load.add_argument("--idle-max-tokens", type=int, default=8,
                       help="new tokens per idle request (only their TTFT is compared)")
@@ -215,7 +219,8 @@ def run(args: argparse.Namespace, url: str) -> Phases:
     """1. warm-up that measures capacity; 2. idle urgent requests one at a time; 3. the overload."""
     items = (synthetic_items(args.synthetic, args.prompt_len, args.output_len, args.seed) if args.synthetic
              else load_dataset(args.dataset))
-    endpoint = args.endpoint or ("/generate" if args.synthetic else "/v1/completions")
+    text = all(isinstance(item.prompt, str) for item in items)
+    endpoint = args.endpoint or ("/v1/chat/completions" if text else "/generate")
     num_prompts = args.num_prompts or len(items)
     base = LoadConfig(url=url, endpoint=endpoint, concurrency=2 * args.max_num_seqs, num_prompts=num_prompts,
                       timeout_s=args.timeout, ignore_eos=args.ignore_eos, seed=args.seed, progress=False,
