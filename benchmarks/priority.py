@@ -246,7 +246,10 @@ def run(args: argparse.Namespace, url: str) -> Phases:
     idle_items = [replace(item, max_tokens=min(item.max_tokens, args.idle_max_tokens)) for item in urgent_items]
     phases.marks.append(time.time())
     phases.snapshots.append(scrape(url))
-    phases.idle = run_async(run_load(replace(base, concurrency=1, num_prompts=args.idle_requests), idle_items))
+    # no /metrics scraping here: each scrape is work on the server's event loop that a lone urgent request
+    # could queue behind, and the idle phase needs no gauges
+    phases.idle = run_async(run_load(replace(base, concurrency=1, num_prompts=args.idle_requests,
+                                             scrape_metrics=False), idle_items))
     phases.snapshots.append(scrape(url))
     phases.marks.append(time.time())
 
