@@ -40,8 +40,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.w3_server import (COUNTERS, GAUGES, cuda_available, percentile_ms, scrape,  # noqa: E402
-                                  server_side, step_stats, ttft_breakdown, w3_server)
+from benchmarks.w3_server import (COUNTERS, GAUGES, cuda_available, percentile_ms, request_log,  # noqa: E402
+                                  scrape, server_side, step_stats, ttft_breakdown, w3_server)
 from dflash2.bench.client import RequestResult  # noqa: E402
 from dflash2.bench.dataset import BenchItem, load_dataset  # noqa: E402
 from dflash2.bench.load import LoadConfig, run_async, run_load, run_per_priority  # noqa: E402
@@ -282,11 +282,12 @@ def build_report(args: argparse.Namespace, phases: Phases, server_log: str | Non
     completed = sum(s["completed"] for s in per_class.values())
     start, before, after = phases.snapshots
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in COUNTERS}
-    sides = (server_side(server_log, *phases.marks[0:2]), server_side(server_log, *phases.marks[1:3])) \
-        if server_log else (None, None)
-    urgent_results = [r for r in load.results if r.priority == URGENT]
-    breakdowns = (ttft_breakdown(server_log, idle.results), ttft_breakdown(server_log, urgent_results)) \
-        if server_log else (None, None)
+    sides = breakdowns = (None, None)
+    if server_log:
+        records = request_log(server_log)
+        sides = (server_side(records, *phases.marks[0:2]), server_side(records, *phases.marks[1:3]))
+        breakdowns = (ttft_breakdown(records, idle.results),
+                      ttft_breakdown(records, [r for r in load.results if r.priority == URGENT]))
     target = verdict(per_class.get(str(URGENT), {}).get("ttft_p99_ms"), idle_stats["ttft_p50_ms"],
                      idle_stats["ttft_p99_ms"], len(failed), completed, len(load.results))
     return {

@@ -110,48 +110,47 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None or seconds == float("inf") else round(1000 * seconds, 1)
 
 
-def server_side(log_path: str, since: float, until: float) -> dict[str, Any]:
-    """Per priority class, from the server's JSON request log: queue time (arrival at the engine thread to
-    first scheduled step) and TTFT as the engine thread saw it, and the HTTP side's share around it (http_in:
-    the app received it -> the engine thread had it; http_out: first token -> written to the stream), for
-    requests that finished in [since, until]."""
-    per_class: dict[int, dict[str, list[float]]] = {}
+def request_log(log_path: str) -> list[dict[str, Any]]:
+    """The `request_finished` records of the server's JSON request log (its stdout)."""
     with open(log_path, errors="replace") as f:
-        for line in f:
-            if not line.startswith("{"):
-                continue
-            record = json.loads(line)
-            if record.get("event") != "request_finished" or not since <= record["time"] <= until:
-                continue
-            fields = {"queue": "queue_time_ms", "ttft": "ttft_ms", "http_in": "http_in_ms", "http_out": "http_out_ms"}
-            series = per_class.setdefault(record["priority"], {key: [] for key in fields})
-            for key, field in fields.items():
-                if record.get(field) is not None:
-                    series[key].append(record[field] / 1000.0)
+        records = [json.loads(line) for line in f if line.startswith("{")]
+    return [r for r in records if r.get("event") == "request_finished"]
+
+
+def server_side(records: list[dict[str, Any]], since: float, until: float) -> dict[str, Any]:
+    """Per priority class, from the server's request log (request_log()): queue time (arrival at the engine
+    thread to first scheduled step) and TTFT as the engine thread saw it, and the HTTP side's share around it
+    (http_in: the app received it -> the engine thread had it; http_out: first token -> first text written to
+    the stream), for requests that finished in [since, until]."""
+    fields = {"queue": "queue_time_ms", "ttft": "ttft_ms", "http_in": "http_in_ms", "http_out": "http_out_ms"}
+    per_class: dict[int, dict[str, list[float]]] = {}
+    for record in records:
+        if not since <= record["time"] <= until:
+            continue
+        series = per_class.setdefault(record["priority"], {key: [] for key in fields})
+        for key, field in fields.items():
+            if record.get(field) is not None:
+                series[key].append(record[field] / 1000.0)
     return {str(priority): {f"{key}_p{q}_ms": percentile_ms(values, q) for key, values in s.items() if values
                             for q in (50, 99)}
             for priority, s in sorted(per_class.items())}
 
 
-def ttft_breakdown(log_path: str, results: list[Any], slowest: int = 5) -> dict[str, Any] | None:
-    """Where each client TTFT went, for the results whose response id is in the server's request log (client and
-    server on one host share its monotonic clock): `before_app`, the client sending -> the app received it
-    (connecting, the server's event loop accepting and parsing); `in_app`, received -> its first tokens written
-    to the stream; `after_write`, written -> the client parsed them. The three add up to the client's TTFT.
-    Returns p50/p99 of each and the `slowest` requests' parts, or None when nothing matches."""
+def ttft_breakdown(records: list[dict[str, Any]], results: list[Any], slowest: int = 5) -> dict[str, Any] | None:
+    """Where each client TTFT went, for the results whose response id is in the server's request log
+    (request_log(); client and server on one host share its monotonic clock): `before_app`, the client sending
+    -> the app received it (connecting, the server's event loop accepting and parsing); `in_app`, received -> its
+    first text written to the stream; `after_write`, written -> the client parsed it. The three add up to the
+    client's TTFT. Returns p50/p99 of each and the `slowest` requests' parts, or None when nothing matches."""
     wanted = {r.request_id: r for r in results if r.ok and r.ttft_s is not None and r.request_id}
     parts: list[tuple[float, float, float, float]] = []  # (ttft, before_app, in_app, after_write), seconds
-    with open(log_path, errors="replace") as f:
-        for line in f:
-            if not line.startswith("{"):
-                continue
-            record = json.loads(line)
-            result = wanted.get(record.get("request_id"))
-            if result is None or record.get("received_monotonic") is None or record.get("first_sent_monotonic") is None:
-                continue
-            received, written = record["received_monotonic"], record["first_sent_monotonic"]
-            parts.append((result.ttft_s, received - result.started_at, written - received,
-                          result.started_at + result.ttft_s - written))
+    for record in records:
+        result = wanted.get(record["request_id"])
+        received, written = record.get("received_monotonic"), record.get("first_sent_monotonic")
+        if result is None or received is None or written is None:
+            continue
+        parts.append((result.ttft_s, received - result.started_at, written - received,
+                      result.started_at + result.ttft_s - written))
     if not parts:
         return None
     names = ("before_app", "in_app", "after_write")

@@ -26,7 +26,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled one is always included)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token
-    # "every_step": Engine.step() returns an output for this request every step it makes a token (streaming);
+    # "every_step": Engine.step() returns an output for this request as it makes tokens (streaming: every step,
+    # or every EngineConfig.stream_interval tokens);
     # "final_only": only when it finishes (LLM.generate; vLLM's RequestOutputKind.FINAL_ONLY)
     output_kind: str = "every_step"
     stop_strings: list[str] = field(init=False, default_factory=list)

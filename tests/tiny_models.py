@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import torch
 
@@ -59,3 +60,10 @@ def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+def random_prompts(count: int, seed: int, min_len: int = 3, max_len: int = 23) -> list[list[int]]:
+    """`count` prompts of random token ids in 3..255, each of min_len..max_len - 1 tokens, from a seeded RNG."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randrange(min_len, max_len))] for _ in range(count)]
+

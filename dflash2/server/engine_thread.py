@@ -118,8 +118,8 @@ class EngineThread:
         self._commands.put(_Stop())
         if self._thread is not None:
             self._thread.join(timeout_s)
-        if self.observer is not None and self.observer.gpu_sampler is not None:
-            self.observer.gpu_sampler.stop()
+        if self.observer is not None:
+            self.observer.close()
 
     @property
     def ready(self) -> bool:

@@ -156,6 +156,11 @@ class RequestObserver:
             self.metrics.step_finish.observe(getattr(engine, "last_finish_seconds", 0.0))
         self._update_gauges()
 
+    def close(self) -> None:
+        """Stop what the observer started (the GPU sampler thread)."""
+        if self.gpu_sampler is not None:
+            self.gpu_sampler.stop()
+
     def tick(self, now: float) -> None:
         """Called on every turn of the engine loop (at least every half second when idle)."""
         self._update_gauges()

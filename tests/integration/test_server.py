@@ -161,7 +161,7 @@ def test_a_client_ttft_splits_into_sending_the_app_and_the_way_back(real_server)
     """W3's breakdown (benchmarks/w3_server.py): the bench client's send time and the server log's monotonic
     instants (received, first tokens written) share the host's clock, so the three parts are each >= 0 and add
     up to the client's TTFT."""
-    from benchmarks.w3_server import ttft_breakdown
+    from benchmarks.w3_server import request_log, ttft_breakdown
     from dflash2.bench.client import send_raw
     from dflash2.bench.dataset import BenchItem
 
@@ -170,7 +170,7 @@ def test_a_client_ttft_splits_into_sending_the_app_and_the_way_back(real_server)
                                     headers)) for _ in range(3)]
     assert all(r.ok and r.request_id.startswith("cmpl-") for r in results)
     time.sleep(0.2)
-    summary = ttft_breakdown(str(real_server.stdout_path), results)
+    summary = ttft_breakdown(request_log(str(real_server.stdout_path)), results)
     assert summary["requests"] == 3 and len(summary["slowest"]) == 3
     for row in summary["slowest"]:
         parts = (row["before_app"], row["in_app"], row["after_write"])

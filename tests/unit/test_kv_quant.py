@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from dflash2.kernels.triton import attention as tri  # noqa: E402
 from dflash2.kernels.triton import kv_write  # noqa: E402
 from tests.engine_runs import run_with_urgent_arrivals  # noqa: E402
 from tests.paging import mixed_batch_metadata, random_page_table  # noqa: E402
-from tests.tiny_models import build_tiny_model  # noqa: E402
+from tests.tiny_models import random_prompts  # noqa: E402
 
 QUANTIZED = ("int8", "int4", "fp8")
 HEAD_DIM = 16
@@ -250,19 +249,12 @@ def test_triton_int8_prefill_in_half_precision(dtype):
 PAGE_BYTES = 1152  # tiny qwen2 (2 layers, 2 KV heads, head 16): int8 144 bytes/token -> 8 tokens a page
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("qwen2"))
-    build_tiny_model("qwen2", directory)
-    return directory
-
 
 def prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(rng.randrange(4, 30))] for _ in range(count)]
+    return random_prompts(count, seed, min_len=4, max_len=30)
 
 
-def test_int8_kv_logprobs_stay_close_to_float_kv(tiny):
+def test_int8_kv_logprobs_stay_close_to_float_kv(tiny_qwen2):
     """Prompt logprobs through prefill and decode over an int8 cache vs the float32 cache of the same model.
 
     Tolerance: the random model is sharp and sensitive (initializer_range 0.3, random biases on K): even a
@@ -273,7 +265,7 @@ def test_int8_kv_logprobs_stay_close_to_float_kv(tiny):
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     results = {}
     for kv in ("fp32", "int8"):
-        llm = LLM(tiny, kv_cache_dtype=kv, page_bytes=PAGE_BYTES * 4, kv_cache_memory=64 * PAGE_BYTES * 4,
+        llm = LLM(tiny_qwen2, kv_cache_dtype=kv, page_bytes=PAGE_BYTES * 4, kv_cache_memory=64 * PAGE_BYTES * 4,
                   max_model_len=64, prefill_chunk_size=7, max_num_batched_tokens=16)
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
         results[kv] = [[e[t].logprob for e, t in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(outs, batch)]
@@ -282,18 +274,18 @@ def test_int8_kv_logprobs_stay_close_to_float_kv(tiny):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_chunking_prefix_hits_and_swap_do_not_change_quantized_results(tiny, kind):
+def test_chunking_prefix_hits_and_swap_do_not_change_quantized_results(tiny_qwen2, kind):
     """The same quantized run with whole prompts, no prefix cache and no preemption gives the same tokens."""
     low, high = prompts(4, seed=21), prompts(3, seed=22)
     shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
     low[0], high[0] = shared + low[0], shared + high[0]  # a prefix of two full pages, cached when high comes
     params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)
     common = dict(kv_cache_dtype=kind, page_bytes=PAGE_BYTES, max_model_len=64, max_num_seqs=4)
-    plain = LLM(tiny, **common, kv_cache_memory=256 * PAGE_BYTES, prefill_chunk_size=64, max_num_batched_tokens=256,
-                enable_prefix_caching=False)
+    plain = LLM(tiny_qwen2, **common, kv_cache_memory=256 * PAGE_BYTES, prefill_chunk_size=64,
+                max_num_batched_tokens=256, enable_prefix_caching=False)
     expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in low + high], params)]
 
-    llm = LLM(tiny, **common, kv_cache_memory=18 * PAGE_BYTES, prefill_chunk_size=5, max_num_batched_tokens=24,
+    llm = LLM(tiny_qwen2, **common, kv_cache_memory=18 * PAGE_BYTES, prefill_chunk_size=5, max_num_batched_tokens=24,
               swap_space=f"{64 * PAGE_BYTES}B")
     engine = llm.engine
     got = run_with_urgent_arrivals(engine, low, high, params, steps_before=6)
@@ -301,25 +293,27 @@ def test_chunking_prefix_hits_and_swap_do_not_change_quantized_results(tiny, kin
     assert got == expected
 
 
-def test_engine_on_triton_kernels_matches_torch_with_int8_kv(tiny):
+def test_engine_on_triton_kernels_matches_torch_with_int8_kv(tiny_qwen2):
     """The whole engine on the interpreted Triton backend (quantizing writes, fused rotary, decode and
     prefill reading int8 pages) gives the torch backend's tokens."""
     batch = [{"prompt_token_ids": p[:13]} for p in prompts(2, seed=4)]  # 13 and 9 tokens: chunks of 6
     params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0)
     options = dict(kv_cache_dtype="int8", page_bytes=PAGE_BYTES, prefill_chunk_size=6, max_num_batched_tokens=16,
                    kv_cache_memory=64 * PAGE_BYTES, max_model_len=48)
-    expected = [o.outputs[0].token_ids for o in LLM(tiny, **options).generate(batch, params)]
-    got = [o.outputs[0].token_ids for o in LLM(tiny, attention_backend="triton", **options).generate(batch, params)]
+    expected = [o.outputs[0].token_ids for o in LLM(tiny_qwen2, **options).generate(batch, params)]
+    triton_llm = LLM(tiny_qwen2, attention_backend="triton", **options)
+    got = [o.outputs[0].token_ids for o in triton_llm.generate(batch, params)]
     assert got == expected
 
 
-def test_scoring_emulates_the_engine_kv_path(tiny):
+def test_scoring_emulates_the_engine_kv_path(tiny_qwen2):
     """validate's perplexity with int8 KV (dense attention over quantize->dequantize K/V) equals the
     engine's own prompt logprobs over int8 pages."""
     from dflash2.quantization.scoring import log_probs
 
     ids = prompts(1, seed=9)[0] + prompts(1, seed=10)[0]
-    llm = LLM(tiny, kv_cache_dtype="int8", page_bytes=PAGE_BYTES, kv_cache_memory=64 * PAGE_BYTES, max_model_len=64)
+    llm = LLM(tiny_qwen2, kv_cache_dtype="int8", page_bytes=PAGE_BYTES, kv_cache_memory=64 * PAGE_BYTES,
+              max_model_len=64)
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     engine_lp = torch.tensor([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])])
     dense = log_probs(llm.engine.model.module, ids, "int8")

@@ -4,14 +4,12 @@ Pages hold 4 tokens and prefill chunks are 5 tokens, so every case crosses page 
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from dflash2 import LLM, SamplingParams
 from tests.engine_runs import run_with_urgent_arrivals
-from tests.tiny_models import ARCHS, build_tiny_model, hf_greedy, hf_logprobs
+from tests.tiny_models import ARCHS, build_tiny_model, hf_greedy, hf_logprobs, random_prompts
 
 PAGE_BYTES = 2048  # 2 layers * 2 (K,V) * 2 kv heads * 16 dims * 4 bytes = 512 bytes/token -> 4 tokens a page
 
@@ -31,8 +29,7 @@ def make_llm(directory: str, arch: str, **kwargs) -> LLM:
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 23))] for _ in range(count)]
+    return random_prompts(count, seed)
 
 
 GREEDY = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)  # as HF min_new_tokens: EOS masked

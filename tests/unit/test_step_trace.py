@@ -2,28 +2,15 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
 from dflash2 import LLM, SamplingParams
 from dflash2.engine.step_trace import ENV
 from tests.engine_runs import run_with_urgent_arrivals
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import random_prompts as prompts
 
 PAGE_BYTES = 2048  # tiny llama: 512 bytes a token in float32 -> 4 tokens a page
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    directory = str(tmp_path_factory.mktemp("tiny-llama"))
-    build_tiny_model("llama", directory)
-    return directory
-
-
-def prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 23))] for _ in range(count)]
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -5,14 +5,6 @@ from __future__ import annotations
 import pytest
 
 from dflash2 import LLM, SamplingParams
-from tests.tiny_models import build_tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("llama"))
-    build_tiny_model("llama", directory)
-    return directory
 
 
 def streamed(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list]:
@@ -29,12 +21,12 @@ def streamed(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_outputs_come_every_n_tokens_with_every_token_in_them(tiny, overlap):
+def test_outputs_come_every_n_tokens_with_every_token_in_them(tiny_llama, overlap):
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23]]
     max_tokens = [8, 2, 7]
     common = dict(max_model_len=64, kv_cache_memory="1MiB", page_bytes=4096, overlap=overlap)
-    every = streamed(LLM(tiny, **common), prompts, max_tokens)
-    batched = streamed(LLM(tiny, **common, stream_interval=3), prompts, max_tokens)
+    every = streamed(LLM(tiny_llama, **common), prompts, max_tokens)
+    batched = streamed(LLM(tiny_llama, **common, stream_interval=3), prompts, max_tokens)
     # 8 tokens: the first, then 2-4, 5-7, and the last; 2 tokens: both at once; 7: 1, 2-4, 5-7 (finished)
     assert [[len(o.delta_token_ids) for o in outs] for outs in batched] == [[1, 3, 3, 1], [1, 1], [1, 3, 3]]
     assert [[len(o.delta_token_ids) for o in outs] for outs in every] == [[1] * n for n in max_tokens]
@@ -45,6 +37,6 @@ def test_outputs_come_every_n_tokens_with_every_token_in_them(tiny, overlap):
         assert "".join(o.delta_text for o in mine) == mine[-1].outputs[0].text == reference[-1].outputs[0].text
 
 
-def test_stream_interval_below_one_is_an_error(tiny):
+def test_stream_interval_below_one_is_an_error(tiny_llama):
     with pytest.raises(ValueError, match="stream_interval"):
-        LLM(tiny, stream_interval=0)
+        LLM(tiny_llama, stream_interval=0)
