@@ -25,6 +25,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(suffix, torch.zeros(shape, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.runtime: RuntimeWeight | None = None
+        self.gate_up = False  # rows [gate | up]: forward(silu_out=True) may fuse silu(gate) * up (see prepare)
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -47,12 +48,21 @@ class QuantLinear(nn.Module):
 
     def prepare(self, backend: Any, dtype: torch.dtype) -> None:
         self.runtime = backend.prepare(self.packed(), dtype)
+        if self.gate_up and hasattr(self.runtime, "pair_gate_up"):
+            self.runtime.pair_gate_up()
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.fmt, self.packed().tensors, dtype)
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """y = x W^T (+ bias); with `silu_mul`, x is a fused [gate | up] and silu(gate) * up goes in."""
+    def forward(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False) -> torch.Tensor:
+        """y = x W^T (+ bias); with `silu_mul`, x is a fused [gate | up] and silu(gate) * up goes in; with
+        `silu_out` (a gate_up layer, no bias), y is [gate | up] and silu(gate) * up comes out."""
+        if silu_out:
+            if getattr(self.runtime, "fuses_silu_out", False) and self.bias is None:
+                return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=True)
+            from dflash2.layers.linear import silu_and_mul
+
+            return silu_and_mul(self.forward(x, silu_mul))
         if silu_mul and not getattr(self.runtime, "fuses_silu_mul", False):
             from dflash2.layers.linear import silu_and_mul
 

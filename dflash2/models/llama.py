@@ -15,6 +15,7 @@ from dflash2.config import ModelArchConfig
 from dflash2.kernels.attention_metadata import AttentionMetadata
 from dflash2.layers.embedding import make_embedding
 from dflash2.layers.linear import make_linear
+from dflash2.layers.quant_linear import QuantLinear
 from dflash2.layers.norm import RMSNorm
 from dflash2.layers.rotary import RotaryEmbedding
 from dflash2.quantization.config import QuantConfig
@@ -93,8 +94,14 @@ class LlamaMLP(nn.Module):
         hidden, inter = arch.hidden_size, arch.intermediate_size
         self.gate_up_proj = make_linear(hidden, 2 * inter, _format(quant, "ffn", hidden, layer_index))
         self.down_proj = make_linear(inter, hidden, _format(quant, "ffn", inter, layer_index))
+        if isinstance(self.gate_up_proj, QuantLinear):
+            self.gate_up_proj.gate_up = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # silu(gate) * up: applied by gate_up_proj as it stores its outputs where its kernel can (the int4
+        # GEMV), else by down_proj on its input (fused into the 16-bit GEMV)
+        if getattr(getattr(self.gate_up_proj, "runtime", None), "fuses_silu_out", False):
+            return self.down_proj(self.gate_up_proj(x, silu_out=True))
         return self.down_proj(self.gate_up_proj(x), silu_mul=True)  # silu(gate) * up, fused where it can be
 
 

@@ -129,7 +129,7 @@ def test_int8_decode_dequantizes_to_fp16_exactly_enough(path, tokens_per_page, d
 
 
 @pytest.mark.parametrize("path", ["imma_t", "imma"])
-@pytest.mark.parametrize("block_n,num_warps", [(32, 2), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4)])
+@pytest.mark.parametrize("block_n,num_warps", [(16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4)])
 @pytest.mark.parametrize("q_range", [1e-3, 30.0, 3e4])
 def test_int8_imma_decode_configs_and_q_ranges(path, block_n, num_warps, q_range):
     """The imma loop at the configs benchmarks/tune_decode.py tries, and q far from unit size (q is quantized

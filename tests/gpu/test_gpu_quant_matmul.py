@@ -155,6 +155,21 @@ def test_int4_gemv_silu_mul_on_down_proj(rows):
     assert _relative_error(int4_gemv(gate_up, prepared, silu_mul=True), expected) < 5e-3
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_int4_gemv_gate_up_silu_out_is_exact(rows):
+    """llama-3-8b's gate_up with its rows paired (pair_gate_up): silu_out equals the unpaired GEMV followed by the
+    silu_and_mul kernel bit for bit in bf16, and a plain product keeps [gate | up] order, at the default configs."""
+    from dflash2.kernels.triton.elementwise import silu_and_mul
+    from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up
+
+    _, prepared = _int4_prepared(28672, 4096)
+    paired = pair_gate_up(prepared)
+    x = torch.randn(rows, 4096, device="cuda").bfloat16()
+    plain = int4_gemv(x, prepared)
+    assert torch.equal(int4_gemv(x, paired), plain)
+    assert torch.equal(int4_gemv(x, paired, silu_out=True), silu_and_mul(plain))
+
+
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_int4_gemv_graph_replay_matches_eager(split_k):
     from dflash2.kernels.triton.int4_gemv import int4_config, int4_gemv

@@ -194,3 +194,49 @@ def test_int4_gemv_is_the_backend_default():
     for rows in (1, 2, 4):
         x = torch.randn(rows, 256)
         torch.testing.assert_close(runtime.matmul(x), expected(x, weight), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows, block_n, split_k", [(1, 8, 1), (3, 4, 1), (4, 8, 1), (2, 8, 2)])
+def test_int4_gemv_gate_up_pairs(rows, block_n, split_k):
+    """A [gate | up] weight with its rows interleaved (pair_gate_up): a plain product comes back in [gate | up]
+    order, and silu_out gives silu(gate) * up of it; a split along K falls back to a GEMV and silu_and_mul.
+    (float32 here: the interpreter rounds to bf16 unlike the GPU; tests/gpu checks bf16 bit for bit.)"""
+    from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up
+
+    def silu_and_mul(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    inter, k = 24, 256
+    weight, prepared = _int4_prepared(2 * inter, k, 64, seed=rows)
+    paired = pair_gate_up(prepared)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    config = {"BLOCK_N": block_n, "CHUNKS": 4, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
+    plain = int4_gemv(x, prepared, config=config)
+    assert torch.equal(int4_gemv(x, paired, config=config), plain)
+    fused = int4_gemv(x, paired, config=config, silu_out=True)
+    assert fused.shape == (rows, inter)
+    torch.testing.assert_close(fused, silu_and_mul(plain), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="pair_gate_up"):
+        int4_gemv(x, prepared, silu_out=True)
+
+
+def test_quant_linear_gate_up_applies_silu_in_its_gemv():
+    """A gate_up QuantLinear on the Triton backend pairs its int4 rows at prepare and returns silu(gate) * up
+    from forward(silu_out=True), equal to the unfused path, for decode rows (GEMV) and prefill rows (GEMM)."""
+    from dflash2.layers.linear import silu_and_mul
+    from dflash2.layers.quant_linear import QuantLinear
+
+    fmt = WeightFormat(4, 64)
+    layer = QuantLinear(256, 48, fmt)
+    layer.set_packed(quantize(torch.randn(48, 256, generator=torch.Generator().manual_seed(3)) * 0.05, fmt))
+    plain = QuantLinear(256, 48, fmt)
+    plain.set_packed(layer.packed().tensors)
+    layer.gate_up = True
+    for module in (layer, plain):
+        module.prepare(qm.TritonQuantMatmul(), torch.float32)
+    assert layer.runtime.fuses_silu_out == qm.INT4_REPACKED and not plain.runtime.fuses_silu_out
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(layer(x, silu_out=True), silu_and_mul(plain(x)), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(layer(x), plain(x), atol=0, rtol=0)

@@ -35,11 +35,12 @@ from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 PREFILL_BLOCK_M = 64
 DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}  # best of benchmarks/tune_decode.py on H200
-# per KV kind ("int8-<loop>" for int8) where tuning found better (benchmarks/tune_decode.py prints the dict to
-# paste); else DECODE_CONFIG. W1 shapes at 500 tokens on the H200 (results/tune_decode_2026-11-29_s5.json): bf16
-# 146.1 us a layer, int8 imma_t 91.0 at BLOCK_N 32 (103.5 at 64), imma 104.8 at 1 warp; but W1 itself (contexts
-# to ~1,000 tokens) ran imma_t faster at BLOCK_N 64: 36,518 vs 35,830 out tok/s, same call. legacy: third session
-DECODE_CONFIGS: dict[str, dict[str, int]] = {"int8-imma_t": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2},
+# per KV kind ("int8-<loop>" for int8) where tuning found better; else DECODE_CONFIG. int8 imma_t: picked on W1
+# itself, because the kernel tune (benchmarks/tune_decode.py, layer 0 alone, even with W1's own prompts in
+# engine-like pages) has ranked its configs unlike W1 three sessions running: on the H200, W1's int8 decode phase
+# took 2.541 s at 32/1/2 against 2.860 s at 64/2/2 (the previous default), 2.913 at 32/2/2 (the tune's pick),
+# 3.07-3.87 at 64/1/2, 64/4/2, 128/2/2 and 128/4/2 (eighth session, calls 1-2). legacy: third session
+DECODE_CONFIGS: dict[str, dict[str, int]] = {"int8-imma_t": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 2},
                                              "int8-imma": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 2},
                                              "int8-legacy": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}
 

@@ -142,12 +142,15 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                       stride_sn, stride_om, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr,
                       EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                      USE_PDL: tl.constexpr):
+                      PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
     low half and the fp16 zero in the high half. Offsets are int32 (the launcher checks they fit). PREFETCH: the
-    words and scales of step i + 1 are requested before step i is computed (registers for one more step)."""
+    words and scales of step i + 1 are requested before step i is computed (registers for one more step).
+    PAIRED: the weight is a [gate | up] pair with its rows interleaved (pair_gate_up: row 2i is gate row i, row
+    2i + 1 up row i); the outputs go back to [gate | up] order, or with SILU_OUT (SPLIT_K = 1) a program stores
+    silu(gate) * up of its BLOCK_N / 2 pairs, rounded as the separate silu_and_mul kernel would."""
     pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     STEP: tl.constexpr = CHUNKS * 32
@@ -197,8 +200,20 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         acc += s * (16.0 * tl.sum(f, axis=3) - t - z * xs)
     result = tl.sum(acc, axis=0)  # [BM, BN]
-    _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, pid * BLOCK_N + tl.arange(0, BLOCK_N), M, N,
-                     stride_om, pid, pid_k, SPLIT_K)
+    if SILU_OUT:
+        dtype = out_ptr.dtype.element_ty
+        gate, up = tl.split(tl.reshape(result, [BLOCK_M, BLOCK_N // 2, 2]))
+        gate = gate.to(dtype).to(tl.float32)  # the outputs as the unfused GEMV would have stored them
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        pairs = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        mask = m_ok[:, None] & (pairs < N // 2)[None, :]
+        tl.store(out_ptr + m_idx[:, None] * stride_om + pairs[None, :],
+                 (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=mask)
+    else:
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PAIRED:  # interleaved row r -> its [gate | up] column (rows past N stay past N, masked)
+            cols = tl.where(cols < N, (cols % 2) * (N // 2) + cols // 2, cols)
+        _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, cols, M, N, stride_om, pid, pid_k, SPLIT_K)
 
 
 # Per BLOCK_M (activation rows rounded up to a power of two). BLOCK_N rows a program; CHUNKS = 32 num_warps
@@ -247,11 +262,37 @@ def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
             "group_size": group_size, "n": n, "k": k}
 
 
+def pair_gate_up(weight: dict) -> dict:
+    """A prepare_int4 weight whose rows are [gate | up] (N = 2 I), with its rows interleaved (gate i, up i) so
+    that one program holds both halves of its outputs (int4_gemv's silu_out); outputs keep [gate | up] order."""
+    n = weight["n"]
+    if n % 2:
+        raise ValueError(f"a [gate | up] weight has an even number of rows, got {n}")
+
+    def interleave(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack((t[: n // 2], t[n // 2:]), dim=1).reshape(n, -1).contiguous()
+
+    return {**weight, "words": interleave(weight["words"]), "sz": interleave(weight["sz"]), "paired": True}
+
+
 def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, silu_mul: bool = False,
-              config: dict | None = None) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] with silu_mul; M small) @ W^T for a weight from prepare_int4."""
+              config: dict | None = None, silu_out: bool = False) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with silu_mul; M small) @ W^T for a weight from prepare_int4; with silu_out (a
+    pair_gate_up weight) silu(gate) * up of that product, [M, N / 2]."""
+    paired = weight.get("paired", False)
+    if silu_out and not paired:
+        raise ValueError("int4 GEMV silu_out needs a pair_gate_up weight")
+    n, k = weight["n"], weight["k"]
+    if silu_out:
+        config = config or int4_config(n, k, x.shape[0])
+        if config.get("SPLIT_K", 1) > 1 or config["BLOCK_N"] % 2 or n % config["BLOCK_N"]:
+            from dflash2.kernels.triton.elementwise import silu_and_mul
+
+            return silu_and_mul(int4_gemv(x, weight, config=config))
+        if out is None:
+            out = torch.empty((x.shape[0], n // 2), dtype=x.dtype, device=x.device)
     x, out = prepare_io(x, weight, out, silu_mul)
-    (m, n), k = out.shape, weight["k"]
+    m = out.shape[0]
     if m == 0:
         return out
     config = config or int4_config(n, k, m)
@@ -274,5 +315,5 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         weight["sz"].stride(0), out.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
         CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
         PREFETCH=bool(config.get("PREFETCH", 0)) and k > step * split_k, EVEN_K=even_k, ASM=not _INTERPRETED,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
+        PAIRED=paired, SILU_OUT=silu_out, num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
     return out

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
-from dflash2.kernels.triton.int4_gemv import int4_gemv, int4_gemv_fits, prepare_int4
+from dflash2.kernels.triton.int4_gemv import int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4
 from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 from dflash2.quantization.formats import WeightFormat, unpack_int6
@@ -321,8 +321,26 @@ class TritonWeight:
         # [gate | up] input: fused into the 16-bit GEMV, where spare instructions hide behind the bytes;
         # at 8 and 4 bits recomputing silu in every row block costs more than the separate kernel
         self.fuses_silu_mul = fmt.bits == 16
+        self.fuses_silu_out = False
 
-    def matmul(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    def pair_gate_up(self) -> None:
+        """This weight's rows are [gate | up]. The int4 GEMV's repacked rows are interleaved (int4_gemv.
+        pair_gate_up), so that matmul(silu_out=True) applies silu(gate) * up as it stores the outputs: one
+        launch a layer fewer than a separate silu_and_mul, and no recomputed silu in every program of the next
+        GEMV (which is why the int4 GEMV does not fuse silu_mul on its input)."""
+        if "int4" in self.weight:
+            self.weight["int4"] = pair_gate_up(self.weight["int4"])
+            self.fuses_silu_out = True
+
+    def matmul(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False) -> torch.Tensor:
+        """x W^T; silu_mul: x is [gate | up] and silu(gate) * up goes in; silu_out (after pair_gate_up): the
+        output is [gate | up] and silu(gate) * up comes out."""
+        if silu_out:
+            if x.shape[0] <= GEMV_MAX_M and self.fuses_silu_out:
+                return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul, silu_out=True)
+            from dflash2.kernels.triton.elementwise import silu_and_mul
+
+            return silu_and_mul(self.matmul(x, silu_mul))
         if x.shape[0] <= GEMV_MAX_M:
             if "int4" in self.weight:
                 return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul)
