@@ -1,5 +1,6 @@
 """The server side of W3: `dflash2 serve` as a subprocess, and what the benchmark reads back from it
-(/metrics samples, step-time quantiles, per-class queue time and TTFT from the JSON request log)."""
+(/metrics samples, step-time quantiles, garbage-collection pauses, per-class queue time and TTFT from the JSON
+request log)."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ from dflash2.bench.server_process import ServerProcess
 
 STEP_METRIC = "dflash2_step_duration_seconds"
 STEP_METRICS = (STEP_METRIC, "dflash2_step_launch_seconds", "dflash2_step_finish_seconds")  # histograms kept by `le`
+GC_METRIC = "dflash2_gc_pause_seconds"  # kept by `generation` and `le`
 COUNTERS = ("dflash2_num_preemptions_total", "dflash2_num_swap_outs_total", "dflash2_swapped_bytes_total",
             "dflash2_num_requests_rejected_total")
 GAUGES = ("dflash2_num_requests_waiting", "dflash2_num_requests_running", "dflash2_num_requests_swapped",
@@ -63,16 +65,23 @@ class _ProfiledServer(ServerProcess):
 
 
 def scrape(url: str) -> dict[str, float]:
-    """The W3-relevant samples of /metrics, summed over labels (step-time buckets keyed `name{le}`)."""
+    """The W3-relevant samples of the server's /metrics (metric_samples())."""
+    return metric_samples(httpx.get(url + "/metrics", timeout=30).text)
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """The W3-relevant samples of a /metrics text, summed over labels (step-time buckets keyed `name{le}`,
+    garbage collection samples `name{generation,le}`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, float] = {}
-    text = httpx.get(url + "/metrics", timeout=30).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
             if name.startswith(STEP_METRICS):
                 name += "{%s}" % sample.labels.get("le", "")
+            elif name.startswith(GC_METRIC):
+                name += "{%s,%s}" % (sample.labels.get("generation", ""), sample.labels.get("le", ""))
             elif name not in COUNTERS and name not in GAUGES:
                 continue
             values[name] = values.get(name, 0.0) + sample.value
@@ -104,6 +113,27 @@ def _histogram_stats(metric: str, before: dict[str, float], after: dict[str, flo
     quantile = {q: next((le for le, n in buckets if n >= q * count), None) for q in (0.5, 0.99)}
     return {"steps": int(count), "mean_ms": round(1000 * delta(metric + "_sum{}") / count, 1),
             "p50_le_ms": _ms(quantile[0.5]), "p99_le_ms": _ms(quantile[0.99])}
+
+
+def gc_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Garbage collections over a phase, per generation (2: full): how many, their total milliseconds, and the
+    bucket upper bound of the longest (None: over the last bucket, 1 s)."""
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    stats = {}
+    for generation in ("0", "1", "2"):
+        count = delta(f"{GC_METRIC}_count{{{generation},}}")
+        if count <= 0:
+            stats[generation] = {"collections": 0}
+            continue
+        prefix = f"{GC_METRIC}_bucket{{{generation},"
+        buckets = sorted((float(key[len(prefix):-1]), delta(key)) for key in after if key.startswith(prefix))
+        longest = next(le for le, n in buckets if n >= count)
+        total_s = delta(f"{GC_METRIC}_sum{{{generation},}}")
+        stats[generation] = {"collections": int(count), "total_ms": round(1000 * total_s, 2),
+                             "max_le_ms": round(1000 * longest, 2) if longest != float("inf") else None}
+    return stats
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -35,6 +35,7 @@ from typing import Any
 
 from dflash2.request import Request, RequestOutput
 from dflash2.sampling_params import SamplingParams
+from dflash2.server.gc_pauses import space_full_collections
 from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 
 logger = logging.getLogger("dflash2.server")
@@ -159,9 +160,10 @@ class EngineThread:
             self._call_soon(self._on_load_error, e)
             return
         frozen = freeze_startup_objects()
+        thresholds = space_full_collections()
         self.loaded.set()
-        logger.info("engine ready: model %s (%d objects left out of garbage collection)", self.engine.model.name,
-                    frozen)
+        logger.info("engine ready: model %s (%d objects left out of garbage collection, thresholds %s)",
+                    self.engine.model.name, frozen, thresholds)
         while True:
             if not self._drain_commands(block=not self.engine.has_unfinished()):
                 break

@@ -12,6 +12,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from dflash2.server.gc_pauses import GcPauses
+
 disable_created_metrics()
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -104,6 +106,8 @@ class ServerMetrics:
                                      "them", _STEP_BUCKETS)
         self.scheduler_latency = histogram("dflash2_scheduler_latency_microseconds",
                                            "Time Scheduler.plan() takes per step", _SCHEDULER_BUCKETS_US)
+        self.gc_pauses = GcPauses(model_name)  # dflash2_gc_pause_seconds; records once install()ed
+        self.registry.register(self.gc_pauses)
 
     def request_success(self, finished_reason: str) -> Counter:
         return self._request_success.labels(self.model_name, finished_reason)

@@ -76,6 +76,7 @@ class RequestObserver:
         self._seen_evictions = 0
         self._seen_prefix = (0, 0)
         self.gpu_sampler = GpuSampler(engine, metrics) if _is_cuda(engine) else None
+        metrics.gc_pauses.install()
         self._gauge_tick = (time.monotonic(), 0)  # (when, evictions then)
         self._stats_tick = (time.monotonic(), 0, 0)  # (when, prompt tokens then, generation tokens then)
         self._num_prompt_tokens = 0
@@ -157,7 +158,8 @@ class RequestObserver:
         self._update_gauges()
 
     def close(self) -> None:
-        """Stop what the observer started (the GPU sampler thread)."""
+        """Stop what the observer started (the GPU sampler thread, the garbage collection callback)."""
+        self.metrics.gc_pauses.remove()
         if self.gpu_sampler is not None:
             self.gpu_sampler.stop()
 
