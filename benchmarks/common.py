@@ -1,4 +1,5 @@
-"""Shared by the GPU benchmarks: where the peer's JSON and our results go."""
+"""Shared by the benchmarks: where the peer's JSON and our results go, and how a report is printed and kept.
+(torch is imported where it is used: the W3 client scripts import this module too.)"""
 from __future__ import annotations
 
 import json
@@ -6,12 +7,12 @@ import os
 import time
 from typing import Any
 
-import torch
-
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 
 
 def device_name() -> str:
+    import torch
+
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
@@ -27,15 +28,22 @@ def finish(result: dict[str, Any], peer_json: str | None, save: bool) -> None:
             key = "out_tok_s" if "out_tok_s" in result else "tok_s"
             if key in result["peer"]:
                 result["ratio_to_peer"] = round(result[key] / result["peer"][key], 2)
-    text = json.dumps(result, indent=2)
+    name = f"{result['workload']}_{result['date']}_{time.strftime('%H%M%S')}.json"
+    print_report(result, os.path.join(RESULTS_DIR, name) if save else None)
+
+
+def print_report(report: dict[str, Any], output: str | None) -> None:
+    """Print a report as indented JSON, and write the same text to `output` (its folder made) when given."""
+    text = json.dumps(report, indent=2)
     print(text, flush=True)
-    if save:
-        os.makedirs(RESULTS_DIR, exist_ok=True)
-        name = f"{result['workload']}_{result['date']}_{time.strftime('%H%M%S')}.json"
-        with open(os.path.join(RESULTS_DIR, name), "w") as f:
+    if output:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        with open(output, "w") as f:
             f.write(text + "\n")
 
 
 def sync() -> None:
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()

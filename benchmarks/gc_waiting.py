@@ -27,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import print_report  # noqa: E402
 from benchmarks.w3_server import gc_stats, scrape, step_stats  # noqa: E402
 from dflash2.bench.server_process import free_port, wait_healthy  # noqa: E402
 from dflash2.server.config import ServerConfig  # noqa: E402
@@ -161,11 +162,7 @@ def main(argv: list[str] | None = None) -> int:
               "serve": {"requests": 2 * n1, "failed_clients": failed_clients, "seconds": round(served_s, 1),
                         "engine_steps": step_stats(before, after), "gc_pauses": gc_stats(before, after),
                         "cyclic_garbage_left": cyclic_garbage}}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    print_report(report, args.output)
     return 0
 
 

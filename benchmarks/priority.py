@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -40,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import print_report  # noqa: E402
 from benchmarks.w3_server import (COUNTERS, GAUGES, cuda_available, gc_stats, percentile_ms,  # noqa: E402
                                   request_log, scrape, server_side, step_stats, ttft_breakdown, w3_server)
 from dflash2.bench.client import RequestResult  # noqa: E402
@@ -366,12 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    print_report(report, args.output)
     return 0 if report["target"]["met"] else 2
 
 

@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from benchmarks.common import print_report  # noqa: E402
+
 
 # -- the server side (subprocess) -------------------------------------------------------------------
 class PacedEngine:
@@ -187,11 +189,7 @@ def client_main(args: argparse.Namespace) -> int:
         "client_cpu_us_per_token": round(1e6 * client_cpu_s / max(1, num_tokens), 1),
         "transport": args.transport,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    print_report(report, args.output)
     return 0
 
 
