@@ -38,6 +38,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--stream-interval", type=int, default=1,
              help="a stream gets its tokens every this many (its first and last at once): fewer SSE events to "
                   "build and write under load")
+    add_flag(parser, "--disable-overlap-schedule", action="store_true",
+             help="plan and launch each step only after the previous one is committed (on the GPU the default "
+                  "plans step N+1 while N runs): the device idles for each step's host work, but a request "
+                  "that arrives during step N runs in N+1 instead of N+2")
     add_flag(parser, "--max-batch-size", type=int, default=None, help="alias of --max-num-seqs")
     add_flag(parser, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
     add_flag(parser, "--cuda-graph-max-prefill-tokens", type=int, default=2048,
@@ -93,6 +97,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["max_num_seqs"] = args.max_batch_size or args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
+    if args.disable_overlap_schedule:
+        kwargs["overlap"] = False
     if args.cuda_graph_max_prefill_tokens < 0:
         raise ValueError(f"--cuda-graph-max-prefill-tokens must be >= 0, got {args.cuda_graph_max_prefill_tokens}")
     kwargs["cuda_graph_max_prefill_tokens"] = args.cuda_graph_max_prefill_tokens
