@@ -42,6 +42,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
              help="plan and launch each step only after the previous one is committed (on the GPU the default "
                   "plans step N+1 while N runs): the device idles for each step's host work, but a request "
                   "that arrives during step N runs in N+1 instead of N+2")
+    add_flag(parser, "--overlap-max-step-tokens", type=int, default=None,
+             help="overlap only steps of at most this many tokens: a longer (prefill) step is committed before "
+                  "the next is planned, so a request arriving during it runs in the next step (decode steps "
+                  "keep the overlap; default: every step overlaps)")
     add_flag(parser, "--max-batch-size", type=int, default=None, help="alias of --max-num-seqs")
     add_flag(parser, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
     add_flag(parser, "--cuda-graph-max-prefill-tokens", type=int, default=2048,
@@ -99,6 +103,10 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["enforce_eager"] = True
     if args.disable_overlap_schedule:
         kwargs["overlap"] = False
+    if args.overlap_max_step_tokens is not None:
+        if args.overlap_max_step_tokens < 1:
+            raise ValueError(f"--overlap-max-step-tokens must be >= 1, got {args.overlap_max_step_tokens}")
+        kwargs["overlap_max_step_tokens"] = args.overlap_max_step_tokens
     if args.cuda_graph_max_prefill_tokens < 0:
         raise ValueError(f"--cuda-graph-max-prefill-tokens must be >= 0, got {args.cuda_graph_max_prefill_tokens}")
     kwargs["cuda_graph_max_prefill_tokens"] = args.cuda_graph_max_prefill_tokens

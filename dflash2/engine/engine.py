@@ -6,6 +6,7 @@
              returns one RequestOutput per request that produced something.
 
 Overlapped (the default on GPU): step N+1 is planned and launched before step N is committed.
+(`overlap_max_step_tokens`: a longer step N is committed first, and N+1 planned after it.)
 
     host:    plan N+1 | launch N+1 | collect+commit N | plan N+2 | launch N+2 | collect+commit N+1 ...
     device:  ...... step N ......  | ............ step N+1 ...........| ......... step N+2 ....
@@ -67,6 +68,10 @@ class EngineConfig:
     # steps with prefill chunks of up to this many tokens also replay CUDA graphs (0: decode-only graphs)
     cuda_graph_max_prefill_tokens: int = 2048
     overlap: bool | None = None  # overlapped scheduling; None: on for CUDA, off on the CPU
+    # overlapped: a step of more than this many tokens is committed before the next step is planned, so a
+    # request that arrives while it runs joins the very next step instead of the one after (the device idles
+    # for that step's host work); None: every step overlaps the next one's planning and launch
+    overlap_max_step_tokens: int | None = None
     low_priority_values_first: bool = False  # vLLM's convention: a smaller number is more urgent
     # a streamed request's output comes every this many tokens (its first and last at once): fewer outputs
     # to build and to write under load (vLLM's --stream-interval)
@@ -77,6 +82,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.overlap_max_step_tokens is not None and self.overlap_max_step_tokens < 1:
+            raise ValueError(f"overlap_max_step_tokens must be >= 1, got {self.overlap_max_step_tokens}")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -163,7 +170,12 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: plan and launch a step, and commit the previous one (overlapped) or this one."""
+        """One iteration: plan and launch a step, and commit the previous one (overlapped) or this one. A step
+        in flight longer than overlap_max_step_tokens is committed alone: the next call plans with the device
+        idle, after the caller took in what arrived meanwhile."""
+        if self._in_flight is not None and self._commit_alone(self._in_flight[0]):
+            self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
+            return self._finish_in_flight()
         started = time.perf_counter()
         plan = self.scheduler.plan()
         planned = time.perf_counter()
@@ -201,6 +213,10 @@ class Engine:
         if urgent_first_token:  # deliver it now rather than after the next step's launch (an eager step's
             outputs += self._finish_in_flight()  # host time): the device idles for one launch, only here
         return outputs
+
+    def _commit_alone(self, plan: StepPlan) -> bool:
+        limit = self.config.overlap_max_step_tokens
+        return limit is not None and plan.num_tokens > limit
 
     def _step_priorities(self, plan: StepPlan) -> tuple[int | None, int | None, int | None]:
         """The lowest and highest priority among the step's requests, and the highest among those whose first
