@@ -32,9 +32,9 @@ $PYTHON -c "import fastapi, uvicorn, pydantic, starlette, prometheus_client, htt
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 # qwen3-0.6b in bf16 puts 9 tokens in a 1 MiB page: 384 MiB holds ~3,400 tokens, about 10 of the 32 requests
 # that may run at once (prompts 128-384 tokens + 64 new), so pages run out and requests are swapped.
-# Two runs, each bounded by W3_TIMEOUT (default 240 s; the whole Poisson script took ~150 s at 4,800 requests,
-# eighth session, the overload phase itself ~60 s, its waiting line peaking at ~1,760 requests; W3_ARGS=
-# "--synthetic 1600" for the earlier size, ~480 waiting at most):
+# Two runs, each bounded by W3_TIMEOUT (default 240 s). At 4,800 requests the overload phase took 59-61 s and
+# the waiting line peaked at 1,641-1,761 requests (eighth session); W3_ARGS="--synthetic 1600" gives the earlier
+# size (20 s, 478 waiting at most):
 #   closed: 128 requests in flight (closed loop), as the first GPU run (results/w3_gpu_2026-11-29.json: 6.47x);
 #   poisson: Poisson arrivals at 1.5x the measured capacity, 4,800 requests (~60 s, 480 urgent: a p99 that is
 #   not the worst one or two; with 80 urgent, six runs of the same code gave ratios from 1.74 to 5.01, and with
