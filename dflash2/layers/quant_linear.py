@@ -51,6 +51,12 @@ class QuantLinear(nn.Module):
         if self.gate_up and hasattr(self.runtime, "pair_gate_up"):
             self.runtime.pair_gate_up()
 
+    @property
+    def fuses_silu_out(self) -> bool:
+        """Whether forward(silu_out=True) applies silu(gate) * up in the matmul's own kernel for decode-sized
+        batches (a gate_up on the int4 GEMV), rather than in a separate kernel."""
+        return getattr(self.runtime, "fuses_silu_out", False) and self.bias is None
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.fmt, self.packed().tensors, dtype)
 
@@ -58,7 +64,7 @@ class QuantLinear(nn.Module):
         """y = x W^T (+ bias); with `silu_mul`, x is a fused [gate | up] and silu(gate) * up goes in; with
         `silu_out` (a gate_up layer, no bias), y is [gate | up] and silu(gate) * up comes out."""
         if silu_out:
-            if getattr(self.runtime, "fuses_silu_out", False) and self.bias is None:
+            if self.fuses_silu_out:
                 return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=True)
             from dflash2.layers.linear import silu_and_mul
 

@@ -15,8 +15,8 @@ from dflash2.config import ModelArchConfig
 from dflash2.kernels.attention_metadata import AttentionMetadata
 from dflash2.layers.embedding import make_embedding
 from dflash2.layers.linear import make_linear
-from dflash2.layers.quant_linear import QuantLinear
 from dflash2.layers.norm import RMSNorm
+from dflash2.layers.quant_linear import QuantLinear
 from dflash2.layers.rotary import RotaryEmbedding
 from dflash2.quantization.config import QuantConfig
 from dflash2.quantization.formats import WeightFormat
@@ -100,7 +100,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up: applied by gate_up_proj as it stores its outputs where its kernel can (the int4
         # GEMV), else by down_proj on its input (fused into the 16-bit GEMV)
-        if getattr(getattr(self.gate_up_proj, "runtime", None), "fuses_silu_out", False):
+        if getattr(self.gate_up_proj, "fuses_silu_out", False):
             return self.down_proj(self.gate_up_proj(x, silu_out=True))
         return self.down_proj(self.gate_up_proj(x), silu_mul=True)  # silu(gate) * up, fused where it can be
 
