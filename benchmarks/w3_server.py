@@ -102,38 +102,44 @@ def step_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, A
 
 
 def _histogram_stats(metric: str, before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    def delta(key: str) -> float:
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
-    count = delta(metric + "_count{}")
+    count, total, buckets = _histogram_delta(before, after, metric + "_count{}", metric + "_sum{}", metric + "_bucket{")
     if count <= 0:
         return {"steps": 0}
-    buckets = sorted((float(key[len(metric) + 8:-1]), delta(key)) for key in after
-                     if key.startswith(metric + "_bucket{"))
-    quantile = {q: next((le for le, n in buckets if n >= q * count), None) for q in (0.5, 0.99)}
-    return {"steps": int(count), "mean_ms": round(1000 * delta(metric + "_sum{}") / count, 1),
-            "p50_le_ms": _ms(quantile[0.5]), "p99_le_ms": _ms(quantile[0.99])}
+    return {"steps": int(count), "mean_ms": round(1000 * total / count, 1),
+            "p50_le_ms": _ms(_bound(buckets, 0.5 * count)), "p99_le_ms": _ms(_bound(buckets, 0.99 * count))}
 
 
 def gc_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """Garbage collections over a phase, per generation (2: full): how many, their total milliseconds, and the
     bucket upper bound of the longest (None: over the last bucket, 1 s)."""
-    def delta(key: str) -> float:
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
     stats = {}
     for generation in ("0", "1", "2"):
-        count = delta(f"{GC_METRIC}_count{{{generation},}}")
+        count, total_s, buckets = _histogram_delta(before, after, f"{GC_METRIC}_count{{{generation},}}",
+                                                   f"{GC_METRIC}_sum{{{generation},}}",
+                                                   f"{GC_METRIC}_bucket{{{generation},")
         if count <= 0:
             stats[generation] = {"collections": 0}
             continue
-        prefix = f"{GC_METRIC}_bucket{{{generation},"
-        buckets = sorted((float(key[len(prefix):-1]), delta(key)) for key in after if key.startswith(prefix))
-        longest = next(le for le, n in buckets if n >= count)
-        total_s = delta(f"{GC_METRIC}_sum{{{generation},}}")
+        longest = _bound(buckets, count)
         stats[generation] = {"collections": int(count), "total_ms": round(1000 * total_s, 2),
                              "max_le_ms": round(1000 * longest, 2) if longest != float("inf") else None}
     return stats
+
+
+def _histogram_delta(before: dict[str, float], after: dict[str, float], count_key: str, sum_key: str,
+                     bucket_prefix: str) -> tuple[float, float, list[tuple[float, float]]]:
+    """A histogram's change between two scrapes (metric_samples() keys): count, sum, and the cumulative bucket
+    counts [(upper bound, count)] in bound order (a bucket key is bucket_prefix + bound + "}")."""
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    buckets = sorted((float(key[len(bucket_prefix):-1]), delta(key)) for key in after if key.startswith(bucket_prefix))
+    return delta(count_key), delta(sum_key), buckets
+
+
+def _bound(buckets: list[tuple[float, float]], count: float) -> float | None:
+    """The smallest bucket bound with at least `count` observations at or below it."""
+    return next((le for le, n in buckets if n >= count), None)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -123,15 +123,23 @@ def rotary_in_place(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 @triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) * up in up's dtype, the one rounding every fused SiLU-mul shares (this kernel, the GEMVs'
+    fused input, the int4 gate_up's output): silu in float32 rounded to up's dtype, the product rounded again."""
+    gate = gate.to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
+    return (silu * up.to(tl.float32)).to(up.dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    tl.store(out_ptr + row * stride_o + cols, silu * up, mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, _silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

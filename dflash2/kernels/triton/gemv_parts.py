@@ -18,16 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash2.kernels.triton.elementwise import _silu_mul
+
 
 @triton.jit
 def _activation(x_ptr, m, stride_xm, K, cols, mask, SILU_MUL: tl.constexpr):
     """Activation row m at `cols` as float32; with SILU_MUL the row is [gate | up] and this is silu(gate) * up."""
     ptrs = x_ptr + m * stride_xm + cols
     if SILU_MUL:
-        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(ptrs, mask=mask, other=0.0)
         up = tl.load(ptrs + K, mask=mask, other=0.0)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
-        value = (silu * up.to(tl.float32)).to(up.dtype).to(tl.float32)  # = the product in up's dtype
+        value = _silu_mul(gate, up).to(tl.float32)
     else:
         value = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     return value

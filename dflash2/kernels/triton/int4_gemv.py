@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash2.kernels.triton.elementwise import _silu_mul
 from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
@@ -203,12 +204,11 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     if SILU_OUT:
         dtype = out_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(result, [BLOCK_M, BLOCK_N // 2, 2]))
-        gate = gate.to(dtype).to(tl.float32)  # the outputs as the unfused GEMV would have stored them
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         pairs = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         mask = m_ok[:, None] & (pairs < N // 2)[None, :]
-        tl.store(out_ptr + m_idx[:, None] * stride_om + pairs[None, :],
-                 (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=mask)
+        # the outputs rounded as the unfused GEMV would have stored them, then silu_and_mul's rounding
+        tl.store(out_ptr + m_idx[:, None] * stride_om + pairs[None, :], _silu_mul(gate.to(dtype), up.to(dtype)),
+                 mask=mask)
     else:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         if PAIRED:  # interleaved row r -> its [gate | up] column (rows past N stay past N, masked)
