@@ -48,7 +48,8 @@ class PacedEngine:
         self.pool = PagePool(max_running, 1024)
         self.kv = SimpleNamespace(tokens_per_page=16, num_prefix_queries=0, num_prefix_hits=0, num_swapped_requests=0)
         self.scheduler = SimpleNamespace(running={}, waiting=[], num_preemptions=0, num_swap_outs=0, swapped_bytes=0)
-        self.model = SimpleNamespace(name="paced", device=SimpleNamespace(type="cpu"))
+        self.model = SimpleNamespace(name="paced", device=SimpleNamespace(type="cpu"),
+                                     arch=SimpleNamespace(vocab_size=1 << 16))
         self.max_model_len = 1 << 20
         self.tokenizer = None
         self.last_plan_seconds = 0.0
@@ -103,7 +104,9 @@ def serve_main(args: argparse.Namespace) -> int:
     from dflash2.server.config import ServerConfig
     from dflash2.server.launch import serve
 
-    config = ServerConfig(port=args.port, disable_log_requests=True, disable_log_stats=True, log_level="warning")
+    # one process: the paced engine's GIL-holding "host work" and the event loop share a GIL, as it measures
+    config = ServerConfig(port=args.port, disable_log_requests=True, disable_log_stats=True, log_level="warning",
+                          single_process=True)
     factory = lambda: PacedEngine(args.step_ms, args.max_running, args.first_tokens_path, args.busy_ms)  # noqa: E731
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1000.0)

@@ -6,6 +6,7 @@ startup that names the flag, never a silent no-op.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any
 
@@ -66,6 +67,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
              help="vLLM's convention: a smaller priority value is more urgent")
     add_flag(parser, "--max-queue-len", type=int, default=None,
              help="waiting requests beyond this many get 503 with Retry-After (default: no bound)")
+    add_flag(parser, "--single-process", action="store_true",
+             help="run the engine on a thread of the HTTP server's process instead of a process of its own "
+                  "(one process to debug or profile; the engine's host work and the HTTP side then share a GIL)")
     # Accepted so that they fail loudly: these features are not built yet.
     add_flag(parser, "--tensor-parallel-size", "--tp", type=int, default=1)
     add_flag(parser, "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
@@ -139,7 +143,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         model_aliases=aliases, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                         streaming_timeout_ms=args.streaming_timeout_ms, metrics_port=args.metrics_port,
                         disable_log_requests=args.disable_log_requests, disable_log_stats=args.disable_log_stats,
-                        log_tokens=args.log_tokens, log_level=args.log_level, max_queue_len=args.max_queue_len)
+                        log_tokens=args.log_tokens, log_level=args.log_level, max_queue_len=args.max_queue_len,
+                        single_process=args.single_process)
+
+
+def build_engine(kwargs: dict[str, Any]) -> Any:
+    """The engine as the offline API builds it (so both give the same text); run in the engine process."""
+    from dflash2 import LLM
+
+    return LLM(**kwargs).engine
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,14 +159,9 @@ def run(args: argparse.Namespace) -> int:
     config = server_config(args)
     kwargs = llm_kwargs(args)
 
-    def build_engine() -> Any:
-        from dflash2 import LLM
-
-        return LLM(**kwargs).engine  # the same construction as the offline API, so both give the same text
-
     from dflash2.server.launch import serve
 
-    return serve(config, build_engine)
+    return serve(config, functools.partial(build_engine, kwargs))
 
 
 def main() -> None:

@@ -42,8 +42,10 @@ def build_app(state: ServerState, on_load_error: Callable[[BaseException], None]
         import asyncio
 
         state.engine.start(asyncio.get_running_loop(), on_load_error or _log_load_error)
-        yield
-        state.engine.stop()
+        try:
+            yield
+        finally:  # (also when a second Ctrl+C cancels the shutdown)
+            state.engine.stop()
 
     app = FastAPI(title="dflash2", version=dflash2.__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
@@ -84,15 +86,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        from prometheus_client.exposition import generate_latest
-
-        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE)
+        return Response(await state.engine.metrics_text(state.registry), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> Response:
         engine = state.require_ready()
         card = {"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "dflash2",
-                "root": engine.model.name, "max_model_len": engine.max_model_len}
+                "root": engine.model_name, "max_model_len": engine.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
 
@@ -108,7 +108,7 @@ async def tokenize(_http_request: HTTPRequest, body: TokenizeRequest, state: Ser
 
 async def detokenize(_http_request: HTTPRequest, body: DetokenizeRequest, state: ServerState) -> Response:
     state.check_model(body.model)
-    vocab_size = state.require_ready().model.arch.vocab_size
+    vocab_size = state.require_ready().vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab_size]
     if bad:
         raise BadRequest(f"token id {bad[0]} is not in [0, {vocab_size})", param="tokens")
@@ -175,8 +175,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFull)
     async def queue_full(_request: HTTPRequest, e: QueueFull) -> Response:
         state: ServerState = app.state.server
-        if state.metrics is not None:
-            state.metrics.num_requests_rejected.inc()
+        state.engine.count("num_requests_rejected")
         return JSONResponse(error_body(str(e), "service_unavailable", "queue_full"), status_code=503,
                             headers={"Retry-After": str(e.retry_after_s)})
 

@@ -23,6 +23,7 @@ class ServerConfig:
     log_level: str = "info"
     stats_interval_s: float = 10.0  # how often the engine thread logs a stats line
     max_queue_len: int | None = None  # waiting requests beyond this get 503 + Retry-After; None: no bound
+    single_process: bool = False  # the engine on a thread of the server's process, not a process of its own
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -1,6 +1,6 @@
 """Generation: the engine requests behind one HTTP request, and how the handler reads their outputs.
 
-    handler ── Generation.start() ──► EngineThread.submit() per prompt (all or none accepted)
+    handler ── Generation.start() ──► engine.submit() per prompt (all or none accepted)
             ◄─ stream_batches(timeout) ◄── one asyncio.Queue shared by the prompts' outputs
                (each batch: every output queued so far, sent as one SSE write)
             ◄─ collect(request)        (waits for all to finish; a client that hangs up aborts them)
@@ -17,7 +17,9 @@ from starlette.requests import Request as HTTPRequest
 
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_thread import EngineError, EngineThread
+from dflash2.server.engine_loop import EngineError
+from dflash2.server.engine_process import EngineProcess
+from dflash2.server.engine_thread import EngineThread
 from dflash2.server.observer import StreamTiming
 from dflash2.server.protocol import BadRequest
 
@@ -34,7 +36,7 @@ class ClientGone(Exception):
 
 
 class Generation:
-    def __init__(self, engine: EngineThread, request_id: str, request_ids: list[str],
+    def __init__(self, engine: EngineThread | EngineProcess, request_id: str, request_ids: list[str],
                  received_at: float | None = None) -> None:
         self.engine = engine
         self.timing = StreamTiming(received_at)
@@ -46,7 +48,7 @@ class Generation:
         self._unfinished = set(request_ids)
 
     @classmethod
-    async def start(cls, engine: EngineThread, request_id: str, prompts: list[dict[str, Any]],
+    async def start(cls, engine: EngineThread | EngineProcess, request_id: str, prompts: list[dict[str, Any]],
                     params: SamplingParams, priority: int, http_request: HTTPRequest | None = None) -> Generation:
         """Submit every prompt; if the engine refuses one, abort the others and raise BadRequest."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -107,6 +109,11 @@ class Generation:
         finally:
             watcher.cancel()
         return [finals[request_id] for request_id in self.request_ids]
+
+    def mark_first_sent(self, at: float) -> None:
+        """The first text of this generation went to the response stream at `at` (for the request log)."""
+        self.timing.first_sent_at = at
+        self.engine.first_sent(self.request_ids, at)
 
     def abort_unfinished(self) -> None:
         for request_id in self._unfinished:

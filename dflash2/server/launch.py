@@ -1,8 +1,8 @@
-"""serve(): build the engine thread, the app and uvicorn, and run until stopped.
+"""serve(): build the engine's process (or thread), the app and uvicorn, and run until stopped.
 
-Startup order: uvicorn runs the app's lifespan (which starts the engine thread loading the model), then
+Startup order: uvicorn runs the app's lifespan (which starts the engine process loading the model), then
 binds the port, so /health answers 503 while the model loads and 200 once it is ready. A model that fails
-to load stops the server with exit status 1.
+to load, or an engine process that dies, stops the server with exit status 1.
 """
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from dflash2.server.app import build_app
 from dflash2.server.config import ServerConfig
+from dflash2.server.engine_loop import EngineError, freeze_startup_objects
+from dflash2.server.engine_process import EngineProcess, EngineProcessSpec
 from dflash2.server.engine_thread import EngineThread
+from dflash2.server.gc_pauses import space_full_collections
 from dflash2.server.metrics import ServerMetrics
 from dflash2.server.observer import ObserverConfig, RequestObserver, request_logger
 from dflash2.server.state import ServerState
@@ -23,37 +26,54 @@ from dflash2.server.state import ServerState
 logger = logging.getLogger("dflash2.server")
 
 
+def observer_config(config: ServerConfig) -> ObserverConfig:
+    return ObserverConfig(log_requests=not config.disable_log_requests, log_tokens=config.log_tokens,
+                          log_stats=not config.disable_log_stats, stats_interval_s=config.stats_interval_s)
+
+
 def build_state(config: ServerConfig, engine_factory: Callable[[], Any]) -> ServerState:
-    """The shared server state; its engine thread builds the engine, then the metrics and observer."""
+    """The shared server state with the engine on a thread of this process (EngineThread), which builds the
+    engine, then the metrics and observer."""
     registry = CollectorRegistry()
-    observer_config = ObserverConfig(log_requests=not config.disable_log_requests, log_tokens=config.log_tokens,
-                                     log_stats=not config.disable_log_stats,
-                                     stats_interval_s=config.stats_interval_s)
+    observer_settings = observer_config(config)
 
     def make_observer(engine: Any) -> RequestObserver:
         metrics = ServerMetrics(config.served_model_name or engine.model.name, registry)
         state.metrics = metrics
-        return RequestObserver(engine, metrics, observer_config)
+        return RequestObserver(engine, metrics, observer_settings)
 
     state = ServerState(config, EngineThread(engine_factory, make_observer, config.max_queue_len), registry)
     return state
+
+
+def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any]) -> ServerState:
+    """The shared server state with the engine in a process of its own (EngineProcess); engine_factory must
+    pickle (a module-level function, or a functools.partial of one)."""
+    spec = EngineProcessSpec(engine_factory, observer_config(config), config.served_model_name,
+                             config.max_queue_len, config.log_level, request_log=_request_log_on(config),
+                             metrics_port=config.metrics_port, metrics_host=config.host)
+    return ServerState(config, EngineProcess(spec, on_ready=_settle_server_process), CollectorRegistry())
 
 
 def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
     """Run the server in the foreground; returns the process exit status."""
     import uvicorn
 
-    _set_up_request_log(config)
-    state = build_state(config, engine_factory)
+    set_up_request_log(_request_log_on(config))
+    single = config.single_process
+    state = build_state(config, engine_factory) if single else build_process_state(config, engine_factory)
     load_errors: list[BaseException] = []
 
     def on_load_error(error: BaseException) -> None:
         load_errors.append(error)
-        logger.error("the model failed to load: %s", error)
+        if isinstance(error, EngineError):
+            logger.error("%s", error)
+        else:
+            logger.error("the model failed to load: %s", error)
         server.should_exit = True
 
     app = build_app(state, on_load_error)
-    if config.metrics_port is not None:
+    if config.metrics_port is not None and single:
         from prometheus_client import start_http_server
 
         start_http_server(config.metrics_port, addr=config.host, registry=state.registry)
@@ -65,16 +85,37 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
                 config.host, config.port)
     server.run()
     if load_errors:
-        print(f"error: the model failed to load: {load_errors[0]}", file=sys.stderr)
+        error = load_errors[0]
+        what = "the engine failed" if isinstance(error, EngineError) else "the model failed to load"
+        print(f"error: {what}: {error}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
 
 
-def _set_up_request_log(config: ServerConfig) -> None:
+def _settle_server_process() -> None:
+    """Once the engine process is ready, the server process gets the engine's garbage-collection settings:
+    its objects from startup frozen, full collections spaced out (gc_pauses.space_full_collections; a long
+    waiting line is the HTTP handlers' objects here)."""
+    frozen = freeze_startup_objects()
+    logger.info("server process: %d objects left out of garbage collection, thresholds %s", frozen,
+                space_full_collections())
+
+
+def _request_log_on(config: ServerConfig) -> bool:
+    return not (config.disable_log_requests and not config.log_tokens)
+
+
+def configure_logging(log_level: str) -> None:
+    """The CLI's logging set-up (cli/main.py), for the engine process."""
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def set_up_request_log(enabled: bool) -> None:
     """Request and token records go to stdout as bare JSON lines, whatever --log-level says."""
     request_logger.handlers.clear()
     request_logger.propagate = False
-    if config.disable_log_requests and not config.log_tokens:
+    if not enabled:
         request_logger.disabled = True
         return
     request_logger.disabled = False

@@ -250,7 +250,6 @@ async def stream_events(state: ServerState, generation: Generation, formatter: A
                         include_usage: bool) -> AsyncIterator[str]:
     """The SSE body of one streamed generation; aborts what is left when it ends for any reason."""
     timeout_ms = state.config.streaming_timeout_ms
-    metrics = state.metrics
     finals: list[RequestOutput] = []
     extra = {"usage": None} if include_usage else {}
     try:
@@ -265,15 +264,13 @@ async def stream_events(state: ServerState, generation: Generation, formatter: A
             text = "".join(events)  # one write for all the tokens that piled up while the loop was busy
             if text:
                 if generation.timing.first_sent_at is None:
-                    generation.timing.first_sent_at = time.monotonic()  # the first token the client can see
+                    generation.mark_first_sent(time.monotonic())  # the first token the client can see
                 yield text
         if include_usage:
             yield sse({**formatter.header([]), "usage": usage(finals)})
-        if metrics is not None:
-            metrics.streaming_success.inc()
+        state.engine.count("streaming_success")
     except StreamTimeout as e:
-        if metrics is not None:
-            metrics.streaming_timeout.inc()
+        state.engine.count("streaming_timeout")
         yield sse(error_body(str(e), "timeout_error", 504))
     except EngineError as e:
         yield sse(error_body(str(e), "internal_server_error", 500))

@@ -1,7 +1,7 @@
-"""ServerState: what every HTTP handler shares: the engine thread, the config, metrics, the tokenizer.
+"""ServerState: what every HTTP handler shares: the engine (its process or thread), the config, the tokenizer.
 
-Handlers tokenize on the event loop (the tokenizer is read-only once loaded) and hand token ids to the
-engine thread, so the engine never waits for text processing.
+Handlers tokenize on the event loop (the tokenizer is read-only once loaded; the engine process sends a copy
+of its own when it is ready) and hand token ids to the engine, so the engine never waits for text processing.
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from dflash2.server.config import ServerConfig
+from dflash2.server.engine_loop import EngineInfo
+from dflash2.server.engine_process import EngineProcess
 from dflash2.server.engine_thread import EngineThread
 from dflash2.server.metrics import ServerMetrics
 from dflash2.server.protocol import BadRequest, ChatMessage
@@ -21,27 +23,28 @@ class NotReady(Exception):
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig, engine: EngineThread, registry: CollectorRegistry) -> None:
+    def __init__(self, config: ServerConfig, engine: EngineThread | EngineProcess, registry: CollectorRegistry) -> None:
         self.config = config
         self.engine = engine
         self.registry = registry
         self.started_at = time.time()
-        self.metrics: ServerMetrics | None = None  # built by the engine thread once the model is loaded
+        self.metrics: ServerMetrics | None = None  # EngineThread only: built once the model is loaded
 
     # -- model ---------------------------------------------------------------------------------------
-    def require_ready(self) -> Any:
+    def require_ready(self) -> EngineInfo:
         if not self.engine.ready:
             raise NotReady("the model is still loading")
-        return self.engine.engine
+        assert self.engine.info is not None
+        return self.engine.info
 
     @property
     def model_name(self) -> str:
-        return self.config.served_model_name or self.require_ready().model.name
+        return self.config.served_model_name or self.require_ready().model_name
 
     def check_model(self, requested: str | None) -> str:
         """The served name, if `requested` names this model (or is absent); else a 400."""
         engine = self.require_ready()
-        known = {self.model_name, engine.model.name, *self.config.model_aliases}
+        known = {self.model_name, engine.model_name, *self.config.model_aliases}
         if requested is not None and requested not in known:
             raise BadRequest(f"the model {requested!r} does not exist; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")

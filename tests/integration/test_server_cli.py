@@ -20,7 +20,7 @@ SERVER_FLAGS = {
     "--disable-log-requests": None, "--api-key": "k", "--log-tokens": None, "--max-request-bytes": "1000",
     "--kv-cache-memory": "8MiB", "--preemption-threshold": "50", "--priority-aging-seconds": "30",
     "--low-priority-values-first": None, "--max-queue-len": "7", "--stream-interval": "4",
-    "--disable-overlap-schedule": None, "--overlap-max-step-tokens": "256",
+    "--disable-overlap-schedule": None, "--overlap-max-step-tokens": "256", "--single-process": None,
 }
 BENCH_FLAGS = {
     "--url": "http://127.0.0.1:1", "--dataset": "d.jsonl", "--concurrency": "3", "--request-rate": "2.5",
@@ -52,7 +52,8 @@ def test_model_dir_spelling_and_server_config():
     config = server_config(args)
     assert (config.host, config.port, config.api_key, config.streaming_timeout_ms, config.metrics_port) == (
         "0.0.0.0", 9000, "k", 500, 9100)
-    assert config.disable_log_requests and config.log_tokens and config.disable_log_stats
+    assert config.disable_log_requests and config.log_tokens and config.disable_log_stats and config.single_process
+    assert not server_config(build_parser().parse_args(["serve"])).single_process  # the engine's own process
     kwargs = llm_kwargs(args)
     assert (kwargs["max_num_seqs"], kwargs["max_model_len"], kwargs["prefill_chunk_size"]) == (8, 512, 256)
 

@@ -24,7 +24,9 @@ class FakeEngine:
         self.pool = PagePool(8, 1024)
         self.kv = SimpleNamespace(tokens_per_page=4, num_prefix_queries=0, num_prefix_hits=0)
         self.scheduler = SimpleNamespace(running={}, waiting=[], num_preemptions=0)
-        self.model = SimpleNamespace(name="fake", device=SimpleNamespace(type="cpu"))
+        self.model = SimpleNamespace(name="fake", device=SimpleNamespace(type="cpu"),
+                                     arch=SimpleNamespace(vocab_size=100))
+        self.max_model_len = 64
         self.tokenizer = None
         self.last_plan_seconds = 0.0
         self.fail_step = fail_step

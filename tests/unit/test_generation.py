@@ -11,9 +11,17 @@ from dflash2.server.generation import Generation, StreamTimeout
 class NoEngine:
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.first_sent_calls: list[tuple[list[str], float]] = []
+        self.counted: list[str] = []
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def first_sent(self, request_ids: list[str], at: float) -> None:
+        self.first_sent_calls.append((request_ids, at))
+
+    def count(self, metric: str) -> None:
+        self.counted.append(metric)
 
 
 def output(token: int, finished: bool = False) -> RequestOutput:
@@ -64,8 +72,9 @@ def test_the_first_sent_time_is_the_first_text_the_client_sees():
         return RequestOutput("r", None, [1], None, [completion], finished, delta_text=text, delta_token_ids=[token])
 
     async def main():
-        state = SimpleNamespace(config=SimpleNamespace(streaming_timeout_ms=None), metrics=None)
-        generation = Generation(NoEngine(), "r", ["r"])
+        engine = NoEngine()
+        state = SimpleNamespace(config=SimpleNamespace(streaming_timeout_ms=None), engine=engine)
+        generation = Generation(engine, "r", ["r"])
         stream = stream_events(state, generation, _CompletionFormat(state, generation, "m", None, None), False)
         generation.outputs.put_nowait(plain(2, ""))
         queued = {}
@@ -76,8 +85,11 @@ def test_the_first_sent_time_is_the_first_text_the_client_sees():
         asyncio.get_running_loop().call_later(0.05, second)
         first_chunk = await stream.__anext__()
         rest = [chunk async for chunk in stream]
-        return first_chunk, rest, generation.timing.first_sent_at, queued["at"]
+        return first_chunk, rest, generation.timing.first_sent_at, queued["at"], engine
 
-    first_chunk, rest, first_sent_at, second_queued_at = asyncio.run(main())
+    first_chunk, rest, first_sent_at, second_queued_at, engine = asyncio.run(main())
     assert '"text": "x"' in first_chunk and rest == ["data: [DONE]\n\n"]
     assert first_sent_at is not None and first_sent_at >= second_queued_at
+    # the engine hears of it once (the engine process keeps its own copy of the timing for the request log)
+    assert engine.first_sent_calls == [(["r"], first_sent_at)]
+    assert engine.counted == ["streaming_success"]

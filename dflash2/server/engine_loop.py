@@ -1,0 +1,246 @@
+"""EngineLoop: the engine's side of the server, whatever carries requests to it and outputs back.
+
+    commands (SimpleQueue) ──► _drain_commands ──► engine.add_request / engine.abort
+                               _step ──► engine.step() ──► observer ──► deliver() (most urgent first)
+
+It owns the Engine, which is not thread-safe: nothing else touches it after loading. Two transports subclass it
+and say how a refusal, an output or a failure reaches the HTTP side (the hooks at the end):
+- EngineThread (engine_thread.py): a thread of the server's process, handing results to the asyncio loop;
+- the engine process (engine_process.py): a process of its own, sending results back over a pipe, so that
+  neither the engine's Python (plan, launch, commit: the host side of every step) nor the HTTP side's waits
+  for the other's GIL.
+
+The queue bound (`max_queue_len`): the loop refuses a request when that many are waiting in the scheduler
+(preempted ones included), and the HTTP side refuses one at once when that many submissions are still on their
+way (the loop is busy with a long step). So at most 2 x max_queue_len requests are held besides the running
+ones, however fast clients send. Priority does not bypass the bound.
+"""
+from __future__ import annotations
+
+import collections
+import gc
+import logging
+import math
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash2.request import Request, RequestOutput
+from dflash2.sampling_params import SamplingParams
+from dflash2.server.gc_pauses import space_full_collections
+from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
+
+logger = logging.getLogger("dflash2.server")
+
+IDLE_WAIT_S = 0.5  # how long the idle loop blocks on the command queue before a stats tick
+RETRY_AFTER_RANGE_S = (1, 60)  # Retry-After is an estimate of the queue's drain time, clamped to this
+_FINISH_WINDOW = 64  # finishes the drain-rate estimate looks back over
+
+
+def freeze_startup_objects() -> int:
+    """Collect once, then move every object alive now (the model's modules, torch, transformers, the graphs:
+    ~300k objects) out of the collector's reach. A full collection otherwise walks all of them, a pause of the
+    whole process whenever the objects allocated per token trigger one (222 ms measured on this project's
+    2-core CPU after loading the bundled model). The server is one long-lived process, so nothing alive now is
+    expected to become garbage (offline LLM() users keep the collector as it is). Returns how many objects are
+    frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (a bug, or the device failed); the request is lost."""
+
+
+class QueueFull(Exception):
+    """--max-queue-len requests are already waiting (503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side reads of a loaded engine (it never changes once loaded)."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    tokenizer: Any  # None: the model has no tokenizer (clients send token ids)
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineInfo:
+        return cls(engine.model.name, engine.model.arch.vocab_size, engine.max_model_len, engine.tokenizer)
+
+
+@dataclass
+class Submit:
+    request_id: str
+    prompt: dict[str, Any]
+    params: SamplingParams
+    priority: int
+    outputs: Any = None  # where the transport delivers this request's outputs (EngineThread: an asyncio.Queue)
+    accepted: Any = None  # how the transport answers the submission (EngineThread: an asyncio.Future)
+    timing: StreamTiming | None = None
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+class Stop:
+    pass
+
+
+class EngineLoop:
+    def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver],
+                 max_queue_len: int | None = None) -> None:
+        self._engine_factory = engine_factory
+        self._observer_factory = observer_factory
+        self.max_queue_len = max_queue_len
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._finish_times: collections.deque[float] = collections.deque(maxlen=_FINISH_WINDOW)
+        self.retry_after_s = RETRY_AFTER_RANGE_S[0]  # the latest drain estimate
+        self._tracked: dict[str, Tracked] = {}
+        self.engine: Any = None
+        self.observer: RequestObserver | None = None
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self.engine = self._engine_factory()
+            self.observer = self._observer_factory(self.engine)
+        except BaseException as e:  # noqa: BLE001 - any load failure ends the server with its message
+            self.on_load_failed(e)
+            return
+        frozen = freeze_startup_objects()
+        thresholds = space_full_collections()
+        self.on_loaded()
+        logger.info("engine ready: model %s (%d objects left out of garbage collection, thresholds %s)",
+                    self.engine.model.name, frozen, thresholds)
+        while True:
+            if not self._drain_commands(block=not self.engine.has_unfinished()):
+                break
+            if self.engine.has_unfinished():
+                self._step()
+            self.observer.tick(time.monotonic())
+        for request_id in list(self._tracked):
+            self._abort(request_id)
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply every queued command; False once told to stop."""
+        try:
+            command = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, Stop):
+                return False
+            if isinstance(command, Submit):
+                self._add(command)
+            elif isinstance(command, Abort):
+                self._abort(command.request_id)
+            else:
+                self.apply(command)
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, command: Submit) -> None:
+        num_waiting = len(self.engine.scheduler.waiting)
+        if self.max_queue_len is not None and num_waiting >= self.max_queue_len:
+            self.retry_after_s = self._drain_estimate_s(num_waiting)
+            self.settle(command, QueueFull(
+                f"{num_waiting} requests are waiting (--max-queue-len {self.max_queue_len}); retry later",
+                self.retry_after_s))
+            return
+        try:
+            request: Request = self.engine.add_request(command.prompt, command.params, command.priority,
+                                                       command.request_id)
+        except ValueError as e:
+            self.settle(command, e)
+            return
+        self._tracked[command.request_id] = Tracked(request, command.outputs, command.submitted_at, command.priority,
+                                                    timing=command.timing)
+        self.settle(command, None)
+
+    def _abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return  # finished already, or never accepted
+        self.engine.abort(request_id)
+        self.observer.on_finished(tracked, "abort", time.monotonic())
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving the next ones
+            logger.exception("engine step failed; aborting %d requests", len(self._tracked))
+            self._fail_all(EngineError(f"the engine failed: {e}"))
+            return
+        now = time.monotonic()
+        self.observer.on_step(self.engine, now, now - started)
+        deliveries: list[tuple[Tracked, RequestOutput]] = []
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            self.observer.on_output(tracked, output, now)
+            deliveries.append((tracked, output))
+            if output.finished:
+                del self._tracked[output.request_id]
+                self._finish_times.append(now)
+                self.observer.on_finished(tracked, output.outputs[0].finish_reason or "stop", now)
+        if deliveries:
+            # Most urgent first: their handlers wake first, so their tokens go out first on a busy loop.
+            deliveries.sort(key=lambda d: -d[0].request.priority)
+            self.deliver(deliveries)
+
+    def _drain_estimate_s(self, num_waiting: int) -> int:
+        """Seconds until the queue has room, at the recent finish rate (whole seconds, clamped)."""
+        low, high = RETRY_AFTER_RANGE_S
+        if len(self._finish_times) < 2:
+            return low
+        span = self._finish_times[-1] - self._finish_times[0]
+        if span <= 0:
+            return low
+        rate = (len(self._finish_times) - 1) / span
+        return max(low, min(high, math.ceil((num_waiting - self.max_queue_len + 1) / rate)))
+
+    def _fail_all(self, error: EngineError) -> None:
+        failed = []
+        for request_id, tracked in list(self._tracked.items()):
+            failed.append(tracked)
+            self._abort(request_id)
+        self.fail(failed, error)
+
+    # -- what the transport provides -----------------------------------------------------------------
+    def on_loaded(self) -> None:
+        """The engine and observer are built; requests may come."""
+
+    def on_load_failed(self, error: BaseException) -> None:
+        """Building the engine raised `error`; the loop ends."""
+
+    def settle(self, command: Submit, error: BaseException | None) -> None:
+        """Answer a submission: taken (error None), refused (ValueError) or QueueFull."""
+        raise NotImplementedError
+
+    def deliver(self, deliveries: list[tuple[Tracked, RequestOutput]]) -> None:
+        """Hand these outputs to their requests' handlers, in this order."""
+        raise NotImplementedError
+
+    def fail(self, failed: list[Tracked], error: EngineError) -> None:
+        """These requests are lost to `error`."""
+        raise NotImplementedError
+
+    def apply(self, command: Any) -> None:
+        """A command of the transport's own."""
+        raise TypeError(f"unknown engine command {command!r}")

@@ -1,0 +1,453 @@
+"""EngineProcess: the EngineLoop in a process of its own, the HTTP server's default.
+
+    server process (event loop: HTTP, SSE)            engine process (spawned; owns the Engine)
+    ──────────────────────────────────────            ─────────────────────────────────────────
+    await submit() ── ("submit", ...) ──► commands pipe ──► reader thread ──► SimpleQueue ──► EngineLoop
+    abort() / first_sent() / count() ─────────►                                           │ (engine.step(),
+    metrics_text() ── ("metrics", n) ─────────►                                           │  observer: metrics,
+                                                                                          │  request log)
+    _Frames (the loop's read pipe) ◄── results pipe ◄── ("accepted" | "out" | "fail" | "metrics" | "ready")
+
+Why a process: a step's host work (plan, launch, commit) is Python, and so is the HTTP side's (parsing,
+SSE writes). On one GIL each waits for the other; under W3's overload the engine's host time per step was
+about twice the same step's outside the server. vLLM (its engine core) and SGLang (its scheduler) run the
+engine in a process of its own for the same reason.
+
+What crosses the pipe (pickled): a submission (token ids, SamplingParams, priority, the HTTP side's clock
+readings), and per step each output as its delta (text, token ids, their logprob entries): a request's last
+output comes whole. The HTTP side rebuilds RequestOutputs from them, so handlers read the same objects as
+with EngineThread. Metrics and the request log stay in the engine process (its observer); /metrics asks it
+for its exposition text, and --metrics-port is served from there. time.monotonic() is the host's clock, so
+times taken on either side compare.
+
+If the engine process dies, every request in flight fails with EngineError and the server stops (exit 1).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import struct
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dflash2.request import CompletionOutput, RequestOutput
+from dflash2.sampling_params import SamplingParams
+from dflash2.server.engine_loop import (RETRY_AFTER_RANGE_S, Abort, EngineError, EngineInfo, EngineLoop,
+                                        QueueFull, Stop, Submit)
+from dflash2.server.observer import ObserverConfig, StreamTiming, Tracked
+
+logger = logging.getLogger("dflash2.server")
+
+_STOP_TIMEOUT_S = 10.0
+_HEADER = struct.Struct("!Q")  # a results frame's length
+
+
+@dataclass(frozen=True)
+class EngineProcessSpec:
+    """Everything the engine process needs, picklable (it is spawned, not forked)."""
+
+    engine_factory: Callable[[], Any]  # a module-level function or a functools.partial of one
+    observer_config: ObserverConfig
+    served_model_name: str | None
+    max_queue_len: int | None
+    log_level: str
+    request_log: bool  # request / token records go to stdout (launch._set_up_request_log)
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+
+
+class EngineLoadError(RuntimeError):
+    """The engine process could not build the engine (the message is the original error's)."""
+
+
+# -- the server's side ---------------------------------------------------------------------------------
+class _Stream:
+    """A request the engine took: where its outputs go, and its tokens so far (non-final outputs carry
+    only their delta)."""
+
+    __slots__ = ("outputs", "token_ids", "logprobs")
+
+    def __init__(self, outputs: asyncio.Queue) -> None:
+        self.outputs = outputs
+        self.token_ids: list[int] = []
+        self.logprobs: list | None = None
+
+
+class EngineProcess:
+    def __init__(self, spec: EngineProcessSpec, on_ready: Callable[[], None] | None = None) -> None:
+        self.spec = spec
+        self._on_ready = on_ready  # called on the event loop once the engine is loaded
+        self.max_queue_len = spec.max_queue_len
+        self.retry_after_s = RETRY_AFTER_RANGE_S[0]
+        self.info: EngineInfo | None = None
+        self.load_error: BaseException | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting: dict[str, asyncio.Future] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._metrics_replies: dict[int, asyncio.Future] = {}
+        self._metrics_ids = itertools.count()
+        self._stopping = False
+        self._gone = False
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop, on_load_error: Callable[[BaseException], None]) -> None:
+        self._loop = loop
+        self._on_load_error = on_load_error
+        context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        commands_in, self._conn = context.Pipe(duplex=False)
+        results_in, results_out = context.Pipe(duplex=False)
+        self._process = context.Process(target=run_engine_process, args=(self.spec, commands_in, results_out),
+                                        name="dflash2-engine", daemon=True)
+        self._process.start()
+        commands_in.close()
+        results_out.close()
+        # the results pipe is read by the event loop itself, as a stream of frames: non-blocking, whatever
+        # the loop (uvloop makes a descriptor it polls non-blocking, which a Connection's recv() cannot take)
+        loop.create_task(loop.connect_read_pipe(lambda: _Frames(self._dispatch, self._on_exit), results_in))
+
+    def stop(self, timeout_s: float = _STOP_TIMEOUT_S) -> None:
+        self._stopping = True
+        if self._process is None:
+            return
+        if not self._gone:
+            try:
+                self._conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            logger.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
+            self._process.kill()
+            self._process.join(timeout_s)
+        self._conn.close()
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.load_error is None and not self._gone
+
+    # -- requests -------------------------------------------------------------------------------------
+    async def submit(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int,
+                     outputs: asyncio.Queue, timing: StreamTiming | None = None) -> None:
+        """As EngineThread.submit."""
+        assert self._loop is not None
+        if self._gone:
+            raise EngineError("the engine process has exited")
+        if self.max_queue_len is not None and len(self._accepting) >= self.max_queue_len:
+            raise QueueFull(f"{len(self._accepting)} requests are being queued already (--max-queue-len "
+                            f"{self.max_queue_len}); retry later", self.retry_after_s)
+        accepted = self._loop.create_future()
+        self._accepting[request_id] = accepted
+        self._streams[request_id] = _Stream(outputs)
+        received_at = timing.received_at if timing is not None else None
+        self._send(("submit", request_id, prompt, params, priority, received_at, _now()))
+        try:
+            await accepted
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finally:
+            self._accepting.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages (a no-op for one already finished)."""
+        self._streams.pop(request_id, None)
+        self._send(("abort", request_id))
+
+    def first_sent(self, request_ids: list[str], at: float) -> None:
+        """The HTTP side wrote these requests' first text at `at` (for the request log)."""
+        self._send(("first_sent", request_ids, at))
+
+    def count(self, metric: str) -> None:
+        """Count one HTTP-side event (a ServerMetrics counter's attribute name) in the engine's metrics."""
+        self._send(("count", metric))
+
+    async def metrics_text(self, registry: Any) -> bytes:
+        """The engine process's Prometheus exposition (its metrics), after the server's own registry's."""
+        from prometheus_client.exposition import generate_latest
+
+        own = generate_latest(registry)
+        if not self.ready:
+            return own
+        assert self._loop is not None
+        key = next(self._metrics_ids)
+        reply = self._metrics_replies[key] = self._loop.create_future()
+        self._send(("metrics", key))
+        try:
+            return own + await reply
+        finally:
+            self._metrics_replies.pop(key, None)
+
+    def _send(self, message: tuple) -> None:
+        if self._gone or self._conn is None:
+            return
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, OSError):
+            pass  # the process is gone: _on_readable sees the end of the pipe and fails what is in flight
+
+    # -- what comes back ------------------------------------------------------------------------------
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "out":
+            for item in message[1]:
+                self._deliver(item)
+        elif kind == "accepted":
+            _, request_id, error = message
+            future = self._accepting.get(request_id)
+            if error is not None:
+                self._streams.pop(request_id, None)
+            if future is not None and not future.done():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(_error_of(error))
+                    if error[0] == "queue_full":
+                        self.retry_after_s = error[2]
+        elif kind == "fail":
+            _, request_ids, text = message
+            for request_id in request_ids:
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.outputs.put_nowait(EngineError(text))
+        elif kind == "metrics":
+            future = self._metrics_replies.get(message[1])
+            if future is not None and not future.done():
+                future.set_result(message[2])
+        elif kind == "ready":
+            self.info = message[1]
+            if self._on_ready is not None:
+                self._on_ready()
+        elif kind == "load_error":
+            self.load_error = EngineLoadError(message[1])
+            self._on_load_error(self.load_error)
+
+    def _deliver(self, item: tuple) -> None:
+        request_id = item[1]
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return  # aborted meanwhile
+        if item[0] == "final":
+            del self._streams[request_id]
+            stream.outputs.put_nowait(item[2])
+            return
+        _, _, delta_text, delta_token_ids, delta_logprobs = item
+        stream.token_ids.extend(delta_token_ids)
+        logprobs = None
+        if delta_logprobs is not None:
+            if stream.logprobs is None:
+                stream.logprobs = []
+            stream.logprobs.extend(delta_logprobs)
+            logprobs = list(stream.logprobs)  # this output's own, as the engine's output had it
+        completion = CompletionOutput(0, "", stream.token_ids, None, logprobs)
+        stream.outputs.put_nowait(RequestOutput(request_id, None, [], None, [completion], False, 0,
+                                                delta_text, delta_token_ids))
+
+    def _on_exit(self) -> None:
+        """The pipe ended: the engine process exited (stop(), a crash, or a load failure it reported)."""
+        if self._gone:
+            return
+        self._gone = True
+        if self._stopping:
+            return
+        code = None
+        if self._process is not None:
+            self._process.join(1.0)  # reap it, for its exit code
+            code = self._process.exitcode
+        error = EngineError(f"the engine process exited (exit code {code})")
+        for future in list(self._accepting.values()) + list(self._metrics_replies.values()):
+            if not future.done():
+                future.set_exception(error)
+        for stream in self._streams.values():
+            stream.outputs.put_nowait(error)
+        self._streams.clear()
+        if self.load_error is None:  # (a load failure it reported was passed on already)
+            self.load_error = error if self.info is not None else EngineLoadError(str(error))
+            self._on_load_error(self.load_error)
+
+
+class _Frames(asyncio.Protocol):
+    """The results pipe as the event loop reads it: frames of an 8-byte big-endian length and a pickle."""
+
+    def __init__(self, dispatch: Callable[[tuple], None], on_end: Callable[[], None]) -> None:
+        self.dispatch = dispatch
+        self.on_end = on_end
+        self.buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        start = 0
+        while len(buffer) - start >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(buffer, start)
+            end = start + _HEADER.size + size
+            if len(buffer) < end:
+                break
+            self.dispatch(pickle.loads(memoryview(buffer)[start + _HEADER.size:end]))
+            start = end
+        if start:
+            del buffer[:start]
+
+    def eof_received(self) -> bool:
+        return False  # close the transport; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.on_end()
+
+
+def _error_of(error: tuple) -> BaseException:
+    kind, text = error[0], error[1]
+    if kind == "queue_full":
+        return QueueFull(text, error[2])
+    if kind == "value":
+        return ValueError(text)
+    return EngineError(text)
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
+
+
+# -- the engine process's side -------------------------------------------------------------------------
+class _ProcessLoop(EngineLoop):
+    """The EngineLoop answering over the pipe (runs on the engine process's main thread; a reader thread
+    turns the pipe's messages into commands)."""
+
+    def __init__(self, spec: EngineProcessSpec, results: Any) -> None:
+        super().__init__(spec.engine_factory, self._make_observer, spec.max_queue_len)
+        self.spec = spec
+        self.results = results  # the results pipe (a Connection: only its descriptor is used)
+        self.registry: Any = None
+
+    def send(self, message: tuple) -> None:
+        """One frame on the results pipe (blocking: the server's event loop reads it as it comes)."""
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(_HEADER.pack(len(payload)) + payload)
+        fd = self.results.fileno()
+        while view:
+            view = view[os.write(fd, view):]
+
+    def _make_observer(self, engine: Any) -> Any:
+        from prometheus_client import CollectorRegistry
+
+        from dflash2.server.metrics import ServerMetrics
+        from dflash2.server.observer import RequestObserver
+
+        self.registry = CollectorRegistry()
+        metrics = ServerMetrics(self.spec.served_model_name or engine.model.name, self.registry)
+        if self.spec.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.spec.metrics_port, addr=self.spec.metrics_host, registry=self.registry)
+            logger.info("metrics on http://%s:%d/metrics", self.spec.metrics_host, self.spec.metrics_port)
+        return RequestObserver(engine, metrics, self.spec.observer_config)
+
+    def on_loaded(self) -> None:
+        self.send(("ready", EngineInfo.of(self.engine)))
+
+    def on_load_failed(self, error: BaseException) -> None:
+        self.send(("load_error", str(error)))
+
+    def settle(self, command: Submit, error: BaseException | None) -> None:
+        if error is None:
+            wire = None
+        elif isinstance(error, QueueFull):
+            wire = ("queue_full", str(error), error.retry_after_s)
+        elif isinstance(error, ValueError):
+            wire = ("value", str(error))
+        else:
+            wire = ("engine", str(error))
+        self.send(("accepted", command.request_id, wire))
+
+    def deliver(self, deliveries: list[tuple[Tracked, RequestOutput]]) -> None:
+        self.send(("out", [_wire_output(output) for _, output in deliveries]))
+
+    def fail(self, failed: list[Tracked], error: EngineError) -> None:
+        self.send(("fail", [tracked.request.request_id for tracked in failed], str(error)))
+
+    def apply(self, command: Any) -> None:
+        kind = command[0]
+        if kind == "first_sent":
+            for request_id in command[1]:
+                tracked = self._tracked.get(request_id)
+                if tracked is not None and tracked.timing is not None and tracked.timing.first_sent_at is None:
+                    tracked.timing.first_sent_at = command[2]
+        elif kind == "count":
+            if self.observer is not None:
+                getattr(self.observer.metrics, command[1]).inc()
+        elif kind == "metrics":
+            from prometheus_client.exposition import generate_latest
+
+            self.send(("metrics", command[1], generate_latest(self.registry)))
+
+
+def _wire_output(output: RequestOutput) -> tuple:
+    """One output as it crosses the pipe: the last one whole (its token lists materialized), the others as
+    their delta."""
+    if output.finished:
+        for completion in output.outputs:
+            completion.token_ids = list(completion.token_ids)
+        output.prompt_token_ids = list(output.prompt_token_ids)
+        return ("final", output.request_id, output)
+    completion = output.outputs[0]
+    delta_logprobs = None
+    if completion.logprobs is not None:
+        count = len(output.delta_token_ids)
+        delta_logprobs = completion.logprobs[len(completion.logprobs) - count:] if count else []
+    return ("delta", output.request_id, output.delta_text, output.delta_token_ids, delta_logprobs)
+
+
+def _read_commands(conn: Any, commands: Any) -> None:
+    """The engine process's reader thread: pipe messages -> the loop's commands; the pipe's end (the server
+    is gone) stops the loop."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            commands.put(Stop())
+            return
+        kind = message[0]
+        if kind == "submit":
+            _, request_id, prompt, params, priority, received_at, submitted_at = message
+            commands.put(Submit(request_id, prompt, params, priority, timing=StreamTiming(received_at),
+                                submitted_at=submitted_at))
+        elif kind == "abort":
+            commands.put(Abort(message[1]))
+        elif kind == "stop":
+            commands.put(Stop())
+            return
+        else:
+            commands.put(message)
+
+
+def run_engine_process(spec: EngineProcessSpec, commands_in: Any, results_out: Any) -> None:
+    """The engine process's main: logging as the server's, then the EngineLoop until told to stop.
+
+    It ignores SIGINT: Ctrl+C in a terminal reaches every process of the group, and the server process stops
+    this one itself, after its HTTP side (the pipe's end stops it too, if the server process dies)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from dflash2.server.launch import configure_logging, set_up_request_log
+
+    configure_logging(spec.log_level)
+    set_up_request_log(spec.request_log)
+    loop = _ProcessLoop(spec, results_out)
+    threading.Thread(target=_read_commands, args=(commands_in, loop.commands), name="dflash2-engine-pipe",
+                     daemon=True).start()
+    try:
+        loop.run()
+    finally:
+        if loop.observer is not None:
+            loop.observer.close()
+        sys.stdout.flush()
+        results_out.close()

@@ -1,0 +1,79 @@
+"""The engine process's wire, without a process: results frames split anywhere by the pipe come out whole and
+in order, and output deltas rebuild the RequestOutputs the handlers read."""
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+from dflash2.engine.sampler import Logprob
+from dflash2.request import CompletionOutput, RequestOutput
+from dflash2.server.engine_process import _HEADER, EngineProcess, EngineProcessSpec, _Frames, _Stream, _wire_output
+from dflash2.server.observer import ObserverConfig
+
+
+def frame(message: tuple) -> bytes:
+    payload = pickle.dumps(message)
+    return _HEADER.pack(len(payload)) + payload
+
+
+def test_frames_cut_at_every_byte_come_out_whole_and_in_order():
+    messages = [("out", [("delta", "r1", "é", [1, 2], None)]), ("accepted", "r2", None), ("ready", "x" * 5000)]
+    data = b"".join(frame(m) for m in messages)
+    for chunk in (1, 3, 7, 4096, len(data)):
+        seen, ended = [], []
+        frames = _Frames(seen.append, lambda: ended.append(True))
+        for start in range(0, len(data), chunk):
+            frames.data_received(data[start:start + chunk])
+        assert seen == messages and not frames.buffer
+        frames.connection_lost(None)
+        assert ended == [True]
+
+
+def test_deltas_rebuild_outputs_and_the_last_one_comes_whole():
+    process = EngineProcess(EngineProcessSpec(lambda: None, ObserverConfig(), None, None, "info", False))
+    queue: asyncio.Queue = asyncio.Queue()
+    process._streams["r"] = _Stream(queue)
+    entries = [{5: Logprob(-0.5, 1)}, {6: Logprob(-1.0, 1)}, {7: Logprob(-0.25, 1)}]
+    engine_side = []
+    for count in (1, 2):  # the engine's outputs: its live lists, the delta since the previous output
+        completion = CompletionOutput(0, "ab"[:count], [5, 6][:count], None, entries[:count])
+        engine_side.append(RequestOutput("r", None, [1, 2], None, [completion], False,
+                                         delta_text="ab"[count - 1], delta_token_ids=[[5, 6][count - 1]]))
+    last = RequestOutput("r", "p", [1, 2], None, [CompletionOutput(0, "abc", [5, 6, 7], -1.75, entries, "length")],
+                         True, delta_text="c", delta_token_ids=[7])
+    for output in (*engine_side, last):
+        process._dispatch(pickle.loads(pickle.dumps(("out", [_wire_output(output)]))))
+    first, second, final = (queue.get_nowait() for _ in range(3))
+    assert (first.delta_text, first.delta_token_ids, first.finished) == ("a", [5], False)
+    assert first.outputs[0].logprobs == entries[:1]  # its own entries, not what came later
+    assert (second.delta_text, second.delta_token_ids, second.outputs[0].logprobs) == ("b", [6], entries[:2])
+    assert final.finished and final.outputs[0].text == "abc" and final.outputs[0].token_ids == [5, 6, 7]
+    assert final.prompt_token_ids == [1, 2] and final.outputs[0].finish_reason == "length"
+    assert "r" not in process._streams  # the stream ends with its last output
+    process._dispatch(("out", [("delta", "r", "late", [9], None)]))  # (aborted or finished: dropped)
+    assert queue.empty()
+
+
+def test_refusals_keep_their_kind():
+    async def main():
+        process = EngineProcess(EngineProcessSpec(lambda: None, ObserverConfig(), None, 4, "info", False))
+        process._loop = asyncio.get_running_loop()
+        sent = []
+        process._send = sent.append
+        outcomes = []
+        for request_id, answer in (("a", ("value", "too long")), ("b", ("queue_full", "4 waiting", 7)), ("c", None)):
+            task = asyncio.ensure_future(process.submit(request_id, {"prompt_token_ids": [1]}, None, 0,
+                                                        asyncio.Queue()))
+            await asyncio.sleep(0)
+            process._dispatch(("accepted", request_id, answer))
+            try:
+                await task
+                outcomes.append("taken")
+            except Exception as e:  # noqa: BLE001
+                outcomes.append((type(e).__name__, str(e)))
+        return outcomes, [m[:2] for m in sent], process.retry_after_s, set(process._streams)
+
+    outcomes, sent, retry_after_s, streams = asyncio.run(main())
+    assert outcomes == [("ValueError", "too long"), ("QueueFull", "4 waiting"), "taken"]
+    assert sent == [("submit", "a"), ("submit", "b"), ("submit", "c")] and retry_after_s == 7
+    assert streams == {"c"}  # only the request taken keeps a stream
