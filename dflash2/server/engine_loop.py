@@ -135,11 +135,8 @@ class EngineLoop:
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply every queued command; False once told to stop."""
-        try:
-            command = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
+        command = self.receive(block)
+        while command is not None:
             if isinstance(command, Stop):
                 return False
             if isinstance(command, Submit):
@@ -148,10 +145,15 @@ class EngineLoop:
                 self._abort(command.request_id)
             else:
                 self.apply(command)
-            try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                return True
+            command = self.receive(False)
+        return True
+
+    def receive(self, block: bool) -> Any:
+        """The next command, or None if there is none (block: wait up to IDLE_WAIT_S for one)."""
+        try:
+            return self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return None
 
     def _add(self, command: Submit) -> None:
         num_waiting = len(self.engine.scheduler.waiting)

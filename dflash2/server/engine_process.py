@@ -2,7 +2,7 @@
 
     server process (event loop: HTTP, SSE)            engine process (spawned; owns the Engine)
     ──────────────────────────────────────            ─────────────────────────────────────────
-    await submit() ── ("submit", ...) ──► commands pipe ──► reader thread ──► SimpleQueue ──► EngineLoop
+    await submit() ── ("submit", ...) ──► commands pipe ──► EngineLoop.receive() (between steps)
     abort() / first_sent() / count() ─────────►                                           │ (engine.step(),
     metrics_text() ── ("metrics", n) ─────────►                                           │  observer: metrics,
                                                                                           │  request log)
@@ -33,15 +33,14 @@ import pickle
 import signal
 import struct
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dflash2.request import CompletionOutput, RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import (RETRY_AFTER_RANGE_S, Abort, EngineError, EngineInfo, EngineLoop,
-                                        QueueFull, Stop, Submit)
+from dflash2.server.engine_loop import (IDLE_WAIT_S, RETRY_AFTER_RANGE_S, Abort, EngineError, EngineInfo,
+                                        EngineLoop, QueueFull, Stop, Submit)
 from dflash2.server.observer import ObserverConfig, StreamTiming, Tracked
 
 logger = logging.getLogger("dflash2.server")
@@ -321,14 +320,26 @@ def _now() -> float:
 
 # -- the engine process's side -------------------------------------------------------------------------
 class _ProcessLoop(EngineLoop):
-    """The EngineLoop answering over the pipe (runs on the engine process's main thread; a reader thread
-    turns the pipe's messages into commands)."""
+    """The EngineLoop reading its commands from one pipe and answering over the other (the engine process's
+    main thread does both)."""
 
-    def __init__(self, spec: EngineProcessSpec, results: Any) -> None:
+    def __init__(self, spec: EngineProcessSpec, commands: Any, results: Any) -> None:
         super().__init__(spec.engine_factory, self._make_observer, spec.max_queue_len)
         self.spec = spec
+        self.commands_in = commands  # the commands pipe (a Connection)
         self.results = results  # the results pipe (a Connection: only its descriptor is used)
         self.registry: Any = None
+
+    def receive(self, block: bool) -> Any:
+        """The next command straight from the pipe, on the loop's own thread: a reader thread would have to win
+        the GIL from this one, busy with host work under load, which takes up to the 5 ms switch interval.
+        The pipe's end (the server process is gone) is a Stop."""
+        try:
+            if not self.commands_in.poll(IDLE_WAIT_S if block else 0):
+                return None
+            return _command_of(self.commands_in.recv())
+        except (EOFError, OSError):
+            return Stop()
 
     def send(self, message: tuple) -> None:
         """One frame on the results pipe (blocking: the server's event loop reads it as it comes)."""
@@ -408,27 +419,17 @@ def _wire_output(output: RequestOutput) -> tuple:
     return ("delta", output.request_id, output.delta_text, output.delta_token_ids, delta_logprobs)
 
 
-def _read_commands(conn: Any, commands: Any) -> None:
-    """The engine process's reader thread: pipe messages -> the loop's commands; the pipe's end (the server
-    is gone) stops the loop."""
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            commands.put(Stop())
-            return
-        kind = message[0]
-        if kind == "submit":
-            _, request_id, prompt, params, priority, received_at, submitted_at = message
-            commands.put(Submit(request_id, prompt, params, priority, timing=StreamTiming(received_at),
-                                submitted_at=submitted_at))
-        elif kind == "abort":
-            commands.put(Abort(message[1]))
-        elif kind == "stop":
-            commands.put(Stop())
-            return
-        else:
-            commands.put(message)
+def _command_of(message: tuple) -> Any:
+    """A commands-pipe message as the loop's command."""
+    kind = message[0]
+    if kind == "submit":
+        _, request_id, prompt, params, priority, received_at, submitted_at = message
+        return Submit(request_id, prompt, params, priority, timing=StreamTiming(received_at), submitted_at=submitted_at)
+    if kind == "abort":
+        return Abort(message[1])
+    if kind == "stop":
+        return Stop()
+    return message
 
 
 def run_engine_process(spec: EngineProcessSpec, commands_in: Any, results_out: Any) -> None:
@@ -441,13 +442,12 @@ def run_engine_process(spec: EngineProcessSpec, commands_in: Any, results_out: A
 
     configure_logging(spec.log_level)
     set_up_request_log(spec.request_log)
-    loop = _ProcessLoop(spec, results_out)
-    threading.Thread(target=_read_commands, args=(commands_in, loop.commands), name="dflash2-engine-pipe",
-                     daemon=True).start()
+    loop = _ProcessLoop(spec, commands_in, results_out)
     try:
         loop.run()
     finally:
         if loop.observer is not None:
             loop.observer.close()
         sys.stdout.flush()
+        commands_in.close()
         results_out.close()
