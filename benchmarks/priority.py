@@ -40,8 +40,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import print_report  # noqa: E402
-from benchmarks.w3_server import (COUNTERS, GAUGES, cuda_available, gc_stats, percentile_ms,  # noqa: E402
-                                  request_log, scrape, server_side, step_stats, ttft_breakdown, w3_server)
+from benchmarks.w3_server import (COUNTERS, GAUGES, SERVER_GC_METRIC, cuda_available, gc_stats,  # noqa: E402
+                                  percentile_ms, request_log, scrape, server_side, step_stats, ttft_breakdown,
+                                  w3_server)
 from dflash2.bench.client import RequestResult  # noqa: E402
 from dflash2.bench.dataset import BenchItem, load_dataset  # noqa: E402
 from dflash2.bench.load import LoadConfig, run_async, run_load, run_per_priority  # noqa: E402
@@ -309,7 +310,8 @@ def build_report(args: argparse.Namespace, phases: Phases, server_log: str | Non
             "server_side": sides[1],
             "urgent_ttft_breakdown": breakdowns[1],
             "engine_steps": step_stats(before, after),
-            "gc_pauses": gc_stats(before, after),
+            "gc_pauses": gc_stats(before, after),  # the engine's process
+            "gc_pauses_server": gc_stats(before, after, SERVER_GC_METRIC),  # the HTTP server's (none: one process)
             "preemptions": int(delta["dflash2_num_preemptions_total"]),
             "swap_outs": int(delta["dflash2_num_swap_outs_total"]),
             "swapped_bytes": int(delta["dflash2_swapped_bytes_total"]),

@@ -19,7 +19,8 @@ from dflash2.bench.server_process import ServerProcess
 
 STEP_METRIC = "dflash2_step_duration_seconds"
 STEP_METRICS = (STEP_METRIC, "dflash2_step_launch_seconds", "dflash2_step_finish_seconds")  # histograms kept by `le`
-GC_METRIC = "dflash2_gc_pause_seconds"  # kept by `generation` and `le`
+GC_METRIC = "dflash2_gc_pause_seconds"  # kept by `generation` and `le` (the engine's process)
+SERVER_GC_METRIC = "dflash2_server_gc_pause_seconds"  # the same for the HTTP server's process
 COUNTERS = ("dflash2_num_preemptions_total", "dflash2_num_swap_outs_total", "dflash2_swapped_bytes_total",
             "dflash2_num_requests_rejected_total")
 GAUGES = ("dflash2_num_requests_waiting", "dflash2_num_requests_running", "dflash2_num_requests_swapped",
@@ -80,7 +81,7 @@ def metric_samples(text: str) -> dict[str, float]:
             name = sample.name
             if name.startswith(STEP_METRICS):
                 name += "{%s}" % sample.labels.get("le", "")
-            elif name.startswith(GC_METRIC):
+            elif name.startswith((GC_METRIC, SERVER_GC_METRIC)):
                 name += "{%s,%s}" % (sample.labels.get("generation", ""), sample.labels.get("le", ""))
             elif name not in COUNTERS and name not in GAUGES:
                 continue
@@ -109,14 +110,14 @@ def _histogram_stats(metric: str, before: dict[str, float], after: dict[str, flo
             "p50_le_ms": _ms(_bound(buckets, 0.5 * count)), "p99_le_ms": _ms(_bound(buckets, 0.99 * count))}
 
 
-def gc_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+def gc_stats(before: dict[str, float], after: dict[str, float], metric: str = GC_METRIC) -> dict[str, Any]:
     """Garbage collections over a phase, per generation (2: full): how many, their total milliseconds, and the
     bucket upper bound of the longest (None: over the last bucket, 1 s)."""
     stats = {}
     for generation in ("0", "1", "2"):
-        count, total_s, buckets = _histogram_delta(before, after, f"{GC_METRIC}_count{{{generation},}}",
-                                                   f"{GC_METRIC}_sum{{{generation},}}",
-                                                   f"{GC_METRIC}_bucket{{{generation},")
+        count, total_s, buckets = _histogram_delta(before, after, f"{metric}_count{{{generation},}}",
+                                                   f"{metric}_sum{{{generation},}}",
+                                                   f"{metric}_bucket{{{generation},")
         if count <= 0:
             stats[generation] = {"collections": 0}
             continue

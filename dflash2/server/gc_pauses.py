@@ -24,7 +24,8 @@ from time import perf_counter
 from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-GC_PAUSE_METRIC = "dflash2_gc_pause_seconds"
+GC_PAUSE_METRIC = "dflash2_gc_pause_seconds"  # the engine's process (the server's own, with --single-process)
+SERVER_GC_PAUSE_METRIC = "dflash2_server_gc_pause_seconds"  # the HTTP server's process, when the engine has its own
 GC_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 NUM_GENERATIONS = 3
 FULL_COLLECTION_THRESHOLD = 100  # generation-1 collections between two full ones (CPython's default: 10)
@@ -35,8 +36,9 @@ class GcPauses:
     oldest generation it walked (2: a full collection). A prometheus_client collector; install() hooks it into
     gc.callbacks, remove() unhooks it."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, metric: str = GC_PAUSE_METRIC) -> None:
         self.model_name = model_name
+        self.metric = metric
         self._bounds = (*GC_PAUSE_BUCKETS, float("inf"))
         self._counts = [[0] * len(self._bounds) for _ in range(NUM_GENERATIONS)]  # per bucket, not cumulative
         self._sums = [0.0] * NUM_GENERATIONS
@@ -80,7 +82,7 @@ class GcPauses:
         yield family
 
     def _family(self) -> HistogramMetricFamily:
-        return HistogramMetricFamily(GC_PAUSE_METRIC, "Pause of one garbage collection, by the oldest generation "
+        return HistogramMetricFamily(self.metric, "Pause of one garbage collection, by the oldest generation "
                                      "it collected (2: full)", labels=("model_name", "generation"))
 
 

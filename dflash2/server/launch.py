@@ -18,7 +18,7 @@ from dflash2.server.config import ServerConfig
 from dflash2.server.engine_loop import EngineError, freeze_startup_objects
 from dflash2.server.engine_process import EngineProcess, EngineProcessSpec
 from dflash2.server.engine_thread import EngineThread
-from dflash2.server.gc_pauses import space_full_collections
+from dflash2.server.gc_pauses import SERVER_GC_PAUSE_METRIC, GcPauses, space_full_collections
 from dflash2.server.metrics import ServerMetrics
 from dflash2.server.observer import ObserverConfig, RequestObserver, request_logger
 from dflash2.server.state import ServerState
@@ -52,7 +52,22 @@ def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any])
     spec = EngineProcessSpec(engine_factory, observer_config(config), config.served_model_name,
                              config.max_queue_len, config.log_level, request_log=_request_log_on(config),
                              metrics_port=config.metrics_port, metrics_host=config.host)
-    return ServerState(config, EngineProcess(spec, on_ready=_settle_server_process), CollectorRegistry())
+    registry = CollectorRegistry()
+
+    def on_ready() -> None:
+        """The engine is loaded: this process gets the engine's garbage-collection settings (its startup
+        objects frozen, full collections spaced out: here a long waiting line is the HTTP handlers' objects),
+        and its own pause histogram (dflash2_server_gc_pause_seconds, beside the engine process's)."""
+        frozen = freeze_startup_objects()
+        thresholds = space_full_collections()
+        assert state.engine.info is not None
+        pauses = GcPauses(config.served_model_name or state.engine.info.model_name, SERVER_GC_PAUSE_METRIC)
+        registry.register(pauses)
+        pauses.install()
+        logger.info("server process: %d objects left out of garbage collection, thresholds %s", frozen, thresholds)
+
+    state = ServerState(config, EngineProcess(spec, on_ready=on_ready), registry)
+    return state
 
 
 def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
@@ -90,15 +105,6 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
         print(f"error: {what}: {error}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
-
-
-def _settle_server_process() -> None:
-    """Once the engine process is ready, the server process gets the engine's garbage-collection settings:
-    its objects from startup frozen, full collections spaced out (gc_pauses.space_full_collections; a long
-    waiting line is the HTTP handlers' objects here)."""
-    frozen = freeze_startup_objects()
-    logger.info("server process: %d objects left out of garbage collection, thresholds %s", frozen,
-                space_full_collections())
 
 
 def _request_log_on(config: ServerConfig) -> bool:

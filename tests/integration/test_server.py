@@ -229,7 +229,8 @@ def test_metrics_are_labelled_and_count_requests(real_server, client):
                  "dflash2_request_queue_time_seconds_bucket", "dflash2_request_prefill_time_seconds_bucket",
                  "dflash2_request_decode_time_seconds_bucket", "dflash2_scheduler_latency_microseconds_bucket",
                  "dflash2_kv_cache_hit_ratio", "dflash2_cache_eviction_rate", "dflash2_streaming_timeout_total",
-                 "dflash2_streaming_success_total", "dflash2_gc_pause_seconds_bucket"):
+                 "dflash2_streaming_success_total", "dflash2_gc_pause_seconds_bucket",
+                 "dflash2_server_gc_pause_seconds_bucket"):  # (the engine's process, and the HTTP server's)
         assert f'{name}{{' in text and f'model_name="{MODEL}"' in text, name
     assert "dflash2_gpu_memory_utilization{" not in text  # declared, but no sample on the CPU
     assert "# TYPE dflash2_gpu_memory_utilization gauge" in text
