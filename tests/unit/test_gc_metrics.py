@@ -98,3 +98,14 @@ def test_the_server_spaces_full_collections_and_keeps_the_young_thresholds():
         assert gc.get_threshold() == (700, 10, 100)
     finally:
         gc.set_threshold(*saved)
+
+
+def test_the_http_process_collects_the_middle_generation_often_and_the_full_one_rarely():
+    from dflash2.server.gc_pauses import shorten_middle_collections
+
+    saved = gc.get_threshold()
+    try:
+        assert shorten_middle_collections() == (700, 1, 500)
+        assert gc.get_threshold() == (700, 1, 500)
+    finally:
+        gc.set_threshold(*saved)
