@@ -45,7 +45,7 @@ def build_app(state: ServerState, on_load_error: Callable[[BaseException], None]
         try:
             yield
         finally:  # (also when a second Ctrl+C cancels the shutdown)
-            state.engine.stop()
+            await state.engine.shutdown()
 
     app = FastAPI(title="dflash2", version=dflash2.__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)

@@ -13,7 +13,8 @@ SSE writes). On one GIL each waits for the other; under W3's overload the engine
 about twice the same step's outside the server. vLLM (its engine core) and SGLang (its scheduler) run the
 engine in a process of its own for the same reason.
 
-What crosses the pipe (pickled): a submission (token ids, SamplingParams, priority, the HTTP side's clock
+What crosses the pipes (a pickle behind its length; both ends are the event loop's non-blocking transports on
+the server's side, so neither a long prompt nor a busy engine ever blocks HTTP): a submission (token ids, SamplingParams, priority, the HTTP side's clock
 readings), and per step each output as its delta (text, token ids, their logprob entries): a request's last
 output comes whole. The HTTP side rebuilds RequestOutputs from them, so handlers read the same objects as
 with EngineThread. Metrics and the request log stay in the engine process (its observer); /metrics asks it
@@ -21,6 +22,8 @@ for its exposition text, and --metrics-port is served from there. time.monotonic
 times taken on either side compare.
 
 If the engine process dies, every request in flight fails with EngineError and the server stops (exit 1).
+The server stops it by closing the commands pipe (it finishes the step in flight); if the server process dies,
+that pipe ends all the same.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ from dflash2.server.observer import ObserverConfig, StreamTiming, Tracked
 logger = logging.getLogger("dflash2.server")
 
 _STOP_TIMEOUT_S = 10.0
-_HEADER = struct.Struct("!Q")  # a results frame's length
+_HEADER = struct.Struct("!Q")  # a frame's length (both pipes)
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,9 @@ class EngineProcess:
         self.info: EngineInfo | None = None
         self.load_error: BaseException | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
-        self._conn: Any = None
+        self._commands_out: Any = None  # the commands pipe, until the event loop's transport has it
+        self._writer: asyncio.WriteTransport | None = None
+        self._unsent: list[bytes] = []  # frames sent before the pipe was connected
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting: dict[str, asyncio.Future] = {}
         self._streams: dict[str, _Stream] = {}
@@ -103,32 +108,43 @@ class EngineProcess:
         self._loop = loop
         self._on_load_error = on_load_error
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
-        commands_in, self._conn = context.Pipe(duplex=False)
+        commands_in, commands_out = context.Pipe(duplex=False)
         results_in, results_out = context.Pipe(duplex=False)
         self._process = context.Process(target=run_engine_process, args=(self.spec, commands_in, results_out),
                                         name="dflash2-engine", daemon=True)
         self._process.start()
         commands_in.close()
         results_out.close()
-        # the results pipe is read by the event loop itself, as a stream of frames: non-blocking, whatever
-        # the loop (uvloop makes a descriptor it polls non-blocking, which a Connection's recv() cannot take)
-        loop.create_task(loop.connect_read_pipe(lambda: _Frames(self._dispatch, self._on_exit), results_in))
+        self._commands_out = commands_out
+        # Both pipes are the event loop's own transports, non-blocking: a write never waits for the engine
+        # (busy with a long step, it reads its commands only between steps; a long prompt is more than a
+        # pipe's buffer), and frames are read as they come.
+        loop.create_task(self._connect(loop, commands_out, results_in))
 
-    def stop(self, timeout_s: float = _STOP_TIMEOUT_S) -> None:
+    async def _connect(self, loop: asyncio.AbstractEventLoop, commands_out: Any, results_in: Any) -> None:
+        self._writer, _ = await loop.connect_write_pipe(asyncio.Protocol, commands_out)
+        for frame in self._unsent:
+            self._writer.write(frame)
+        self._unsent.clear()
+        await loop.connect_read_pipe(lambda: _Frames(self._dispatch, self._on_exit), results_in)
+
+    async def shutdown(self, timeout_s: float = _STOP_TIMEOUT_S) -> None:
+        """Close the commands pipe (the engine stops at its end, after the step in flight) and wait for the
+        engine process, the event loop running meanwhile (it closes the pipe, and reads the last results);
+        kill the process after timeout_s."""
         self._stopping = True
         if self._process is None:
             return
-        if not self._gone:
-            try:
-                self._conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-        self._process.join(timeout_s)
+        if self._writer is not None:
+            self._writer.abort()  # (commands not yet written are moot now; the descriptor closes next turn)
+        else:
+            self._commands_out.close()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._process.join, timeout_s)
         if self._process.is_alive():
             logger.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
             self._process.kill()
-            self._process.join(timeout_s)
-        self._conn.close()
+            await loop.run_in_executor(None, self._process.join, timeout_s)
 
     @property
     def ready(self) -> bool:
@@ -187,12 +203,15 @@ class EngineProcess:
             self._metrics_replies.pop(key, None)
 
     def _send(self, message: tuple) -> None:
-        if self._gone or self._conn is None:
+        """One frame on the commands pipe (buffered by the transport, never blocking the event loop). Once the
+        process is gone, nothing: _Frames sees the end of the results pipe and fails what is in flight."""
+        if self._gone or self._stopping:
             return
-        try:
-            self._conn.send(message)
-        except (BrokenPipeError, OSError):
-            pass  # the process is gone: _on_readable sees the end of the pipe and fails what is in flight
+        frame = _frame(message)
+        if self._writer is None:
+            self._unsent.append(frame)
+        elif not self._writer.is_closing():
+            self._writer.write(frame)
 
     # -- what comes back ------------------------------------------------------------------------------
     def _dispatch(self, message: tuple) -> None:
@@ -275,7 +294,7 @@ class EngineProcess:
 
 
 class _Frames(asyncio.Protocol):
-    """The results pipe as the event loop reads it: frames of an 8-byte big-endian length and a pickle."""
+    """The results pipe as the event loop reads it: frames (_frame) as they come, split anywhere."""
 
     def __init__(self, dispatch: Callable[[tuple], None], on_end: Callable[[], None]) -> None:
         self.dispatch = dispatch
@@ -337,14 +356,15 @@ class _ProcessLoop(EngineLoop):
         try:
             if not self.commands_in.poll(IDLE_WAIT_S if block else 0):
                 return None
-            return _command_of(self.commands_in.recv())
+            fd = self.commands_in.fileno()
+            (size,) = _HEADER.unpack(_read_exactly(fd, _HEADER.size))
+            return _command_of(pickle.loads(_read_exactly(fd, size)))
         except (EOFError, OSError):
             return Stop()
 
     def send(self, message: tuple) -> None:
         """One frame on the results pipe (blocking: the server's event loop reads it as it comes)."""
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        view = memoryview(_HEADER.pack(len(payload)) + payload)
+        view = memoryview(_frame(message))
         fd = self.results.fileno()
         while view:
             view = view[os.write(fd, view):]
@@ -419,6 +439,24 @@ def _wire_output(output: RequestOutput) -> tuple:
     return ("delta", output.request_id, output.delta_text, output.delta_token_ids, delta_logprobs)
 
 
+def _frame(message: tuple) -> bytes:
+    """A message as it crosses either pipe: its pickle's length (8 bytes, big-endian), then the pickle."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(payload)) + payload
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    """size bytes from a blocking descriptor; EOFError at its end."""
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            raise EOFError("the commands pipe ended")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def _command_of(message: tuple) -> Any:
     """A commands-pipe message as the loop's command."""
     kind = message[0]
@@ -427,8 +465,6 @@ def _command_of(message: tuple) -> Any:
         return Submit(request_id, prompt, params, priority, timing=StreamTiming(received_at), submitted_at=submitted_at)
     if kind == "abort":
         return Abort(message[1])
-    if kind == "stop":
-        return Stop()
     return message
 
 

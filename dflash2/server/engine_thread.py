@@ -54,6 +54,10 @@ class EngineThread(EngineLoop):
         if self.observer is not None:
             self.observer.close()
 
+    async def shutdown(self) -> None:
+        """stop(), from the app's lifespan."""
+        self.stop()
+
     @property
     def ready(self) -> bool:
         return self.loaded.is_set() and self.load_error is None

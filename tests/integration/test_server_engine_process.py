@@ -33,6 +33,13 @@ def alive(pid: int) -> bool:
     return "State:\tZ" not in status  # a zombie has exited
 
 
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive(pid)
+
+
 def test_an_engine_process_that_dies_fails_the_streams_and_stops_the_server():
     server = ServerProcess("--max-model-len", "1024", "--disable-log-stats").start()
     try:
@@ -68,10 +75,7 @@ def test_sigint_stops_the_server_and_its_engine_process():
         # uvicorn shuts down gracefully, then re-raises the signal it caught (so the exit is by SIGINT)
         assert server.process.wait(60) in (0, -signal.SIGINT)
         assert "Application shutdown complete." in server.stderr()
-        deadline = time.monotonic() + 10
-        while alive(engine) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(engine)
+        assert gone_within(engine, 10)
         assert "did not stop" not in server.stderr()  # it stopped when asked, not killed
     finally:
         server.stop()
@@ -83,9 +87,6 @@ def test_a_server_killed_outright_takes_its_engine_process_along():
         engine = engine_pid(server.process.pid)
         server.process.kill()
         server.process.wait(30)
-        deadline = time.monotonic() + 30
-        while alive(engine) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(engine)  # the end of its command pipe stopped it
+        assert gone_within(engine, 30)  # the end of its commands pipe stopped it
     finally:
         server.stop()

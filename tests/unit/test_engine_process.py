@@ -77,3 +77,34 @@ def test_refusals_keep_their_kind():
     assert outcomes == [("ValueError", "too long"), ("QueueFull", "4 waiting"), "taken"]
     assert sent == [("submit", "a"), ("submit", "b"), ("submit", "c")] and retry_after_s == 7
     assert streams == {"c"}  # only the request taken keeps a stream
+
+
+def test_commands_cross_as_frames_the_engine_reads_whole():
+    """The engine process's side of the commands pipe: a submission written in pieces is read whole, and the
+    pipe's end reads as Stop."""
+    import os
+    import threading
+    from multiprocessing import Pipe
+
+    from dflash2.server.engine_loop import Stop, Submit
+    from dflash2.server.engine_process import _frame, _ProcessLoop
+
+    commands_in, commands_out = Pipe(duplex=False)
+    loop = _ProcessLoop(EngineProcessSpec(lambda: None, ObserverConfig(), None, None, "info", False), commands_in,
+                        None)
+    frame = _frame(("submit", "r", {"prompt_token_ids": list(range(40_000))}, None, 5, 1.0, 2.0))
+    assert len(frame) > 65_536  # more than a pipe's buffer
+
+    def write_in_pieces() -> None:
+        fd = commands_out.fileno()
+        for start in range(0, len(frame), 10_000):
+            os.write(fd, frame[start:start + 10_000])
+        commands_out.close()
+    writer = threading.Thread(target=write_in_pieces)
+    writer.start()
+    command = loop.receive(block=True)
+    writer.join()
+    assert isinstance(command, Submit) and command.request_id == "r" and command.priority == 5
+    assert command.prompt["prompt_token_ids"] == list(range(40_000))
+    assert (command.timing.received_at, command.submitted_at) == (1.0, 2.0)
+    assert isinstance(loop.receive(block=True), Stop)  # the server closed its end
