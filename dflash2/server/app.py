@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import dflash2
-from dflash2.server.engine_thread import EngineError, QueueFull
+from dflash2.server.engine_loop import EngineError, QueueFull
 from dflash2.server.generate_api import generate
 from dflash2.server.generation import RECEIVED_AT, ClientGone
 from dflash2.server.metrics import CONTENT_TYPE

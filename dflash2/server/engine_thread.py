@@ -22,11 +22,8 @@ from typing import Any
 
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import (EngineError, EngineInfo, EngineLoop, QueueFull, Stop, Submit, Abort,
-                                        freeze_startup_objects)
+from dflash2.server.engine_loop import Abort, EngineError, EngineInfo, EngineLoop, QueueFull, Stop, Submit
 from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
-
-__all__ = ["EngineError", "EngineThread", "QueueFull", "freeze_startup_objects"]
 
 
 class EngineThread(EngineLoop):

@@ -39,11 +39,9 @@ def build_state(config: ServerConfig, engine_factory: Callable[[], Any]) -> Serv
 
     def make_observer(engine: Any) -> RequestObserver:
         metrics = ServerMetrics(config.served_model_name or engine.model.name, registry)
-        state.metrics = metrics
         return RequestObserver(engine, metrics, observer_settings)
 
-    state = ServerState(config, EngineThread(engine_factory, make_observer, config.max_queue_len), registry)
-    return state
+    return ServerState(config, EngineThread(engine_factory, make_observer, config.max_queue_len), registry)
 
 
 def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any]) -> ServerState:
@@ -67,7 +65,7 @@ def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any])
         logger.info("server process: %d objects left out of garbage collection, thresholds %s", frozen, thresholds)
 
     state = ServerState(config, EngineProcess(spec, on_ready=on_ready), registry)
-    return state
+    return state  # (on_ready reads it)
 
 
 def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from dflash2.request import RequestOutput
 from dflash2.server.generation import Generation, StreamTimeout
-from dflash2.server.engine_thread import EngineError
+from dflash2.server.engine_loop import EngineError
 from dflash2.server.protocol import ChatCompletionRequest, CompletionRequest
 from dflash2.server.state import ServerState
 

@@ -14,7 +14,6 @@ from dflash2.server.config import ServerConfig
 from dflash2.server.engine_loop import EngineInfo
 from dflash2.server.engine_process import EngineProcess
 from dflash2.server.engine_thread import EngineThread
-from dflash2.server.metrics import ServerMetrics
 from dflash2.server.protocol import BadRequest, ChatMessage
 
 
@@ -28,7 +27,6 @@ class ServerState:
         self.engine = engine
         self.registry = registry
         self.started_at = time.time()
-        self.metrics: ServerMetrics | None = None  # EngineThread only: built once the model is loaded
 
     # -- model ---------------------------------------------------------------------------------------
     def require_ready(self) -> EngineInfo:

@@ -12,7 +12,8 @@ import pytest
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_thread import EngineError, EngineThread, QueueFull
+from dflash2.server.engine_loop import EngineError, QueueFull
+from dflash2.server.engine_thread import EngineThread
 from dflash2.server.metrics import ServerMetrics, priority_class
 from dflash2.server.observer import ObserverConfig, RequestObserver
 

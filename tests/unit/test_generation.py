@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from dflash2.request import CompletionOutput, RequestOutput
-from dflash2.server.engine_thread import EngineError
+from dflash2.server.engine_loop import EngineError
 from dflash2.server.generation import Generation, StreamTimeout
 
 
