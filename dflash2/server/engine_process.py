@@ -271,7 +271,8 @@ class EngineProcess:
                                                 delta_text, delta_token_ids))
 
     def _on_exit(self) -> None:
-        """The pipe ended: the engine process exited (stop(), a crash, or a load failure it reported)."""
+        """The results pipe ended: the engine process exited (shutdown(), a crash, or a load failure it
+        reported)."""
         if self._gone:
             return
         self._gone = True
