@@ -29,7 +29,7 @@ from typing import Any
 
 from dflash2.request import Request, RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.gc_pauses import space_full_collections
+from dflash2.server.gc_pauses import set_server_thresholds
 from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 
 logger = logging.getLogger("dflash2.server")
@@ -120,7 +120,7 @@ class EngineLoop:
             self.on_load_failed(e)
             return
         frozen = freeze_startup_objects()
-        thresholds = space_full_collections()
+        thresholds = set_server_thresholds()
         self.on_loaded()
         logger.info("engine ready: model %s (%d objects left out of garbage collection, thresholds %s)",
                     self.engine.model.name, frozen, thresholds)

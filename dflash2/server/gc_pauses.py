@@ -28,7 +28,6 @@ GC_PAUSE_METRIC = "dflash2_gc_pause_seconds"  # the engine's process (the server
 SERVER_GC_PAUSE_METRIC = "dflash2_server_gc_pause_seconds"  # the HTTP server's process, when the engine has its own
 GC_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 NUM_GENERATIONS = 3
-FULL_COLLECTION_THRESHOLD = 100  # generation-1 collections between two full ones (CPython's default: 10)
 
 
 class GcPauses:
@@ -86,41 +85,30 @@ class GcPauses:
                                      "it collected (2: full)", labels=("model_name", "generation"))
 
 
-def space_full_collections() -> tuple[int, int, int]:
-    """Let 100 generation-1 collections pass between two full ones, not 10; returns the thresholds now set.
-
-    Why: a waiting request holds ~180 gc-tracked objects in the server (its handler's coroutines, cells, bound
-    methods, asyncio events and deques, then the engine's Request), none frozen, all in the oldest generation
-    once it has waited through a few young collections. A full collection walks all of them, and the process
-    stands still meanwhile: on this project's 2-core CPU, with 1,600 requests waiting and 1,600 more arriving,
-    each of the 3 full collections took ~200 ms (with 3,200 and 3,200: ~400 ms). The young generations stay at
-    CPython's (700, 10): a larger first threshold makes young collections rarer but longer (most of a young
-    generation is requests still waiting, so it survives; at 20,000 they took up to 25 ms, and the middle one
-    70 ms). A larger third one makes full collections ~10x rarer (none in either run above) and no pause
-    longer. What it defers is reclaiming reference cycles that reached the oldest generation, of which the
-    server makes few (63 objects left after 6,400 requests). It does not make a full collection cheaper: one
-    still walks the whole waiting line. benchmarks/gc_waiting.py measures all this; dflash2_gc_pause_seconds
-    shows it in a live server. (Python 3.14's incremental collector ignores the third threshold.)"""
-    gen0, gen1, _ = gc.get_threshold()
-    gc.set_threshold(gen0, gen1, FULL_COLLECTION_THRESHOLD)
-    return gen0, gen1, FULL_COLLECTION_THRESHOLD
+SERVER_THRESHOLDS = (700, 1, 500)  # gc.set_threshold in every process of the server (CPython's: 700, 10, 10)
 
 
-SERVER_PROCESS_THRESHOLDS = (700, 1, 500)
+def set_server_thresholds() -> tuple[int, int, int]:
+    """The collector's thresholds in the server's processes (the engine's and the HTTP side's, or the one of
+    --single-process): a generation-1 collection after every second young one (CPython: every eleventh), and a
+    full one after 500 generation-1 collections (CPython: 10); returns them.
 
-
-def shorten_middle_collections() -> tuple[int, int, int]:
-    """The HTTP server's process, when the engine has a process of its own: a generation-1 collection after
-    every second young one (not every eleventh), and a full one after 500 of those; returns the thresholds.
-
-    Why: there, the waiting line is the HTTP handlers' objects (~180 a request), and they survive the young
-    collections. A generation-1 collection walks what survived since the last one: at CPython's threshold of
-    10, ~7,000 objects, 4.5 ms on average on the H200's host under W3's overload (42 of them in ~55 s,
-    dflash2_server_gc_pause_seconds), a stall of the event loop that an urgent request's HTTP side waits behind.
-    Collecting generation 1 five times as often walks the same objects in all, in pauses a fifth as long
-    (this project's 2-core CPU, benchmarks/gc_waiting.py with 1,600 waiting: 37 collections, 29.3 ms in all, at
-    10; 152 collections, 29.2 ms, at 1). The third threshold counts generation-1 collections, so it grows to
-    keep full collections as rare as space_full_collections() makes them (~1,000 young collections apart; none in
-    either run)."""
-    gc.set_threshold(*SERVER_PROCESS_THRESHOLDS)
-    return SERVER_PROCESS_THRESHOLDS
+    Why: a waiting request holds gc-tracked objects that survive the young collections: ~180 in the HTTP side
+    (its handler's coroutines, cells, bound methods, asyncio events and deques), a few in the engine (its
+    Request).
+    - A full collection walks all of them, and the process stands still meanwhile: on this project's 2-core
+      CPU, with 1,600 requests waiting and 1,600 more arriving, each full collection took ~200 ms (with 3,200
+      and 3,200: ~400 ms). So full collections are rare: ~1,000 young collections apart, as at (700, 10, 100),
+      which had none under W3. What that defers is reclaiming reference cycles that reached the oldest
+      generation, of which the server makes few (63 objects left after 6,400 requests).
+    - A generation-1 collection walks what survived since the last one: at CPython's 10, ~7,000 objects, 4.5
+      ms on average in the HTTP process on the H200's host under W3 (42 in ~55 s), up to 25 ms in the engine's.
+      Collecting it five times as often walks the same objects in all, in pauses a fifth as long: in the HTTP
+      process, 164 pauses of <= 2.5 ms against 44 of up to 10 ms, the same ~160 ms in all (W3, ninth session);
+      on this CPU (benchmarks/gc_waiting.py, 1,600 waiting) 152 collections, 29.2 ms, against 37, 29.3 ms.
+    - The young threshold stays at 700: a larger one makes young collections rarer but longer (most of a young
+      generation is requests still waiting, so it survives; at 20,000 they took up to 25 ms).
+    dflash2_gc_pause_seconds and dflash2_server_gc_pause_seconds show the pauses in a live server. (Python
+    3.14's incremental collector ignores the third threshold.)"""
+    gc.set_threshold(*SERVER_THRESHOLDS)
+    return SERVER_THRESHOLDS

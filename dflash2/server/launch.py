@@ -18,7 +18,7 @@ from dflash2.server.config import ServerConfig
 from dflash2.server.engine_loop import EngineError, freeze_startup_objects
 from dflash2.server.engine_process import EngineProcess, EngineProcessSpec
 from dflash2.server.engine_thread import EngineThread
-from dflash2.server.gc_pauses import SERVER_GC_PAUSE_METRIC, GcPauses, shorten_middle_collections
+from dflash2.server.gc_pauses import SERVER_GC_PAUSE_METRIC, GcPauses, set_server_thresholds
 from dflash2.server.metrics import ServerMetrics
 from dflash2.server.observer import ObserverConfig, RequestObserver, request_logger
 from dflash2.server.state import ServerState
@@ -53,11 +53,11 @@ def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any])
     registry = CollectorRegistry()
 
     def on_ready() -> None:
-        """The engine is loaded: this process freezes its startup objects, takes its own collector thresholds
-        (gc_pauses.shorten_middle_collections: here a long waiting line is the HTTP handlers' objects) and its
-        own pause histogram (dflash2_server_gc_pause_seconds, beside the engine process's)."""
+        """The engine is loaded: this process freezes its startup objects, takes the server's collector
+        thresholds (gc_pauses.set_server_thresholds: here a long waiting line is the HTTP handlers' objects) and
+        its own pause histogram (dflash2_server_gc_pause_seconds, beside the engine process's)."""
         frozen = freeze_startup_objects()
-        thresholds = shorten_middle_collections()
+        thresholds = set_server_thresholds()
         assert state.engine.info is not None
         pauses = GcPauses(config.served_model_name or state.engine.info.model_name, SERVER_GC_PAUSE_METRIC)
         registry.register(pauses)

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.w3_server import gc_stats, metric_samples
 from dflash2.server import gc_pauses
-from dflash2.server.gc_pauses import FULL_COLLECTION_THRESHOLD, GC_PAUSE_BUCKETS, space_full_collections
+from dflash2.server.gc_pauses import GC_PAUSE_BUCKETS, set_server_thresholds
 from dflash2.server.metrics import ServerMetrics
 
 
@@ -90,22 +90,11 @@ def test_w3_reports_collections_total_and_longest_bucket_per_generation(monkeypa
                      "2": {"collections": 2, "total_ms": 43.0, "max_le_ms": 50.0}}
 
 
-def test_the_server_spaces_full_collections_and_keeps_the_young_thresholds():
+def test_the_server_collects_the_middle_generation_often_and_the_full_one_rarely():
     saved = gc.get_threshold()
     try:
         gc.set_threshold(700, 10, 10)
-        assert space_full_collections() == (700, 10, FULL_COLLECTION_THRESHOLD)
-        assert gc.get_threshold() == (700, 10, 100)
-    finally:
-        gc.set_threshold(*saved)
-
-
-def test_the_http_process_collects_the_middle_generation_often_and_the_full_one_rarely():
-    from dflash2.server.gc_pauses import shorten_middle_collections
-
-    saved = gc.get_threshold()
-    try:
-        assert shorten_middle_collections() == (700, 1, 500)
+        assert set_server_thresholds() == (700, 1, 500)
         assert gc.get_threshold() == (700, 1, 500)
     finally:
         gc.set_threshold(*saved)
