@@ -386,7 +386,12 @@ class _ProcessLoop(EngineLoop):
         return RequestObserver(engine, metrics, self.spec.observer_config)
 
     def on_loaded(self) -> None:
-        self.send(("ready", EngineInfo.of(self.engine)))
+        try:
+            self.send(("ready", EngineInfo.of(self.engine)))
+        except Exception as e:  # (a tokenizer that does not pickle; nothing was written: _frame pickles first)
+            self.send(("load_error", f"the model's tokenizer and settings cannot be sent to the server process "
+                                     f"({type(e).__name__}: {e}); --single-process keeps them in one process"))
+            raise
 
     def on_load_failed(self, error: BaseException) -> None:
         self.send(("load_error", str(error)))

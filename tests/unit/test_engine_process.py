@@ -108,3 +108,28 @@ def test_commands_cross_as_frames_the_engine_reads_whole():
     assert command.prompt["prompt_token_ids"] == list(range(40_000))
     assert (command.timing.received_at, command.submitted_at) == (1.0, 2.0)
     assert isinstance(loop.receive(block=True), Stop)  # the server closed its end
+
+
+def test_a_tokenizer_that_does_not_pickle_is_a_load_error_that_says_so():
+    import os
+    from multiprocessing import Pipe
+    from types import SimpleNamespace
+
+    import pytest
+
+    from dflash2.server.engine_process import _ProcessLoop
+
+    results_in, results_out = Pipe(duplex=False)
+    loop = _ProcessLoop(EngineProcessSpec(lambda: None, ObserverConfig(), None, None, "info", False), None,
+                        results_out)
+    loop.engine = SimpleNamespace(model=SimpleNamespace(name="m", arch=SimpleNamespace(vocab_size=10)),
+                                  max_model_len=8, tokenizer=lambda text: [1])  # a lambda does not pickle
+    with pytest.raises(Exception):
+        loop.on_loaded()
+    results_out.close()
+    seen = []
+    frames = _Frames(seen.append, lambda: None)
+    while chunk := os.read(results_in.fileno(), 65536):
+        frames.data_received(chunk)
+    assert len(seen) == 1 and seen[0][0] == "load_error"
+    assert "cannot be sent to the server process" in seen[0][1] and "--single-process" in seen[0][1]
