@@ -19,10 +19,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(log_level: str) -> None:
+    """The commands' logging (also the server's engine process's, which is spawned without this main)."""
+    logging.basicConfig(level=getattr(logging, str(log_level).upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -1,10 +1,11 @@
 """EngineLoop: the engine's side of the server, whatever carries requests to it and outputs back.
 
-    commands (SimpleQueue) ──► _drain_commands ──► engine.add_request / engine.abort
+    receive() (the transport's) ──► _drain_commands ──► engine.add_request / engine.abort
                                _step ──► engine.step() ──► observer ──► deliver() (most urgent first)
 
 It owns the Engine, which is not thread-safe: nothing else touches it after loading. Two transports subclass it
-and say how a refusal, an output or a failure reaches the HTTP side (the hooks at the end):
+and say how commands come in and a refusal, an output or a failure reaches the HTTP side (the hooks at the
+end):
 - EngineThread (engine_thread.py): a thread of the server's process, handing results to the asyncio loop;
 - the engine process (engine_process.py): a process of its own, sending results back over a pipe, so that
   neither the engine's Python (plan, launch, commit: the host side of every step) nor the HTTP side's waits
@@ -18,10 +19,8 @@ ones, however fast clients send. Priority does not bypass the bound.
 from __future__ import annotations
 
 import collections
-import gc
 import logging
 import math
-import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from typing import Any
 
 from dflash2.request import Request, RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.gc_pauses import set_server_thresholds
+from dflash2.server.gc_pauses import settle_collector
 from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 
 logger = logging.getLogger("dflash2.server")
@@ -37,18 +36,6 @@ logger = logging.getLogger("dflash2.server")
 IDLE_WAIT_S = 0.5  # how long the idle loop blocks on the command queue before a stats tick
 RETRY_AFTER_RANGE_S = (1, 60)  # Retry-After is an estimate of the queue's drain time, clamped to this
 _FINISH_WINDOW = 64  # finishes the drain-rate estimate looks back over
-
-
-def freeze_startup_objects() -> int:
-    """Collect once, then move every object alive now (the model's modules, torch, transformers, the graphs:
-    ~300k objects) out of the collector's reach. A full collection otherwise walks all of them, a pause of the
-    whole process whenever the objects allocated per token trigger one (222 ms measured on this project's
-    2-core CPU after loading the bundled model). The server is one long-lived process, so nothing alive now is
-    expected to become garbage (offline LLM() users keep the collector as it is). Returns how many objects are
-    frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 class EngineError(RuntimeError):
@@ -104,7 +91,6 @@ class EngineLoop:
         self._engine_factory = engine_factory
         self._observer_factory = observer_factory
         self.max_queue_len = max_queue_len
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self._finish_times: collections.deque[float] = collections.deque(maxlen=_FINISH_WINDOW)
         self.retry_after_s = RETRY_AFTER_RANGE_S[0]  # the latest drain estimate
         self._tracked: dict[str, Tracked] = {}
@@ -119,8 +105,7 @@ class EngineLoop:
         except BaseException as e:  # noqa: BLE001 - any load failure ends the server with its message
             self.on_load_failed(e)
             return
-        frozen = freeze_startup_objects()
-        thresholds = set_server_thresholds()
+        frozen, thresholds = settle_collector()
         self.on_loaded()
         logger.info("engine ready: model %s (%d objects left out of garbage collection, thresholds %s)",
                     self.engine.model.name, frozen, thresholds)
@@ -149,11 +134,8 @@ class EngineLoop:
         return True
 
     def receive(self, block: bool) -> Any:
-        """The next command, or None if there is none (block: wait up to IDLE_WAIT_S for one)."""
-        try:
-            return self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
-        except queue.Empty:
-            return None
+        """The next command, or None if there is none (block: wait up to IDLE_WAIT_S for one): the transport's."""
+        raise NotImplementedError
 
     def _add(self, command: Submit) -> None:
         num_waiting = len(self.engine.scheduler.waiting)

@@ -36,6 +36,7 @@ import pickle
 import signal
 import struct
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -164,7 +165,7 @@ class EngineProcess:
         self._accepting[request_id] = accepted
         self._streams[request_id] = _Stream(outputs)
         received_at = timing.received_at if timing is not None else None
-        self._send(("submit", request_id, prompt, params, priority, received_at, _now()))
+        self._send(("submit", request_id, prompt, params, priority, received_at, time.monotonic()))
         try:
             await accepted
         except BaseException:
@@ -332,12 +333,6 @@ def _error_of(error: tuple) -> BaseException:
     return EngineError(text)
 
 
-def _now() -> float:
-    import time
-
-    return time.monotonic()
-
-
 # -- the engine process's side -------------------------------------------------------------------------
 class _ProcessLoop(EngineLoop):
     """The EngineLoop reading its commands from one pipe and answering over the other (the engine process's
@@ -480,7 +475,8 @@ def run_engine_process(spec: EngineProcessSpec, commands_in: Any, results_out: A
     It ignores SIGINT: Ctrl+C in a terminal reaches every process of the group, and the server process stops
     this one itself, after its HTTP side (the pipe's end stops it too, if the server process dies)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from dflash2.server.launch import configure_logging, set_up_request_log
+    from dflash2.cli.main import configure_logging
+    from dflash2.server.launch import set_up_request_log
 
     configure_logging(spec.log_level)
     set_up_request_log(spec.request_log)

@@ -16,13 +16,15 @@ server's objects) take this one.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import Abort, EngineError, EngineInfo, EngineLoop, QueueFull, Stop, Submit
+from dflash2.server.engine_loop import (IDLE_WAIT_S, Abort, EngineError, EngineInfo, EngineLoop, QueueFull, Stop,
+                                        Submit)
 from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 
 
@@ -30,6 +32,7 @@ class EngineThread(EngineLoop):
     def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver],
                  max_queue_len: int | None = None) -> None:
         super().__init__(engine_factory, observer_factory, max_queue_len)
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # event loop -> engine thread
         self._num_submitting = 0  # submissions in the command queue, not yet taken or refused (event loop)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -97,6 +100,12 @@ class EngineThread(EngineLoop):
         return generate_latest(registry)
 
     # -- engine-thread side (EngineLoop's hooks) -----------------------------------------------------
+    def receive(self, block: bool) -> Any:
+        try:
+            return self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return None
+
     def on_loaded(self) -> None:
         self.info = EngineInfo.of(self.engine)
         self.loaded.set()

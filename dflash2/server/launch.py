@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from dflash2.server.app import build_app
 from dflash2.server.config import ServerConfig
-from dflash2.server.engine_loop import EngineError, freeze_startup_objects
+from dflash2.server.engine_loop import EngineError
 from dflash2.server.engine_process import EngineProcess, EngineProcessSpec
 from dflash2.server.engine_thread import EngineThread
-from dflash2.server.gc_pauses import SERVER_GC_PAUSE_METRIC, GcPauses, set_server_thresholds
+from dflash2.server.gc_pauses import SERVER_GC_PAUSE_METRIC, GcPauses, settle_collector
 from dflash2.server.metrics import ServerMetrics
 from dflash2.server.observer import ObserverConfig, RequestObserver, request_logger
 from dflash2.server.state import ServerState
@@ -53,11 +53,10 @@ def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any])
     registry = CollectorRegistry()
 
     def on_ready() -> None:
-        """The engine is loaded: this process freezes its startup objects, takes the server's collector
-        thresholds (gc_pauses.set_server_thresholds: here a long waiting line is the HTTP handlers' objects) and
-        its own pause histogram (dflash2_server_gc_pause_seconds, beside the engine process's)."""
-        frozen = freeze_startup_objects()
-        thresholds = set_server_thresholds()
+        """The engine is loaded: this process settles its collector as the engine's did (gc_pauses.
+        settle_collector: here a long waiting line is the HTTP handlers' objects) and gets its own pause
+        histogram (dflash2_server_gc_pause_seconds, beside the engine process's)."""
+        frozen, thresholds = settle_collector()
         assert state.engine.info is not None
         pauses = GcPauses(config.served_model_name or state.engine.info.model_name, SERVER_GC_PAUSE_METRIC)
         registry.register(pauses)
@@ -107,12 +106,6 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
 
 def _request_log_on(config: ServerConfig) -> bool:
     return not (config.disable_log_requests and not config.log_tokens)
-
-
-def configure_logging(log_level: str) -> None:
-    """The CLI's logging set-up (cli/main.py), for the engine process."""
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def set_up_request_log(enabled: bool) -> None:

@@ -2,6 +2,7 @@
 Each test starts its own server on the bundled model (~10 s)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -40,10 +41,18 @@ def gone_within(pid: int, seconds: float) -> bool:
     return not alive(pid)
 
 
-def test_an_engine_process_that_dies_fails_the_streams_and_stops_the_server():
+@contextlib.contextmanager
+def server_and_engine():
+    """A started server on the bundled model and its engine process's pid; stopped at the end."""
     server = ServerProcess("--max-model-len", "1024", "--disable-log-stats").start()
     try:
-        engine = engine_pid(server.process.pid)
+        yield server, engine_pid(server.process.pid)
+    finally:
+        server.stop()
+
+
+def test_an_engine_process_that_dies_fails_the_streams_and_stops_the_server():
+    with server_and_engine() as (server, engine):
         body = {"prompt": "Tell me a long story.", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
@@ -58,17 +67,13 @@ def test_an_engine_process_that_dies_fails_the_streams_and_stops_the_server():
         assert "the engine process exited" in events[-2] and "internal_server_error" in events[-2]
         assert server.process.wait(60) == 1
         assert "error: the engine failed: the engine process exited" in server.stderr()
-    finally:
-        server.stop()
 
 
 def test_sigint_stops_the_server_and_its_engine_process():
-    server = ServerProcess("--max-model-len", "1024", "--disable-log-stats").start()
-    try:
-        engine = engine_pid(server.process.pid)
+    with server_and_engine() as (server, engine):
         answer = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert answer.status_code == 200
-        # both processes with the server's collector settings (gc_pauses.set_server_thresholds)
+        # both processes with the server's collector settings (gc_pauses.settle_collector)
         log = server.stderr()
         assert "engine ready: model SmolLM2-135M-Instruct" in log and "server process:" in log
         assert log.count("thresholds (700, 1, 500)") == 2
@@ -78,16 +83,10 @@ def test_sigint_stops_the_server_and_its_engine_process():
         assert "Application shutdown complete." in server.stderr()
         assert gone_within(engine, 10)
         assert "did not stop" not in server.stderr()  # it stopped when asked, not killed
-    finally:
-        server.stop()
 
 
 def test_a_server_killed_outright_takes_its_engine_process_along():
-    server = ServerProcess("--max-model-len", "1024", "--disable-log-stats").start()
-    try:
-        engine = engine_pid(server.process.pid)
+    with server_and_engine() as (server, engine):
         server.process.kill()
         server.process.wait(30)
         assert gone_within(engine, 30)  # the end of its commands pipe stopped it
-    finally:
-        server.stop()
