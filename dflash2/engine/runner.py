@@ -77,7 +77,6 @@ class ModelRunner:
                                       pin_memory=self.device.type == "cuda")
         # swap-out copies to the host run on their own stream (_swap); the last one's event
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.swap_out_copies: torch.cuda.Event | None = None
         self.max_pages_per_slot = -(-options.max_model_len // layout.tokens_per_page)
         self.pad_slot = options.max_slots  # an extra row whose pages are all the scratch page
         self.page_table = torch.full((options.max_slots + 1, self.max_pages_per_slot), self.scratch_page,
@@ -156,16 +155,19 @@ class ModelRunner:
         Every source page is read before any destination page is written: one plan may hand a host page
         freed by a swap-in to a later swap-out, or a device page freed by a swap-out to a later swap-in, in
         either order (a request is never both paused and resumed in one plan, so no source is itself a
-        destination of the same plan). On the GPU, all on the current stream, with no host sync:
+        destination of the same plan). On the GPU, with no host sync:
 
-            out: device pages --index_select--> staging (device) --runs--> host pages (pinned)
-            in:  host pages (pinned) --runs--> staging (device) --index_copy_--> device pages
+            in:  host pages (pinned) --runs, copy stream--> staging (device) --index_copy_, main--> device pages
+            out: device pages --index_select, main--> staging (device) --runs, copy stream--> host pages (pinned)
 
-        one gather or scatter kernel per direction, and one async copy per run of consecutive host pages
-        (pairs are sorted by host page, so the staging rows of a run are consecutive too). The swap-out's
-        copies to the host run on a side stream (the copy engine), after the gather: the step's kernels may
-        write the freed device pages as soon as the gather has read them, without waiting for the host
-        copies. A later swap-in waits for them (it may read those host pages).
+        one gather or scatter kernel per direction on the main stream, and one async copy per run of
+        consecutive host pages on the copy stream (pairs are sorted by host page, so the staging rows of a run
+        are consecutive too). The copy stream is in order: a swap-in's copies come after every earlier
+        swap-out's copies to the host (it may read those host pages), and this plan's swap-out copies come
+        after its swap-in copies (they may write host pages the swap-in reads). The swap-in's copies are
+        issued at once, so with overlap they run while the step before this one computes; only the scatter
+        waits for them. The swap-out's copies wait for the gather, and the step's kernels may write the freed
+        device pages as soon as the gather has read them.
         """
         if not swap_out and not swap_in:
             return
@@ -177,30 +179,32 @@ class ModelRunner:
             self.host_pages[[h for _, h in swap_out]] = out_pages
             self.device_pages[[d for _, d in swap_in]] = in_pages
             return
-        main = torch.cuda.current_stream(self.device)
-        out_staging = None
+        main, side = torch.cuda.current_stream(self.device), self.copy_stream
+        in_copied = None
+        if swap_in:
+            with torch.cuda.stream(side):  # behind earlier swap-outs' host copies (the stream is in order)
+                # allocated on the copy stream: the allocator never hands it memory that kernels queued on
+                # the main stream may still use (a block freed there is reused in stream order only)
+                in_staging = torch.empty((len(swap_in), self.device_pages.shape[1]), dtype=torch.uint8,
+                                         device=self.device)
+                for row, host_page, count in _runs([h for h, _ in swap_in]):
+                    in_staging[row:row + count].copy_(self.host_pages[host_page:host_page + count],
+                                                      non_blocking=True)
+            in_copied = side.record_event()
         if swap_out:
             out_staging = self.device_pages.index_select(0, to_device([d for d, _ in swap_out], torch.long,
                                                                       self.device))
-        if swap_in:
-            in_staging = torch.empty((len(swap_in), self.device_pages.shape[1]), dtype=torch.uint8,
-                                     device=self.device)
-            if self.swap_out_copies is not None:  # earlier swap-outs' host copies, before reading host pages
-                main.wait_event(self.swap_out_copies)
-            for row, host_page, count in _runs([h for h, _ in swap_in]):
-                in_staging[row:row + count].copy_(self.host_pages[host_page:host_page + count], non_blocking=True)
-        if out_staging is not None:
-            side = self.copy_stream
-            side.wait_stream(main)  # after the gather, and after this plan's swap-in reads of host pages
+            side.wait_stream(main)  # after the gather (and this plan's swap-in copies, already ahead on side)
             with torch.cuda.stream(side):
                 for row, host_page, count in _runs([h for _, h in swap_out]):
                     self.host_pages[host_page:host_page + count].copy_(out_staging[row:row + count],
                                                                        non_blocking=True)
             out_staging.record_stream(side)  # not reused by the allocator before these copies end
-            self.swap_out_copies = side.record_event()
-        if swap_in:
+        if in_copied is not None:
+            main.wait_event(in_copied)  # the scatter (and so the step's kernels) after the copies to staging
             self.device_pages.index_copy_(0, to_device([d for _, d in swap_in], torch.long, self.device),
                                           in_staging)
+            in_staging.record_stream(main)  # not reused on the copy stream before the scatter has read it
 
     # -- inputs ------------------------------------------------------------------------------------
     def _update_page_table(self, chunks: list[ScheduledChunk]) -> None:
