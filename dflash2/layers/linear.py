@@ -49,15 +49,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def weight_tensors(layer: nn.Module) -> list[torch.Tensor]:
-    """The device tensors a decode-sized matmul of this layer reads (a QuantLinear's prepared runtime form, or
-    a float weight), the largest first: what an L2 prefetch asks for."""
-    if isinstance(layer, QuantLinear):
-        runtime = layer.runtime
-        return runtime.gemv_tensors() if hasattr(runtime, "gemv_tensors") else []
-    return [layer.weight]
-
-
 def make_linear(in_features: int, out_features: int, fmt: WeightFormat | None, bias: bool = False) -> nn.Module:
     """A float `Linear` when `fmt` is None (an unquantized model), else a `QuantLinear` in that format."""
     if fmt is None:

@@ -5,8 +5,8 @@ cache through a backend chosen at load time. q/k/v and gate/up are fused into on
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,26 +30,6 @@ class ForwardContext:
     attention: AttentionMetadata
     kv_caches: list  # per layer: a KVCache (K/V page views and scales), or what the backend takes
     attention_backend: object
-    prefetch: Callable[[str, nn.Module], None] | None = None  # set by the model's forward (prefetch_ahead)
-
-
-def prefetch_ahead(x: torch.Tensor) -> Callable[[str, nn.Module], None] | None:
-    """For a decode-sized batch on a GPU with DFLASH2_L2_PREFETCH set: a function that asks L2 for a linear
-    layer's weights (kernels/triton/l2_prefetch.py), called right after the GEMV before it is launched."""
-    if not x.is_cuda:
-        return None
-    from dflash2.kernels.triton.l2_prefetch import l2_prefetch, prefetch_groups, prefetch_mode
-    from dflash2.layers.linear import DECODE_GEMV_MAX_ROWS, weight_tensors
-
-    if not prefetch_mode() or x.shape[0] > DECODE_GEMV_MAX_ROWS:
-        return None
-    groups = prefetch_groups()
-
-    def prefetch(group: str, linear: nn.Module) -> None:
-        if group in groups:
-            l2_prefetch(weight_tensors(linear))
-
-    return prefetch
 
 
 def _format(quant: QuantConfig | None, group: str, in_features: int, layer: int | None = None) -> WeightFormat | None:
@@ -74,8 +54,6 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if ctx.prefetch:
-            ctx.prefetch("o_proj", self.o_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -119,14 +97,12 @@ class LlamaMLP(nn.Module):
         if isinstance(self.gate_up_proj, QuantLinear):
             self.gate_up_proj.gate_up = True
 
-    def forward(self, x: torch.Tensor, prefetch: Callable[[str, nn.Module], None] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up: applied by gate_up_proj as it stores its outputs where its kernel can (the int4
         # GEMV), else by down_proj on its input (fused into the 16-bit GEMV)
-        silu_out = getattr(self.gate_up_proj, "fuses_silu_out", False)
-        h = self.gate_up_proj(x, silu_out=True) if silu_out else self.gate_up_proj(x)
-        if prefetch:
-            prefetch("down", self.down_proj)
-        return self.down_proj(h) if silu_out else self.down_proj(h, silu_mul=True)  # fused where it can be
+        if getattr(self.gate_up_proj, "fuses_silu_out", False):
+            return self.down_proj(self.gate_up_proj(x, silu_out=True))
+        return self.down_proj(self.gate_up_proj(x), silu_mul=True)  # silu(gate) * up, fused where it can be
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -147,10 +123,8 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, rotary, ctx)
-        if ctx.prefetch:
-            ctx.prefetch("gate_up", self.mlp.gate_up_proj)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, ctx.prefetch), residual
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -174,24 +148,9 @@ class LlamaForCausalLM(nn.Module):
         """token_ids [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(token_ids)
         residual = None
-        prefetch = prefetch_ahead(x)
-        if prefetch:
-            ctx = replace(ctx, prefetch=prefetch)
-            prefetch("qkv", self.layers[0].self_attn.qkv_proj)
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             x, residual = layer(x, residual, self.rotary, ctx)
-            if prefetch:  # the next GEMV: the next layer's qkv, or the output projection
-                last = i + 1 == len(self.layers)
-                prefetch("lm_head" if last else "qkv",
-                         self._head() if last else self.layers[i + 1].self_attn.qkv_proj)
-        if prefetch:
-            from dflash2.kernels.triton.l2_prefetch import join_side_stream
-
-            join_side_stream(x.device)
         return self.norm(x, residual)[0]
-
-    def _head(self) -> nn.Module:
-        return self.embed_tokens if self.lm_head is None else self.lm_head  # tied: the embedding projects
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype, as the reference computes them; consumers that do arithmetic on them

@@ -107,35 +107,6 @@ def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama):
     assert runs["eager"] == [hf_greedy(hf_model, p, q.max_tokens) for p, q in zip(prompts, params)]
 
 
-@pytest.mark.parametrize("mode", ["inline", "side"])
-def test_l2_prefetch_leaves_the_tokens_unchanged(tiny_llama, mode, monkeypatch):
-    """DFLASH2_L2_PREFETCH (a hint ahead of each decode GEMV, graphs on): the same greedy tokens as
-    transformers, and the prefetch kernels were captured into the decode graphs."""
-    from dflash2 import LLM, SamplingParams
-    from dflash2.kernels.triton import l2_prefetch
-    from tests.tiny_models import hf_greedy
-
-    monkeypatch.setenv("DFLASH2_L2_PREFETCH", mode)
-    for cached in (l2_prefetch.prefetch_mode, l2_prefetch.prefetch_groups, l2_prefetch.prefetch_cap_bytes):
-        cached.cache_clear()
-    launched = []
-    real = l2_prefetch._l2_prefetch_kernel.run
-    monkeypatch.setattr(l2_prefetch._l2_prefetch_kernel, "run", lambda *a, **k: launched.append(1) or real(*a, **k))
-    try:
-        hf_model, directory = tiny_llama
-        rng = random.Random(3)
-        prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 30))] for _ in range(3)]
-        llm = LLM(directory, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=96,
-                  kv_cache_memory="64MiB", page_bytes=4096)
-        params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
-        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        assert launched
-        assert got == [hf_greedy(hf_model, p, 12) for p in prompts]
-    finally:
-        for cached in (l2_prefetch.prefetch_mode, l2_prefetch.prefetch_groups, l2_prefetch.prefetch_cap_bytes):
-            cached.cache_clear()
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 def test_preemption_with_swap_gives_transformers_tokens_on_the_gpu(tiny_llama, overlap):
     """Urgent arrivals on a small pool pause running requests: their pages go to pinned host pages (the

@@ -332,15 +332,6 @@ class TritonWeight:
             self.weight["int4"] = pair_gate_up(self.weight["int4"])
             self.fuses_silu_out = True
 
-    def gemv_tensors(self) -> list[torch.Tensor]:
-        """What the GEMV for <= GEMV_MAX_M rows reads, the largest first (for an L2 prefetch)."""
-        w = self.weight
-        if "int4" in w:
-            return [w["int4"]["words"], w["int4"]["sz"]]
-        if self.fmt.bits == 16:
-            return [w["w"]]
-        return [w["w"], w["hi"]] if self.fmt.bits == 6 else [w["w"], w["scales"]]
-
     def matmul(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False) -> torch.Tensor:
         """x W^T; silu_mul: x is [gate | up] and silu(gate) * up goes in; silu_out (after pair_gate_up): the
         output is [gate | up] and silu(gate) * up comes out."""
