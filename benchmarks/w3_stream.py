@@ -69,9 +69,6 @@ class PacedEngine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
-    def plan_delay(self) -> float:
-        return 0.0  # no step in flight between step() calls
-
     def step(self) -> list:
         from dflash2.request import CompletionOutput, RequestOutput, RequestStatus
 

@@ -47,10 +47,6 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
              help="overlap only steps of at most this many tokens: a longer (prefill) step is committed before "
                   "the next is planned, so a request arriving during it runs in the next step (decode steps "
                   "keep the overlap; default: every step overlaps)")
-    add_flag(parser, "--disable-late-planning", action="store_true",
-             help="with the overlap, plan step N+1 right after launching step N (the default waits, taking in "
-                  "arrivals, until just before N ends on the device, so that a request arriving during N runs "
-                  "in N+1 instead of N+2)")
     add_flag(parser, "--max-batch-size", type=int, default=None, help="alias of --max-num-seqs")
     add_flag(parser, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
     add_flag(parser, "--cuda-graph-max-prefill-tokens", type=int, default=2048,
@@ -111,8 +107,6 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["enforce_eager"] = True
     if args.disable_overlap_schedule:
         kwargs["overlap"] = False
-    if args.disable_late_planning:
-        kwargs["late_planning"] = False
     if args.overlap_max_step_tokens is not None:
         if args.overlap_max_step_tokens < 1:
             raise ValueError(f"--overlap-max-step-tokens must be >= 1, got {args.overlap_max_step_tokens}")

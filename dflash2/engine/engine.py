@@ -44,7 +44,6 @@ from dflash2.engine.memory import gpu_pool_bytes
 from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepResult
 from dflash2.engine.sampler import make_generator
 from dflash2.engine.scheduler import Scheduler
-from dflash2.engine.step_clock import StepClock
 from dflash2.engine.step_trace import StepTrace
 from dflash2.loading.model_loader import load_model
 from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenView, check_priority
@@ -73,9 +72,6 @@ class EngineConfig:
     # request that arrives while it runs joins the very next step instead of the one after (the device idles
     # for that step's host work); None: every step overlaps the next one's planning and launch
     overlap_max_step_tokens: int | None = None
-    # overlapped on CUDA: the server plans step N+1 just before step N ends on the device (step_clock.py), so
-    # a request that arrives during N joins N+1 rather than N+2 (Engine.plan_delay; off: right after N's launch)
-    late_planning: bool = True
     low_priority_values_first: bool = False  # vLLM's convention: a smaller number is more urgent
     # a streamed request's output comes every this many tokens (its first and last at once): fewer outputs
     # to build and to write under load (vLLM's --stream-interval)
@@ -130,7 +126,6 @@ class Engine:
                                        mixed_graph_shapes(sched.max_num_seqs, self._graph_prefill_tokens()))
         self.overlap = config.overlap if config.overlap is not None else device.type == "cuda"
         self.trace = StepTrace.from_env(device)  # one JSON line a step, if DFLASH2_STEP_TRACE names a file
-        self.clock = StepClock() if self.overlap and config.late_planning and device.type == "cuda" else None
         self._in_flight: tuple[StepPlan, PendingStep] | None = None
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -196,17 +191,9 @@ class Engine:
             lowest, top, first_token_top = self._step_priorities(plan)
             urgent_first_token = self._urgent_first_token(lowest, top, first_token_top)
             trace = self.trace.begin(plan, top, first_token_top, self.last_plan_seconds) if self.trace else None
-            timing = None
-            if self.clock is not None:
-                in_flight = self._in_flight[1].done.query() if self._in_flight is not None else None
-                timing = self.clock.launching(plan, cuda=True, in_flight_done=in_flight)
             launch_started = time.perf_counter()
             pending = self.runner.launch(plan, self.requests)
-            launch_ended = time.perf_counter()
-            self.last_launch_seconds = launch_ended - launch_started
-            if timing is not None:
-                self.clock.launched(timing, self.last_plan_seconds + self.last_launch_seconds, launch_ended)
-                pending.timing = timing
+            self.last_launch_seconds = time.perf_counter() - launch_started
             if trace is not None:
                 self.trace.launched(trace, self.last_launch_seconds)
                 pending.trace = trace
@@ -226,13 +213,6 @@ class Engine:
         if urgent_first_token:  # deliver it now rather than after the next step's launch (an eager step's
             outputs += self._finish_in_flight()  # host time): the device idles for one launch, only here
         return outputs
-
-    def plan_delay(self) -> float:
-        """Seconds to wait (taking in arrivals) before the next step(), so that it plans just before the step in
-        flight ends on the device (late planning, step_clock.py); 0 when nothing is in flight or it is off."""
-        if self.clock is None or self._in_flight is None or self._in_flight[1].timing is None:
-            return 0.0
-        return self.clock.delay(self._in_flight[1].timing, time.perf_counter())
 
     def _commit_alone(self, plan: StepPlan) -> bool:
         limit = self.config.overlap_max_step_tokens
@@ -293,10 +273,7 @@ class Engine:
         started = time.perf_counter()
         plan, pending = self._in_flight
         self._in_flight = None
-        result = self.runner.collect(pending)
-        if pending.timing is not None:
-            self.clock.collected(pending.timing, time.perf_counter())
-        outputs = self._commit(plan, result, pending.placeholders)
+        outputs = self._commit(plan, self.runner.collect(pending), pending.placeholders)
         elapsed = time.perf_counter() - started
         self.last_finish_seconds += elapsed
         if pending.trace is not None:

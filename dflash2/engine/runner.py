@@ -15,7 +15,6 @@ step can feed them back as inputs before the host has seen them: a negative inpu
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -61,7 +60,6 @@ class PendingStep:
     logprob_job: tuple | None = None
     prompt_logprob_jobs: list[tuple] = field(default_factory=list)
     trace: dict | None = None  # the step's StepTrace record (DFLASH2_STEP_TRACE), written once collected
-    timing: Any = None  # the step's StepTiming (late planning, engine/step_clock.py)
 
 
 class ModelRunner:

@@ -110,31 +110,17 @@ class EngineLoop:
         logger.info("engine ready: model %s (%d objects left out of garbage collection, thresholds %s)",
                     self.engine.model.name, frozen, thresholds)
         while True:
-            if not self._drain_commands(0.0 if self.engine.has_unfinished() else IDLE_WAIT_S):
+            if not self._drain_commands(block=not self.engine.has_unfinished()):
                 break
             if self.engine.has_unfinished():
-                if not self._take_in_until_plan_time():
-                    break
                 self._step()
             self.observer.tick(time.monotonic())
         for request_id in list(self._tracked):
             self._abort(request_id)
-        if getattr(self.engine, "clock", None) is not None:
-            logger.info("%s", self.engine.clock.summary())
 
-    def _take_in_until_plan_time(self) -> bool:
-        """Apply commands as they come until the engine should plan its next step (Engine.plan_delay: just before
-        the step in flight ends on the device, so that what arrives meanwhile joins the next step); False once
-        told to stop."""
-        deadline = time.monotonic() + self.engine.plan_delay()
-        while (left := deadline - time.monotonic()) > 0:
-            if not self._drain_commands(left):
-                return False
-        return True
-
-    def _drain_commands(self, timeout: float) -> bool:
-        """Apply every queued command (waiting up to `timeout` seconds for the first); False once told to stop."""
-        command = self.receive(timeout)
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply every queued command; False once told to stop."""
+        command = self.receive(block)
         while command is not None:
             if isinstance(command, Stop):
                 return False
@@ -144,12 +130,11 @@ class EngineLoop:
                 self._abort(command.request_id)
             else:
                 self.apply(command)
-            command = self.receive(0.0)
+            command = self.receive(False)
         return True
 
-    def receive(self, timeout: float) -> Any:
-        """The next command, or None if none comes within `timeout` seconds (0: only one already there): the
-        transport's."""
+    def receive(self, block: bool) -> Any:
+        """The next command, or None if there is none (block: wait up to IDLE_WAIT_S for one): the transport's."""
         raise NotImplementedError
 
     def _add(self, command: Submit) -> None:

@@ -33,7 +33,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import select
 import signal
 import struct
 import sys
@@ -44,8 +43,8 @@ from typing import Any
 
 from dflash2.request import CompletionOutput, RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import (RETRY_AFTER_RANGE_S, Abort, EngineError, EngineInfo, EngineLoop, QueueFull,
-                                        Stop, Submit)
+from dflash2.server.engine_loop import (IDLE_WAIT_S, RETRY_AFTER_RANGE_S, Abort, EngineError, EngineInfo,
+                                        EngineLoop, QueueFull, Stop, Submit)
 from dflash2.server.observer import ObserverConfig, StreamTiming, Tracked
 
 logger = logging.getLogger("dflash2.server")
@@ -346,14 +345,14 @@ class _ProcessLoop(EngineLoop):
         self.results = results  # the results pipe (a Connection: only its descriptor is used)
         self.registry: Any = None
 
-    def receive(self, timeout: float) -> Any:
+    def receive(self, block: bool) -> Any:
         """The next command straight from the pipe, on the loop's own thread: a reader thread would have to win
         the GIL from this one, busy with host work under load, which takes up to the 5 ms switch interval.
         The pipe's end (the server process is gone) is a Stop."""
         try:
-            fd = self.commands_in.fileno()
-            if not select.select([fd], [], [], timeout)[0]:  # select: microseconds (poll rounds to 1 ms)
+            if not self.commands_in.poll(IDLE_WAIT_S if block else 0):
                 return None
+            fd = self.commands_in.fileno()
             (size,) = _HEADER.unpack(_read_exactly(fd, _HEADER.size))
             return _command_of(pickle.loads(_read_exactly(fd, size)))
         except (EOFError, OSError):

@@ -21,9 +21,7 @@ from dflash2.server.observer import ObserverConfig, RequestObserver
 class FakeEngine:
     """One token per step per request; a request takes one page of the pool while it runs."""
 
-    def __init__(self, fail_step: bool = False, plan_delays: list[float] | None = None) -> None:
-        self.plan_delays = plan_delays or []  # what plan_delay() answers, in turn (then 0)
-        self.step_requests: list[list[str]] = []  # the requests each step saw
+    def __init__(self, fail_step: bool = False) -> None:
         self.pool = PagePool(8, 1024)
         self.kv = SimpleNamespace(tokens_per_page=4, num_prefix_queries=0, num_prefix_hits=0)
         self.scheduler = SimpleNamespace(running={}, waiting=[], num_preemptions=0)
@@ -51,13 +49,9 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running)
 
-    def plan_delay(self) -> float:
-        return self.plan_delays.pop(0) if self.plan_delays else 0.0
-
     def step(self) -> list[RequestOutput]:
         if self.fail_step:
             raise RuntimeError("device lost")
-        self.step_requests.append(sorted(self.scheduler.running))
         outputs = []
         for request in list(self.scheduler.running.values()):
             request.token_ids.append(7)
@@ -303,24 +297,3 @@ def test_gpu_gauges_are_read_on_their_own_thread_not_the_engine_loop(monkeypatch
     text = metrics.render().decode()
     assert 'dflash2_gpu_memory_utilization{model_name="fake"} 0.25' in text
     assert 'dflash2_gpu_utilization_perc{model_name="fake"} 40.0' in text
-
-
-def test_commands_that_come_before_the_plan_time_join_the_next_step():
-    """Late planning: the loop waits out the engine's plan_delay() before a step, taking in submissions as they
-    come, so a request submitted during that wait is in the very next step."""
-    engine = FakeEngine(plan_delays=[0.0, 0.0, 1.0])
-
-    async def scenario(loop):
-        thread, _ = start(engine, loop)
-        first: asyncio.Queue = asyncio.Queue()
-        await thread.submit("a", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=3), 0, first)
-        await asyncio.wait_for(first.get(), 10)
-        await asyncio.wait_for(first.get(), 10)  # a's second step is done: the loop now waits 1 s to plan
-        await asyncio.sleep(0.1)
-        second: asyncio.Queue = asyncio.Queue()
-        await thread.submit("b", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=1), 0, second)
-        await asyncio.wait_for(second.get(), 10)
-        thread.stop()
-
-    run(scenario)
-    assert engine.step_requests == [["a"], ["a"], ["a", "b"]]
