@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflash2.engine.sampler import greedy_argmax
 from dflash2.engine.transfer import copy_ints_
 from dflash2.kernels.attention_metadata import AttentionMetadata
 from dflash2.models.llama import ForwardContext
@@ -163,9 +164,12 @@ class StepGraphs:
         # each graph's logits (model dtype): a decode graph's own output; the mixed graphs all copy theirs into
         # one buffer of the most rows any of them has, so their outputs take no memory each in the graph pool
         self.logits: dict[GraphShape, torch.Tensor] = {}
+        # each graph's greedy tokens (the argmax of every logits row, computed in the graph: an all-greedy step
+        # then launches nothing after the replay to sample)
+        self.greedy: dict[GraphShape, torch.Tensor] = {}
         self.mixed_rows = max((s.logit_rows for s in self.shapes if s.prefill_tokens), default=0)
         self.mixed_logits: torch.Tensor | None = None
-        self.steps: dict[GraphShape, Callable[[], torch.Tensor]] = {}  # capture=False
+        self.steps: dict[GraphShape, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {}  # capture=False
         self.replays: Counter[GraphShape] = Counter()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         for shape in reversed(self.shapes):  # largest first, so smaller graphs reuse its memory
@@ -189,14 +193,17 @@ class StepGraphs:
         shape = self._by_size[(decodes, prefills)]
         return shape if len(host.segments) <= shape.max_segments else None
 
-    def run(self, shape: GraphShape, host: "_HostBatch", num_decodes: int) -> torch.Tensor:
-        """Replay `shape`'s graph for this step; logits [rows sampled, vocab] in host.sample_rows order."""
+    def run(self, shape: GraphShape, host: "_HostBatch", num_decodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay `shape`'s graph for this step: logits [rows sampled, vocab] in host.sample_rows order, and
+        their greedy tokens. Both are the graph's buffers, rewritten by its next replay."""
         copy_ints_(self.inputs, pack_inputs(shape, host, num_decodes, self.runner.pad_slot, self.block_m))
         self.replays[shape] += 1
+        rows = len(host.sample_rows)
         if not self.capture:
-            return self.steps[shape]()[: len(host.sample_rows)]
+            logits, greedy = self.steps[shape]()
+            return logits[:rows], greedy[:rows]
         self.graphs[shape].replay()
-        return self.logits[shape][: len(host.sample_rows)]
+        return self.logits[shape][:rows], self.greedy[shape][:rows]
 
     def _views(self, shape: GraphShape) -> dict[str, torch.Tensor]:
         views, offset = {}, 0
@@ -231,7 +238,7 @@ class StepGraphs:
             v["block_starts"].zero_()
             v["logit_rows"].zero_()
 
-    def _build_step(self, shape: GraphShape) -> Callable[[], torch.Tensor]:
+    def _build_step(self, shape: GraphShape) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """The step at this padded shape, reading only the static input block: what gets captured."""
         runner = self.runner
         module = runner.model.module
@@ -240,18 +247,19 @@ class StepGraphs:
         context = ForwardContext(positions=v["positions"], attention=self._metadata(shape, v),
                                  kv_caches=runner.kv_caches, attention_backend=runner.attention)
 
-        def step() -> torch.Tensor:
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
             ids = v["ids"]
             resolved = torch.where(ids < 0, runner.future_tokens[(-ids - 1).clamp(min=0)], ids)
             hidden = module(resolved, context)
             if not shape.prefill_tokens:
-                return module.compute_logits(hidden)
+                logits = module.compute_logits(hidden)
+                return logits, greedy_argmax(logits)
             logits = module.compute_logits(hidden.index_select(0, v["logit_rows"]))
             if self.mixed_logits is None:  # the first (largest) mixed warm-up, outside any capture
                 self.mixed_logits = logits.new_empty((self.mixed_rows, logits.shape[1]))
             out = self.mixed_logits[: logits.shape[0]]
             out.copy_(logits)
-            return out
+            return out, greedy_argmax(out)
 
         return step
 
@@ -277,7 +285,7 @@ class StepGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[shape] = step()
+                self.logits[shape], self.greedy[shape] = step()
             self.graphs[shape] = graph
         finally:
             attention.graph_num_splits = None

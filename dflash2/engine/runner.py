@@ -85,6 +85,11 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(options.seed))
         self.future_tokens = torch.zeros(2 * options.max_slots, dtype=torch.long, device=self.device)
         self._future_base = 0
+        # the sampled tokens' copies to the host, in the same alternating halves as future_tokens: a half is
+        # written again two sampling steps later, after the step that used it was collected (the engine launches
+        # a step only with at most one other in flight)
+        self.tokens_host = torch.empty(2 * options.max_slots, dtype=torch.long,
+                                       pin_memory=True) if self.device.type == "cuda" else None
         self.eos_token_ids: tuple[int, ...] = model.arch.eos_token_ids
         self.graphs: StepGraphs | None = None
 
@@ -114,8 +119,9 @@ class ModelRunner:
         ordered = decodes + prefills
         host = _HostBatch.build(ordered, len(decodes))
         shape = self.graphs.shape_for(host, len(decodes)) if self.graphs is not None else None
+        greedy = None
         if shape is not None:
-            logits = self.graphs.run(shape, host, len(decodes))
+            logits, greedy = self.graphs.run(shape, host, len(decodes))
             hidden = None
         else:
             token_ids = self._resolve(to_device(host.token_ids, torch.long, self.device), host.has_placeholders)
@@ -124,7 +130,7 @@ class ModelRunner:
                                      attention_backend=self.attention)
             hidden = self.model.module(token_ids, context)
             logits = self.model.module.compute_logits(hidden[host.sample_rows]) if host.sample_rows else None
-        pending = self._sample(logits, [ordered[i] for i in host.sample_chunks], requests)
+        pending = self._sample(logits, [ordered[i] for i in host.sample_chunks], requests, greedy)
         for chunk_index, first_row in host.logit_chunks:
             chunk = ordered[chunk_index]
             job = self._prompt_logprob_job(chunk, hidden, first_row, requests[chunk.request_id])
@@ -208,19 +214,22 @@ class ModelRunner:
 
     # -- inputs ------------------------------------------------------------------------------------
     def _update_page_table(self, chunks: list[ScheduledChunk]) -> None:
-        rows, cols, pages = [], [], []
+        """Write the chunks' new pages into their rows of the page table (on CUDA: one copy to the device and
+        one scatter into the flat table, no advanced indexing)."""
+        width = self.page_table.shape[1]
+        entries, pages = [], []
         for chunk in chunks:
-            for i, page in enumerate(chunk.new_page_ids):
-                rows.append(chunk.slot)
-                cols.append(chunk.new_pages_start + i)
-                pages.append(page)
+            if chunk.new_page_ids:
+                first = chunk.slot * width + chunk.new_pages_start
+                entries.extend(range(first, first + len(chunk.new_page_ids)))
+                pages.extend(chunk.new_page_ids)
         if not pages:
             return
         if self.device.type == "cpu":
-            self.page_table.numpy()[rows, cols] = pages
+            self.page_table.numpy().reshape(-1)[entries] = pages
             return
-        packed = to_device([rows, cols, pages], torch.int32, self.device)
-        self.page_table[packed[0].long(), packed[1].long()] = packed[2]
+        packed = to_device(entries + pages, torch.int32, self.device)
+        self.page_table.view(-1).index_copy_(0, packed[: len(entries)].long(), packed[len(entries):])
 
     def _resolve(self, token_ids: torch.Tensor, has_placeholders: bool) -> torch.Tensor:
         """Replace placeholder ids (-(i + 1)) by the tokens the previous step left in future slot i."""
@@ -262,21 +271,24 @@ class ModelRunner:
 
     # -- sampling ----------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor | None, chunks: list[ScheduledChunk],
-                requests: Mapping[str, Request]) -> PendingStep:
+                requests: Mapping[str, Request], greedy: torch.Tensor | None = None) -> PendingStep:
+        """Sample the chunks' next tokens on the device. `greedy`: the logits' argmax rows, computed by a step
+        graph (used when every row is greedy and nothing changes the logits)."""
         sample_ids = [c.request_id for c in chunks]
         if logits is None or not chunks:
             return PendingStep(sample_ids, [], None, None)
         rows = [self._sampling_row(requests[c.request_id]) for c in chunks]
-        token_ids = self.sampler.sample_device(logits, rows)
+        wants_logprobs = any(r.params.logprobs is not None for r in rows)
+        # the graph's greedy buffer is rewritten by its next replay: not for a logprob job read at collect
+        token_ids = self.sampler.sample_device(logits, rows, None if wants_logprobs else greedy)
         base = self._future_base
         self._future_base = self.options.max_slots - base  # alternate halves: 0, max_slots, 0, ...
         self.future_tokens[base:base + len(chunks)] = token_ids
         placeholders = [-(base + i + 1) for i in range(len(chunks))]
-        wants_logprobs = any(r.params.logprobs is not None for r in rows)
         logprob_job = (logits.clone(), token_ids, rows) if wants_logprobs else None  # graph logits get reused
         if self.device.type != "cuda":
             return PendingStep(sample_ids, placeholders, token_ids, None, logprob_job)
-        tokens_host = torch.empty(len(chunks), dtype=torch.long, pin_memory=True)
+        tokens_host = self.tokens_host[base:base + len(chunks)]
         tokens_host.copy_(token_ids, non_blocking=True)
         done = torch.cuda.Event()
         done.record()

@@ -71,14 +71,17 @@ class Sampler:
         logprobs = sampled_logprobs(logits, token_ids_dev, rows)
         return SampleOutput(token_ids=token_ids_dev.tolist(), logprobs=logprobs)
 
-    def sample_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """The sampled token ids as a tensor on logits.device, without waiting for the device."""
+    def sample_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                      greedy: torch.Tensor | None = None) -> torch.Tensor:
+        """The sampled token ids as a tensor on logits.device, without waiting for the device. `greedy`: the
+        argmax of every row of `logits`, if already computed (a step graph's): returned as it is when every
+        row is greedy and no penalty or min_tokens changes the logits."""
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if logits.dtype != torch.float32 and (random_rows or any(row.params.has_penalty for row in rows)):
             logits = logits.float()  # exact; temperature, top-p and penalties then compute in float32
         processed = apply_min_tokens(apply_penalties(logits, rows), rows)
         if not random_rows:
-            return greedy_argmax(processed)
+            return greedy if greedy is not None and processed is logits else greedy_argmax(processed)
         return self._sample_mixed(processed, rows, random_rows)
 
     def _sample_mixed(self, logits: torch.Tensor, rows: Sequence[SamplingRow],

@@ -63,15 +63,19 @@ def test_pack_inputs_pads_decode_rows_prefill_rows_segments_and_blocks():
     assert packed == expected
 
 
-def test_padded_step_shapes_give_the_torch_backends_tokens(tmp_path):
+@pytest.mark.parametrize("length", ["min_tokens", "ignore_eos"])
+def test_padded_step_shapes_give_the_torch_backends_tokens(tmp_path, length):
     """The engine with every step at a padded graph shape (decode-only and mixed; run eagerly here, captured
-    on the GPU) gives the torch backend's greedy tokens: chunked prefill next to decodes, prefix hits."""
+    on the GPU) gives the torch backend's greedy tokens: chunked prefill next to decodes, prefix hits. With
+    min_tokens the sampler masks EOS and takes its own argmax; with ignore_eos the steps' greedy tokens are the
+    graphs' own."""
     from dflash2 import LLM, SamplingParams
     from tests.tiny_models import build_tiny_model
 
     build_tiny_model("qwen3", str(tmp_path))
     prompts = [{"prompt_token_ids": [5 + i for i in range(n)]} for n in (3, 11, 12, 7)]
-    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0)
+    params = SamplingParams(max_tokens=6, temperature=0, **({"min_tokens": 6} if length == "min_tokens"
+                                                            else {"ignore_eos": True}))
     options = dict(page_bytes=4096, prefill_chunk_size=5, max_num_batched_tokens=16, kv_cache_memory=64 * 4096,
                    max_model_len=64, max_num_seqs=4)
     expected = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **options).generate(prompts, params)]
