@@ -107,6 +107,27 @@ def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama):
     assert runs["eager"] == [hf_greedy(hf_model, p, q.max_tokens) for p, q in zip(prompts, params)]
 
 
+def test_graph_greedy_tokens_match_eager_sampling(tiny_llama):
+    """Without min_tokens or penalties a graph step's tokens are the graph's own argmax (nothing launched after
+    the replay to sample): the same tokens as eager steps, whose sampler takes the argmax after the forward."""
+    from dflash2 import LLM, SamplingParams
+
+    _, directory = tiny_llama
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))]} for _ in range(10)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in range(6, 16)]
+    common = dict(device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128, kv_cache_memory="64MiB",
+                  page_bytes=4096, prefill_chunk_size=16, max_num_batched_tokens=32)
+    runs = {}
+    for name, options in {"graphs": {}, "eager": dict(enforce_eager=True)}.items():
+        llm = LLM(directory, **common, **options)
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if name == "graphs":
+            assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    assert runs["graphs"] == runs["eager"]
+    assert [len(t) for t in runs["eager"]] == list(range(6, 16))
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_preemption_with_swap_gives_transformers_tokens_on_the_gpu(tiny_llama, overlap):
     """Urgent arrivals on a small pool pause running requests: their pages go to pinned host pages (the
