@@ -75,7 +75,7 @@ class ModelRunner:
         self.device_pages = self.pool_bytes.view(num_pages + 1, layout.page_bytes)
         self.host_pages = torch.empty((options.num_host_pages, layout.page_bytes), dtype=torch.uint8,
                                       pin_memory=self.device.type == "cuda")
-        # swap-out copies to the host run on their own stream (_swap); the last one's event
+        # the swap copies between host and device pages run on their own stream (_swap)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.max_pages_per_slot = -(-options.max_model_len // layout.tokens_per_page)
         self.pad_slot = options.max_slots  # an extra row whose pages are all the scratch page
