@@ -114,7 +114,8 @@ def decode_reports() -> None:
 
 
 def main() -> None:
-    decode_reports()
+    if "--gemv-only" not in sys.argv:
+        decode_reports()
     gemv_types = {"x_ptr": "*bf16", "hi_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16",
                   "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     for bits, weight, block_n, gs, t, words in ((16, "*bf16", 8, 512, 1, False), (8, "*i32", 8, 512, 1, True),
@@ -125,14 +126,16 @@ def main() -> None:
                constants, elements_per_iteration=block_n * gs * t)
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
              "cnt_ptr": "*i32"}
-    for block_m, config in sorted(int4_gemv.INT4_GEMV_CONFIGS.items()):
-        for block_n in sorted({config["BLOCK_N"], 2 * config["BLOCK_N"]} if block_m == 1 else {config["BLOCK_N"]}):
-            constants = {"GS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNKS": config["CHUNKS"],
-                         "SPLIT_K": 1, "SILU_MUL": False, "EVEN_M": True, "EVEN_N": True, "EVEN_K": True, "PREFETCH": False,
-                         "ASM": True}
-            report(f"int4 GEMV, repacked, M={block_m}, BLOCK_N={block_n} (per weight)", int4_gemv._int4_gemv_kernel,
-                   types, constants, elements_per_iteration=block_n * config["CHUNKS"] * 32,
-                   num_warps=config["num_warps"], num_stages=config["num_stages"])
+    for half2 in (False, True):  # DFLASH2_INT4_GEMV=half2: packed fp16 products
+        for block_m, config in sorted(int4_gemv.INT4_GEMV_CONFIGS.items()):
+            for block_n in sorted({config["BLOCK_N"], 2 * config["BLOCK_N"]} if block_m == 1 else {config["BLOCK_N"]}):
+                constants = {"GS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNKS": config["CHUNKS"],
+                             "SPLIT_K": 1, "SILU_MUL": False, "EVEN_M": True, "EVEN_N": True, "EVEN_K": True,
+                             "PREFETCH": False, "ASM": True, "PAIRED": False, "SILU_OUT": False, "HALF2": half2}
+                report(f"int4 GEMV, repacked{', half2' if half2 else ''}, M={block_m}, BLOCK_N={block_n} (per weight)",
+                       int4_gemv._int4_gemv_kernel, types, constants,
+                       elements_per_iteration=block_n * config["CHUNKS"] * 32, num_warps=config["num_warps"],
+                       num_stages=config["num_stages"])
 
 
 if __name__ == "__main__":

@@ -130,6 +130,29 @@ def test_int4_gemv_on_llama3_8b_shapes(n, k):
         assert error < 5e-3, (rows, error)
 
 
+@pytest.mark.parametrize("n, k", LLAMA3_8B_INT4)
+def test_int4_half2_gemv_on_llama3_8b_shapes(n, k):
+    """DFLASH2_INT4_GEMV=half2 (packed fp16 products, inline PTX) at the default configs, M = 1..4, bf16 in and
+    out, and the paired gate/up with silu_out on gate_up's shape."""
+    from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up, prepare_int4
+    from dflash2.quantization.formats import dequantize
+
+    weight = _packed(4, 128, n, k, seed=n + k)
+    t = weight.tensors
+    reference = dequantize(weight.fmt, t)
+    prepared = prepare_int4(t["qweight"], t["scales"], t["zeros"], 128, half2=True)
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, k, device="cuda").bfloat16()
+        want = x.float() @ reference.T
+        error = _relative_error(int4_gemv(x, prepared), want)
+        assert error < 5e-3, (rows, error)
+        if n == 28672:
+            half = n // 2
+            silu = torch.nn.functional.silu(want[:, :half]) * want[:, half:]
+            error = _relative_error(int4_gemv(x, pair_gate_up(prepared), silu_out=True), silu)
+            assert error < 1e-2, (rows, error)
+
+
 @pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 14336)])
 def test_int4_gemv_every_tuning_candidate(n, k):
     """Every config benchmarks/decode_gemv_tune.py tries computes the right thing (a fast wrong one must not win)."""

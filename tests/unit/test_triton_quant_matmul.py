@@ -186,6 +186,45 @@ def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split
     assert not qm.split_counters(x.device, 1).any()
 
 
+def test_int4_half2_layout():
+    """DFLASH2_INT4_GEMV=half2: the same slots (column 32 c + 4 s + j in word j), each at HALF2_SLOT_BITS[s]:
+    slots 0/1, 2/3 (and of the word >> 8: 4/5, 6/7) share a LOP3 that makes two fp16 values."""
+    from dflash2.kernels.triton.int4_gemv import HALF2_SLOT_BITS, prepare_int4
+    from dflash2.quantization.formats import unpack_int4
+
+    weight, _ = _int4_prepared(5, 128, 32)
+    t = weight.tensors
+    prepared = prepare_int4(t["qweight"], t["scales"], t["zeros"], 32, half2=True)
+    assert prepared["half2"]
+    codes = unpack_int4(t["qweight"]).long()
+    words = prepared["words"].long() & 0xFFFFFFFF
+    for s, bit in enumerate(HALF2_SLOT_BITS):
+        assert torch.equal(((words >> bit) & 15).reshape(5, 4, 4), codes.reshape(5, 4, 8, 4)[:, :, s, :])
+
+
+@pytest.mark.parametrize("rows, group_size, k, split_k, paired", [(1, 32, 96, 1, False), (3, 64, 384, 1, False),
+                                                                   (4, 128, 256, 2, False), (2, 32, 128, 1, True)])
+def test_int4_half2_gemv_matches_reference(rows, group_size, k, split_k, paired):
+    """The half2 variant (here its interpreter path: the same codes, activations rounded to fp16) against
+    dequantize() + matmul; with paired gate/up rows, silu_out too."""
+    from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up, prepare_int4
+
+    weight, _ = _int4_prepared(N + 1 if paired else N, k, group_size, seed=rows)
+    t = weight.tensors
+    prepared = prepare_int4(t["qweight"], t["scales"], t["zeros"], group_size, half2=True)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    config = {"BLOCK_N": 8, "CHUNKS": 4, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
+    want = expected(x, weight)
+    if paired:
+        prepared = pair_gate_up(prepared)
+        half = want.shape[1] // 2
+        got = int4_gemv(x, prepared, config=config, silu_out=True)
+        want = torch.nn.functional.silu(want[:, :half]) * want[:, half:]
+    else:
+        got = int4_gemv(x, prepared, config=config)
+    torch.testing.assert_close(got, want, atol=3e-3, rtol=3e-3)
+
+
 @pytest.mark.parametrize("rows, split_k", [(1, 1), (3, 2), (4, 1)])
 def test_int4_gemv_silu_mul(rows, split_k):
     from dflash2.kernels.triton.int4_gemv import int4_gemv

@@ -42,9 +42,11 @@ MASK_A, ONE_A = tl.constexpr(0x00780000), tl.constexpr(0x3F800000)  # bits 19..2
 MASK_B, ONE_B = tl.constexpr(0x00078000), tl.constexpr(0x41800000)  # bits 15..18 | 16.0f
 
 
-def repack_int4(qweight: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
+def repack_int4(qweight: torch.Tensor, rows_at_once: int = 4096,
+                slot_bits: tuple[int, ...] = SLOT_BITS) -> torch.Tensor:
     """On-disk int4 [N, K/2] u8 (byte i: codes 2i low, 2i + 1 high) -> [N, K/8] int32 in the layout above
-    (rows_at_once rows at a time: the int64 temporaries take 16 bytes a weight)."""
+    (rows_at_once rows at a time: the int64 temporaries take 16 bytes a weight); slot_bits: HALF2_SLOT_BITS for
+    the half2 layout."""
     n, half = qweight.shape
     k = half * 2
     if k % CHUNK:
@@ -55,7 +57,7 @@ def repack_int4(qweight: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor
         rows = part.shape[0]
         codes = torch.stack((part & 15, part >> 4), dim=-1).reshape(rows, k // CHUNK, 8, 4).to(torch.int64)
         words = torch.zeros((rows, k // CHUNK, 4), dtype=torch.int64, device=qweight.device)
-        for p, bit in enumerate(SLOT_BITS):  # codes[n, c, p, j] = q[32 c + 4 p + j] -> word j, slot p
+        for p, bit in enumerate(slot_bits):  # codes[n, c, p, j] = q[32 c + 4 p + j] -> word j, slot p
             q = codes[:, :, p, :]
             words |= ((q << bit) | (q >> (32 - bit))) & 0xFFFFFFFF  # rotated left within 32 bits
         words = torch.where(words >= 1 << 31, words - (1 << 32), words)
@@ -105,6 +107,98 @@ def _bf16_pairs_to_float(v):
                                      dtype=tl.float32, is_pure=True, pack=2)
 
 
+# DFLASH2_INT4_GEMV=half2 (an experiment, not yet run on a GPU): the same chunks and slots, but slot s of a word
+# sits at bit HALF2_SLOT_BITS[s], so that one LOP3 with 0x64006400 makes two fp16 values 1024 + q (slots 0/1 of
+# the word, and of the word >> 8: slots 4/5) or 1024 + 16 q (slots 2/3, 6/7), and the products run as packed
+# fp16 FMAs (two a lane): per word 1 shift, 4 LOP3, 4 bias fixes and 4 HFMA2 (13 instructions for 8 weights,
+# against 19 above). The activations are rounded to fp16 (saturating); each 32-column chunk's 16 products a lane
+# add up in fp16, then in float32.
+HALF2 = os.environ.get("DFLASH2_INT4_GEMV") == "half2"
+HALF2_SLOT_BITS = (0, 16, 4, 20, 8, 24, 12, 28)
+
+
+@triton.jit
+def _half2_pack(lo, hi):
+    """Two float32 tensors -> one int32 of two fp16 values (lo in the low half), saturating at fp16's range."""
+    return tl.inline_asm_elementwise("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _half2_word(w, p01, p23, p45, p67, acc):
+    """acc (two fp16 sums) + the word's 8 codes times their activations (packed pairs of slots 0/1, 2/3, 4/5,
+    6/7), see HALF2."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, a, b, c, d, m, k16, k64;
+        shr.b32 t, $1, 8;
+        lop3.b32 a, $1, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 b, $1, 0x00F000F0, 0x64006400, 0xEA;
+        lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
+        mov.b32 m, 0x64006400;
+        mov.b32 k16, 0x2C002C00;
+        mov.b32 k64, 0xD400D400;
+        sub.f16x2 a, a, m;
+        sub.f16x2 c, c, m;
+        fma.rn.f16x2 b, b, k16, k64;
+        fma.rn.f16x2 d, d, k16, k64;
+        fma.rn.f16x2 $0, a, $2, $6;
+        fma.rn.f16x2 $0, b, $3, $0;
+        fma.rn.f16x2 $0, c, $4, $0;
+        fma.rn.f16x2 $0, d, $5, $0;
+        }""",
+        "=r,r,r,r,r,r,r", [w, p01, p23, p45, p67, acc], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _half2_total(acc):
+    """The two fp16 sums of acc added in float32."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .f16 lo, hi; .reg .f32 a, b; mov.b32 {lo, hi}, $1; cvt.f32.f16 a, lo; cvt.f32.f16 b, hi; "
+        "add.f32 $0, a, b; }", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _split4(t):
+    """A tensor's last axis of 4 as four tensors (the axis is a thread's own registers: no data moves)."""
+    shape: tl.constexpr = t.shape
+    even, odd = tl.split(tl.reshape(t, shape[:-1] + [2, 2]))  # j = 2 a + b: b = 0 -> j 0, 2; b = 1 -> 1, 3
+    t0, t2 = tl.split(even)
+    t1, t3 = tl.split(odd)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _half2_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
+    """sum over the chunk's 32 columns of q x: [C, BM, BN] float32 (words [C, 1, BN, 4] in the HALF2 layout,
+    x_s [C, BM, 1, 4] the activations of slot s). Under the interpreter: the same codes and fp16-rounded
+    activations in float32."""
+    if ASM:
+        w0, w1, w2, w3 = _split4(words)
+        a0, a1, a2, a3 = _split4(_half2_pack(x0, x1))
+        b0, b1, b2, b3 = _split4(_half2_pack(x2, x3))
+        c0, c1, c2, c3 = _split4(_half2_pack(x4, x5))
+        d0, d1, d2, d3 = _split4(_half2_pack(x6, x7))
+        acc = tl.zeros(w0.shape, tl.int32) + tl.zeros(a0.shape, tl.int32)  # [C, BM, BN]
+        acc = _half2_word(w0, a0, b0, c0, d0, acc)
+        acc = _half2_word(w1, a1, b1, c1, d1, acc)
+        acc = _half2_word(w2, a2, b2, c2, d2, acc)
+        acc = _half2_word(w3, a3, b3, c3, d3, acc)
+        dot = _half2_total(acc)
+    else:
+        f = ((words & 15).to(tl.float32) * x0.to(tl.float16).to(tl.float32)
+             + ((words >> 16) & 15).to(tl.float32) * x1.to(tl.float16).to(tl.float32)
+             + ((words >> 4) & 15).to(tl.float32) * x2.to(tl.float16).to(tl.float32)
+             + ((words >> 20) & 15).to(tl.float32) * x3.to(tl.float16).to(tl.float32)
+             + ((words >> 8) & 15).to(tl.float32) * x4.to(tl.float16).to(tl.float32)
+             + ((words >> 24) & 15).to(tl.float32) * x5.to(tl.float16).to(tl.float32)
+             + ((words >> 12) & 15).to(tl.float32) * x6.to(tl.float16).to(tl.float32)
+             + ((words >> 28) & 15).to(tl.float32) * x7.to(tl.float16).to(tl.float32))
+        dot = tl.sum(f, axis=3)
+    return dot
+
+
 @triton.jit
 def _x_slot(x_base, cols, mask, K, SILU_MUL: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr):
     """The activations at `cols` as float32 (silu(gate) * up with SILU_MUL)."""
@@ -143,7 +237,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                       stride_sn, stride_om, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr,
                       EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                      PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr):
+                      PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+                      HALF2: tl.constexpr = False):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
@@ -180,7 +275,6 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
             words_next, sz_next = _load_step(w_base, sz_base, k0 + STEP, k_end, c, n_ok, GS, EVEN_N, EVEN_K, True)
         else:
             words, sz = _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
-        f0, f1, f2, f3, f4, f5, f6, f7 = _slot_floats(words, ASM)
         x_mask = c_ok4 & m_ok[None, :, None, None]
         MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
         cols = k0 + x_cols
@@ -192,14 +286,19 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         x5 = _x_slot(x_base, cols + 20, x_mask, K, SILU_MUL, MASKED, ASM)
         x6 = _x_slot(x_base, cols + 24, x_mask, K, SILU_MUL, MASKED, ASM)
         x7 = _x_slot(x_base, cols + 28, x_mask, K, SILU_MUL, MASKED, ASM)
-        f = f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3 + f4 * x4 + f5 * x5 + f6 * x6 + f7 * x7  # [C, BM, BN, 4]
-        xa = tl.sum(x1 + x3 + x5 + x7, axis=3)  # [C, BM, 1]
-        xb = tl.sum(x0 + x2 + x4 + x6, axis=3)
-        t = 16.0 * xa + 256.0 * xb
-        xs = xa + xb
         s = sz.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        acc += s * (16.0 * tl.sum(f, axis=3) - t - z * xs)
+        if HALF2:
+            xs = tl.sum(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, axis=3)  # [C, BM, 1]
+            acc += s * (_half2_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM) - z * xs)
+        else:
+            f0, f1, f2, f3, f4, f5, f6, f7 = _slot_floats(words, ASM)
+            f = f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3 + f4 * x4 + f5 * x5 + f6 * x6 + f7 * x7  # [C, BM, BN, 4]
+            xa = tl.sum(x1 + x3 + x5 + x7, axis=3)  # [C, BM, 1]
+            xb = tl.sum(x0 + x2 + x4 + x6, axis=3)
+            t = 16.0 * xa + 256.0 * xb
+            xs = xa + xb
+            acc += s * (16.0 * tl.sum(f, axis=3) - t - z * xs)
     result = tl.sum(acc, axis=0)  # [BM, BN]
     if SILU_OUT:
         dtype = out_ptr.dtype.element_ty
@@ -247,8 +346,11 @@ def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.T
             and zeros.dtype == torch.float16)
 
 
-def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> dict:
-    """Device tensors for the kernel: the repacked words; scales and zeros as stored."""
+def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 half2: bool | None = None) -> dict:
+    """Device tensors for the kernel: the repacked words (half2: in the HALF2 layout; None: as
+    DFLASH2_INT4_GEMV says); scales and zeros as stored."""
+    half2 = HALF2 if half2 is None else half2
     if group_size % CHUNK:
         raise ValueError(f"int4 GEMV needs a group size divisible by {CHUNK}, got {group_size}")
     split_counters(qweight.device, 1 << 16)  # allocated now, not inside a graph capture
@@ -258,8 +360,9 @@ def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     if n * k // 8 >= 1 << 31:
         raise ValueError(f"int4 GEMV indexes with int32 offsets: [{n}, {k}] is too large")
     pairs = torch.stack((scales.contiguous().view(torch.int16), zeros.contiguous().view(torch.int16)), dim=-1)
-    return {"words": repack_int4(qweight), "sz": pairs.view(torch.int32).reshape(n, -1).contiguous(),
-            "group_size": group_size, "n": n, "k": k}
+    words = repack_int4(qweight, slot_bits=HALF2_SLOT_BITS if half2 else SLOT_BITS)
+    return {"words": words, "sz": pairs.view(torch.int32).reshape(n, -1).contiguous(),
+            "group_size": group_size, "n": n, "k": k, "half2": half2}
 
 
 def pair_gate_up(weight: dict) -> dict:
@@ -315,5 +418,6 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         weight["sz"].stride(0), out.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
         CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
         PREFETCH=bool(config.get("PREFETCH", 0)) and k > step * split_k, EVEN_K=even_k, ASM=not _INTERPRETED,
-        PAIRED=paired, SILU_OUT=silu_out, num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
+        PAIRED=paired, SILU_OUT=silu_out, HALF2=weight.get("half2", False), num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **pdl_args())
     return out
