@@ -1,7 +1,8 @@
 """Compile the hot Triton kernels for sm_90 on this machine (no GPU needed) and count the instructions of their
 main loop per element it processes: a proxy for whether a kernel can keep up with HBM on an H200.
 
-    .venv/bin/python benchmarks/sass_count.py            (prints JSON lines; CPU only, needs triton's ptxas)
+    .venv/bin/python benchmarks/sass_count.py [--gemv-only]   (JSON lines; CPU only, needs triton's ptxas;
+                                                              --gemv-only: skip the decode-attention loops)
 
 At full bandwidth (~4 TB/s) an H200 issues about 33e12 thread-instructions a second, so a kernel streaming
 B bytes an element stays memory-bound only below ~8 B instructions an element (bf16 KV: ~16; int8 KV: ~8;

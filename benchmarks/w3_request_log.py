@@ -17,20 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.w3_server import request_log  # noqa: E402
+
 
 def read_log(path: str) -> list[dict[str, Any]]:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            if line.startswith("{"):
-                record = json.loads(line)
-                if record.get("event") == "request_finished":
-                    rows.append(record)
-    return sorted(rows, key=lambda r: r["received_monotonic"])
+    """The log's finished requests (w3_server.request_log) in arrival order."""
+    return sorted(request_log(path), key=lambda r: r["received_monotonic"])
 
 
 def phases(rows: list[dict[str, Any]], gap_s: float) -> list[list[dict[str, Any]]]:
