@@ -5,7 +5,6 @@ Both take `silu_mul=True`: the input is the fused [gate | up] projection and the
 silu(gate) * up first (on CUDA inside the GEMV for decode-sized batches, one launch fewer a layer).
 On CUDA a float weight with at most `DECODE_GEMV_MAX_ROWS` input rows runs the Triton GEMV
 (kernels/triton/quant_matmul.py) instead of cuBLAS; `DFLASH2_DECODE_GEMV=0` turns that off.
-`DFLASH2_SMALL_M_GEMM=N` (an experiment, default 0) sends up to N rows to the Triton tl.dot kernel.
 """
 from __future__ import annotations
 
@@ -32,10 +31,6 @@ class Linear(nn.Module):
                 from dflash2.kernels.triton.quant_matmul import gemv_16bit
 
                 return gemv_16bit(x, self.weight, silu_mul=silu_mul)
-            if x.shape[0] <= SMALL_M_GEMM_MAX_ROWS:
-                from dflash2.kernels.triton.quant_matmul import gemm_16bit
-
-                return gemm_16bit(x, self.weight, silu_mul=silu_mul)
         return F.linear(silu_and_mul(x) if silu_mul else x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -43,10 +38,6 @@ class Linear(nn.Module):
 
 
 DECODE_GEMV_MAX_ROWS = 4 if os.environ.get("DFLASH2_DECODE_GEMV", "1") == "1" else 0
-# an experiment, not yet measured on the GPU: DFLASH2_SMALL_M_GEMM=32 runs batches of 5..32 rows (decode steps
-# of a few requests) through the Triton tl.dot kernel, split along K and launched with programmatic dependent
-# launch, instead of cuBLAS (default 0: cuBLAS)
-SMALL_M_GEMM_MAX_ROWS = int(os.environ.get("DFLASH2_SMALL_M_GEMM", "0"))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -104,20 +104,6 @@ def test_gemv_16bit(silu_mul, dtype):
     assert (got.float() - ref).norm() / ref.norm() < (1e-6 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("rows", [5, 16, 32])
-@pytest.mark.parametrize("silu_mul", [False, True])
-def test_gemm_16bit_for_small_batches(rows, silu_mul):
-    """DFLASH2_SMALL_M_GEMM's kernel: a 16-bit weight through the tl.dot kernel (split along K), float32."""
-    g = torch.Generator().manual_seed(rows)
-    weight = torch.randn(N, 320, generator=g)
-    x = torch.randn(rows, 640 if silu_mul else 320, generator=g)
-    act = torch.nn.functional.silu(x[:, :320]) * x[:, 320:] if silu_mul else x
-    got = qm.gemm_16bit(x, weight, silu_mul=silu_mul)
-    ref = act @ weight.T
-    assert got.shape == (rows, N)
-    assert (got - ref).norm() / ref.norm() < 1e-5
-
-
 def test_int6_planes_hold_the_codes():
     weight = packed(6, 32, 64)
     low, high = qm.int6_planes(weight.tensors["qweight"])

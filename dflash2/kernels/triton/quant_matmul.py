@@ -5,7 +5,6 @@
                                     finish sums the fp32 partials, so it stays one launch)
     more rows (prefill)             _gemm_kernel: tiles dequantized in registers, tl.dot, fp32 accumulation
     16-bit weights                  the GEMV kernel for few rows (`gemv_16bit`), cuBLAS F.linear otherwise
-                                    (DFLASH2_SMALL_M_GEMM=N: the tl.dot kernel up to N rows, `gemm_16bit`)
 
 A weight tile is [BLOCK_N, T, GS]: T groups of GS weights along K (int4/int6: GS = group size; int8 and 16:
 one "group" of BLOCK_K). Codes become floats by the exponent trick (int | 0x4B000000 is 2^23 + int as a
@@ -278,13 +277,6 @@ def gemv_16bit(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None =
                silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with silu_mul) @ weight[N, K]^T for a 16-bit weight, by the GEMV kernel."""
     return gemv(x, _float_weight(weight), out, silu_mul)
-
-
-def gemm_16bit(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-               silu_mul: bool = False) -> torch.Tensor:
-    """The same by the tl.dot kernel (for a few more rows than the GEMV takes: GEMM_SMALL_M_CONFIG splits K,
-    and it launches with programmatic dependent launch, unlike cuBLAS)."""
-    return gemm(x, _float_weight(weight), out, silu_mul)
 
 
 # -- the backend -----------------------------------------------------------------------------------------
