@@ -63,7 +63,7 @@ def main() -> None:
         legacy_config = qm.gemv_config(4, n, k)
         candidates += [("legacy_gemv_int4", legacy_config, lambda w, c: qm.gemv(x, w, out=out, config=c), legacy,
                         int4_bytes)]
-        configs = INT4_CONFIGS + [c for c in [int4_config(n, k, m)] if c not in INT4_CONFIGS]
+        configs = INT4_CONFIGS + [c for c in [int4_config(n, k, m, int4[0]["half2"])] if c not in INT4_CONFIGS]
         candidates += [("gemv_int4", c, lambda w, c: int4_gemv(x, w, out=out, config=c), int4, int4_bytes)
                        for c in configs]
         for kernel, config, fn, weights, nbytes in candidates:

@@ -121,14 +121,15 @@ def test_dispatch_picks_triton_on_cuda_only():
     assert quant_matmul_backend("auto", "cpu").name == "torch_cpu"
 
 
-def _int4_prepared(n: int, k: int, group_size: int, seed: int = 0):
+def _int4_prepared(n: int, k: int, group_size: int, seed: int = 0, half2: bool = False):
+    """A random int4 weight and its prepare_int4 tensors (the float32-product layout unless half2)."""
     from dflash2.kernels.triton.int4_gemv import prepare_int4
 
     g = torch.Generator().manual_seed(seed)
     fmt = WeightFormat(4, group_size)
     weight = PackedWeight(fmt, n, k, quantize(torch.randn(n, k, generator=g) * 0.05, fmt))
     tensors = weight.tensors
-    return weight, prepare_int4(tensors["qweight"], tensors["scales"], tensors["zeros"], group_size)
+    return weight, prepare_int4(tensors["qweight"], tensors["scales"], tensors["zeros"], group_size, half2=half2)
 
 
 def test_int4_repack_layout():
@@ -175,12 +176,11 @@ def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split
 def test_int4_half2_layout():
     """DFLASH2_INT4_GEMV=half2: the same slots (column 32 c + 4 s + j in word j), each at HALF2_SLOT_BITS[s]:
     slots 0/1, 2/3 (and of the word >> 8: 4/5, 6/7) share a LOP3 that makes two fp16 values."""
-    from dflash2.kernels.triton.int4_gemv import HALF2_SLOT_BITS, prepare_int4
+    from dflash2.kernels.triton.int4_gemv import HALF2_SLOT_BITS
     from dflash2.quantization.formats import unpack_int4
 
-    weight, _ = _int4_prepared(5, 128, 32)
+    weight, prepared = _int4_prepared(5, 128, 32, half2=True)
     t = weight.tensors
-    prepared = prepare_int4(t["qweight"], t["scales"], t["zeros"], 32, half2=True)
     assert prepared["half2"]
     codes = unpack_int4(t["qweight"]).long()
     words = prepared["words"].long() & 0xFFFFFFFF
@@ -193,11 +193,9 @@ def test_int4_half2_layout():
 def test_int4_half2_gemv_matches_reference(rows, group_size, k, split_k, paired):
     """The half2 variant (here its interpreter path: the same codes, activations rounded to fp16) against
     dequantize() + matmul; with paired gate/up rows, silu_out too."""
-    from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up, prepare_int4
+    from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up
 
-    weight, _ = _int4_prepared(N + 1 if paired else N, k, group_size, seed=rows)
-    t = weight.tensors
-    prepared = prepare_int4(t["qweight"], t["scales"], t["zeros"], group_size, half2=True)
+    weight, prepared = _int4_prepared(N + 1 if paired else N, k, group_size, seed=rows, half2=True)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
     config = {"BLOCK_N": 8, "CHUNKS": 4, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
     want = expected(x, weight)
@@ -226,10 +224,17 @@ def test_int4_gemv_silu_mul(rows, split_k):
 
 def test_int4_gemv_is_the_backend_default():
     """TritonQuantMatmul prepares the repacked copy and runs M <= GEMV_MAX_M through it (unless
-    DFLASH2_INT4_GEMV=legacy); the default configs run (BLOCK_M 1, 2, 4)."""
+    DFLASH2_INT4_GEMV=legacy); the default configs run (BLOCK_M 1, 2, 4). Packed fp16 products (half2) for a
+    16-bit model by default, float32 products for a float32 one."""
+    from dflash2.kernels.triton.int4_gemv import HALF2
+
     weight = packed(4, 128, 256)
     runtime = qm.TritonQuantMatmul().prepare(weight, torch.float32)
     assert ("int4" in runtime.weight) == qm.INT4_REPACKED
+    if qm.INT4_REPACKED:
+        assert not runtime.weight["int4"]["half2"]
+        assert qm.TritonQuantMatmul().prepare(weight, torch.bfloat16).weight["int4"]["half2"] == HALF2
+        assert HALF2 == (os.environ.get("DFLASH2_INT4_GEMV", "half2") == "half2")
     for rows in (1, 2, 4):
         x = torch.randn(rows, 256)
         torch.testing.assert_close(runtime.matmul(x), expected(x, weight), atol=2e-5, rtol=1e-5)

@@ -107,13 +107,14 @@ def _bf16_pairs_to_float(v):
                                      dtype=tl.float32, is_pure=True, pack=2)
 
 
-# DFLASH2_INT4_GEMV=half2 (an experiment, not yet run on a GPU): the same chunks and slots, but slot s of a word
-# sits at bit HALF2_SLOT_BITS[s], so that one LOP3 with 0x64006400 makes two fp16 values 1024 + q (slots 0/1 of
-# the word, and of the word >> 8: slots 4/5) or 1024 + 16 q (slots 2/3, 6/7), and the products run as packed
-# fp16 FMAs (two a lane): per word 1 shift, 4 LOP3, 4 bias fixes and 4 HFMA2 (13 instructions for 8 weights,
-# against 19 above). The activations are rounded to fp16 (saturating); each 32-column chunk's 16 products a lane
-# add up in fp16, then in float32.
-HALF2 = os.environ.get("DFLASH2_INT4_GEMV") == "half2"
+# half2 (the default for 16-bit activations; DFLASH2_INT4_GEMV=float turns it off): the same chunks and slots,
+# but slot s of a word sits at bit HALF2_SLOT_BITS[s], so that one LOP3 with 0x64006400 makes two fp16 values
+# 1024 + q (slots 0/1 of the word, and of the word >> 8: slots 4/5) or 1024 + 16 q (slots 2/3, 6/7); one fp16
+# FMA each makes them q / 256 exactly, and the products run as packed fp16 FMAs (two a lane): per word 1 shift,
+# 4 LOP3, 4 bias fixes and 4 HFMA2 (13 instructions for 8 weights, against 19 above). The activations are
+# rounded to fp16 (saturating); each 32-column chunk's 16 products a lane add up in fp16, then in float32. With
+# q / 256 those sums stay within 16 * 15 / 256 < 1 times the largest activation: they cannot overflow fp16.
+HALF2 = os.environ.get("DFLASH2_INT4_GEMV", "half2") == "half2"
 HALF2_SLOT_BITS = (0, 16, 4, 20, 8, 24, 12, 28)
 
 
@@ -130,19 +131,20 @@ def _half2_word(w, p01, p23, p45, p67, acc):
     6/7), see HALF2."""
     return tl.inline_asm_elementwise(
         """{
-        .reg .b32 t, a, b, c, d, m, k16, k64;
+        .reg .b32 t, a, b, c, d, ka, kb, kc, kd;
         shr.b32 t, $1, 8;
         lop3.b32 a, $1, 0x000F000F, 0x64006400, 0xEA;
         lop3.b32 b, $1, 0x00F000F0, 0x64006400, 0xEA;
         lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
         lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
-        mov.b32 m, 0x64006400;
-        mov.b32 k16, 0x2C002C00;
-        mov.b32 k64, 0xD400D400;
-        sub.f16x2 a, a, m;
-        sub.f16x2 c, c, m;
-        fma.rn.f16x2 b, b, k16, k64;
-        fma.rn.f16x2 d, d, k16, k64;
+        mov.b32 ka, 0x1C001C00;
+        mov.b32 kb, 0xC400C400;
+        mov.b32 kc, 0x0C000C00;
+        mov.b32 kd, 0xB400B400;
+        fma.rn.f16x2 a, a, ka, kb;
+        fma.rn.f16x2 c, c, ka, kb;
+        fma.rn.f16x2 b, b, kc, kd;
+        fma.rn.f16x2 d, d, kc, kd;
         fma.rn.f16x2 $0, a, $2, $6;
         fma.rn.f16x2 $0, b, $3, $0;
         fma.rn.f16x2 $0, c, $4, $0;
@@ -185,7 +187,7 @@ def _half2_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
         acc = _half2_word(w1, a1, b1, c1, d1, acc)
         acc = _half2_word(w2, a2, b2, c2, d2, acc)
         acc = _half2_word(w3, a3, b3, c3, d3, acc)
-        dot = _half2_total(acc)
+        dot = 256.0 * _half2_total(acc)  # the products were of q / 256
     else:
         f = ((words & 15).to(tl.float32) * x0.to(tl.float16).to(tl.float32)
              + ((words >> 16) & 15).to(tl.float32) * x1.to(tl.float16).to(tl.float32)
@@ -328,16 +330,27 @@ INT4_GEMV_CONFIGS: dict = {
 # H200 for the llama-3-8b shapes where it beat the default (results/decode_gemv_tune_int4_2026-11-29.json):
 # o_proj 5.16 vs 5.75 us, gate_up 22.21 vs 23.9, lm_head 82.66 vs 85.5+ (qkv and down: the default)
 _ONE_WARP = {"BLOCK_N": 8, "CHUNKS": 32, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1, "PREFETCH": 1}
+_SIXTEEN_ROWS = {"BLOCK_N": 16, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1}
 INT4_GEMV_SHAPE_CONFIGS: dict = {
-    (1, 4096, 4096): {"BLOCK_N": 16, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
+    (1, 4096, 4096): _SIXTEEN_ROWS,
     (1, 28672, 4096): _ONE_WARP,
+    (1, 128256, 4096): _ONE_WARP,
+}
+# the same for the half2 kernel (results/s11/call1_tune_half2.json, us: qkv 6.15 vs 6.72 at the default,
+# o_proj 5.33, gate_up 20.88, down 12.28 vs 13.48, lm_head 71.97)
+INT4_HALF2_SHAPE_CONFIGS: dict = {
+    (1, 6144, 4096): _SIXTEEN_ROWS,
+    (1, 4096, 4096): {"BLOCK_N": 8, "CHUNKS": 64, "num_warps": 2, "num_stages": 1, "SPLIT_K": 1, "PREFETCH": 1},
+    (1, 28672, 4096): _ONE_WARP,
+    (1, 4096, 14336): _SIXTEEN_ROWS,
     (1, 128256, 4096): _ONE_WARP,
 }
 
 
-def int4_config(n: int, k: int, m: int = 1) -> dict:
+def int4_config(n: int, k: int, m: int = 1, half2: bool = False) -> dict:
     block_m = triton.next_power_of_2(max(1, m))
-    return INT4_GEMV_SHAPE_CONFIGS.get((block_m, n, k), INT4_GEMV_CONFIGS[min(block_m, 4)])
+    shapes = INT4_HALF2_SHAPE_CONFIGS if half2 else INT4_GEMV_SHAPE_CONFIGS
+    return shapes.get((block_m, n, k), INT4_GEMV_CONFIGS[min(block_m, 4)])
 
 
 def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
@@ -349,7 +362,7 @@ def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.T
 def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                  half2: bool | None = None) -> dict:
     """Device tensors for the kernel: the repacked words (half2: in the HALF2 layout; None: as
-    DFLASH2_INT4_GEMV says); scales and zeros as stored."""
+    DFLASH2_INT4_GEMV says, half2 unless it is "float"); scales and zeros as stored."""
     half2 = HALF2 if half2 is None else half2
     if group_size % CHUNK:
         raise ValueError(f"int4 GEMV needs a group size divisible by {CHUNK}, got {group_size}")
@@ -387,7 +400,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         raise ValueError("int4 GEMV silu_out needs a pair_gate_up weight")
     n, k = weight["n"], weight["k"]
     if silu_out:
-        config = config or int4_config(n, k, x.shape[0])
+        config = config or int4_config(n, k, x.shape[0], weight.get("half2", False))
         if config.get("SPLIT_K", 1) > 1 or config["BLOCK_N"] % 2 or n % config["BLOCK_N"]:
             from dflash2.kernels.triton.elementwise import silu_and_mul
 
@@ -398,7 +411,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     m = out.shape[0]
     if m == 0:
         return out
-    config = config or int4_config(n, k, m)
+    config = config or int4_config(n, k, m, weight.get("half2", False))
     block_n, chunks = config["BLOCK_N"], config["CHUNKS"]
     block_m = triton.next_power_of_2(m)
     if not _INTERPRETED and chunks != CHUNK * config["num_warps"]:

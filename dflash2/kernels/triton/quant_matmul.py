@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
-from dflash2.kernels.triton.int4_gemv import int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4
+from dflash2.kernels.triton.int4_gemv import HALF2, int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4
 from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 from dflash2.quantization.formats import WeightFormat, unpack_int6
@@ -55,8 +55,9 @@ GEMM_SMALL_M = 32  # up to this many rows the GEMM takes GEMM_SMALL_M_CONFIG (sp
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # int4 decode (M <= GEMV_MAX_M) through kernels/triton/int4_gemv.py: a second, repacked copy of each weight,
 # ~3 sm_90 instructions a weight against ~8.6 for _gemv_kernel (benchmarks/sass_count.py), no shared memory in
-# its K loop. DFLASH2_INT4_GEMV=legacy keeps int4 decode on _gemv_kernel (and skips the repacked copy).
-INT4_REPACKED = os.environ.get("DFLASH2_INT4_GEMV", "repacked") != "legacy"
+# its K loop. DFLASH2_INT4_GEMV=legacy keeps int4 decode on _gemv_kernel (and skips the repacked copy);
+# =float keeps the repacked kernel's float32 products instead of its default packed fp16 ones (int4_gemv.HALF2).
+INT4_REPACKED = os.environ.get("DFLASH2_INT4_GEMV", "half2") != "legacy"
 
 
 def gemv_config(bits: int, n: int, k: int) -> dict[str, int]:
@@ -300,7 +301,9 @@ def device_tensors(packed: PackedWeight, dtype: torch.dtype) -> dict[str, Any]:
         weight["words"] = weight["w"].view(torch.int32)
     if INT4_REPACKED and fmt.bits == 4 and int4_gemv_fits(packed.in_features, fmt.group_size, weight["scales"],
                                                            weight["zeros"]):
-        weight["int4"] = prepare_int4(weight["w"], weight["scales"], weight["zeros"], fmt.group_size)
+        # packed fp16 products for 16-bit activations (HALF2); a float32 model keeps float32 products
+        weight["int4"] = prepare_int4(weight["w"], weight["scales"], weight["zeros"], fmt.group_size,
+                                      half2=HALF2 and dtype != torch.float32)
     return weight
 
 

@@ -1,0 +1,87 @@
+"""Where a decode step's device time goes: `--batch` requests decoding together (dummy weights, CUDA graphs as
+served), `--steps` steps under torch.profiler; prints JSON with each kernel's calls and microseconds per step,
+the sum, and the wall time per step.
+
+    python3 benchmarks/decode_profile.py --model llama-3-8b --weights int4            # W2's step (batch 1)
+    python3 benchmarks/decode_profile.py --model qwen3-0.6b --batch 32 --prompt-len 256   # a W3 decode step
+
+Kernel times come from CUPTI (kernels inside graph replays included); overlap between kernels (programmatic
+dependent launch) makes their sum larger than the step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import sync  # noqa: E402
+from benchmarks.latency import WEIGHT_CHOICES, quantize_dummy_weights  # noqa: E402
+from dflash2 import LLM, SamplingParams  # noqa: E402
+
+
+def kernel_table(prof, steps: int) -> list[dict]:
+    """Device kernels of a profile: name, calls and microseconds per step, largest first."""
+    total_us: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total_us[event.name] += event.device_time
+            calls[event.name] += 1
+    rows = [{"kernel": name[:90], "calls_per_step": round(calls[name] / steps, 2),
+             "us_per_step": round(us / steps, 1)} for name, us in total_us.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--weights", default="bf16", choices=WEIGHT_CHOICES)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    quantize_dummy_weights(args.weights)
+    llm = LLM(args.model, load_format="dummy", device=args.device, max_num_seqs=max(4, args.batch),
+              max_model_len=args.prompt_len + 3 * args.steps + 64, enable_prefix_caching=False)
+    engine = llm.engine
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=3 * args.steps + 32, ignore_eos=True, temperature=0)
+    for _ in range(args.batch):
+        prompt = torch.randint(100, 20000, (args.prompt_len,), generator=generator).tolist()
+        engine.add_request({"prompt_token_ids": prompt}, params)
+    for _ in range(args.steps):  # prefill, then decode steps (graphs captured and warm)
+        engine.step()
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    sync()
+    wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+    kernels = kernel_table(prof, args.steps)
+    print(json.dumps({"model": args.model, "weights": args.weights, "batch": args.batch,
+                      "prompt_len": args.prompt_len, "steps": args.steps, "wall_ms_per_step": round(wall_ms, 3),
+                      "kernel_us_per_step": round(sum(r["us_per_step"] for r in kernels), 1),
+                      "kernel_launches_per_step": round(sum(r["calls_per_step"] for r in kernels), 1),
+                      "kernels": kernels[:args.top]}, indent=1))
+    while engine.has_unfinished():
+        engine.step()
+
+
+if __name__ == "__main__":
+    main()
