@@ -37,7 +37,10 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 
 def compile_sm90(kernel, types: dict[str, str], constants: dict, num_warps: int, num_stages: int):
-    names = list(inspect.signature(kernel.fn).parameters)
+    parameters = inspect.signature(kernel.fn).parameters
+    names = list(parameters)
+    defaults = {n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty}
+    constants = {**defaults, **constants}  # constexpr parameters with defaults (HALF2, EARLY) as the launcher's
     if "USE_PDL" in names:  # programmatic dependent launch as on the H200 (kernels/triton/pdl.py)
         constants = {"USE_PDL": PDL_WAIT_FIRST, **constants}
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}

@@ -35,7 +35,9 @@ from dflash2.engine.kv.layout import KVLayout  # noqa: E402
 from dflash2.kernels.triton import attention as tri  # noqa: E402
 
 CASES = {"w1": dict(batch=256, length=800, layers=28, kv_heads=8, group=2, dim=128),
-         "w2": dict(batch=1, length=384, layers=32, kv_heads=8, group=4, dim=128)}
+         "w2": dict(batch=1, length=384, layers=32, kv_heads=8, group=4, dim=128),
+         # W3's decode steps: Qwen3-0.6B, 32 requests of 256-prompt + up to 64 new tokens
+         "w3": dict(batch=32, length=320, layers=28, kv_heads=8, group=2, dim=128)}
 GRID = list(itertools.product((16, 32, 64), (2, 4), (1, 2)))  # BLOCK_N, warps, stages: 12 compiles a run
 # int8 (per decode loop): larger tiles and one warp too (the imma loop's softmax has no cross-warp reduction at 1)
 INT8_GRID = list(itertools.product((32, 64, 128), (1, 2, 4), (2,))) + [(64, 2, 3), (128, 4, 3)]
@@ -101,17 +103,18 @@ def case(kind: str, head_major: bool, batch: int, length: int, layers: int, kv_h
 
 
 def measure(name: str, kind: str, layout_name: str, grid: list, int8_path: str | None = None,
-            length: int | None = None, prompt_lengths: list[int] | None = None, decoded: int = 0) -> list[dict]:
+            length: int | None = None, prompt_lengths: list[int] | None = None, decoded: int = 0,
+            splits: int | None = None) -> list[dict]:
     shape = {**CASES[name], **({"length": length} if length else {})}
     q, cache, table, slots, lengths, kv_bytes, tpp = case(kind, layout_name == "head_major", **shape,
                                                           prompt_lengths=prompt_lengths, decoded=decoded)
-    splits = tri.decode_num_splits(len(lengths), shape["kv_heads"])
+    splits = splits or tri.decode_num_splits(len(lengths), shape["kv_heads"], group=shape["group"])
     label = f"{kind}-{int8_path}" if int8_path else kind
     rows = []
     for block_n, warps, stages in grid:
         config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
                   **({"int8": int8_path} if int8_path else {})}
-        row = {"case": name, "kind": label, "layout": layout_name, "tokens_per_page": tpp,
+        row = {"case": name, "kind": label, "layout": layout_name, "tokens_per_page": tpp, "splits": splits,
                **({"prompts": "w1", "decoded": decoded} if prompt_lengths else {"length": shape["length"]}), **config}
         try:
             ms = triton.testing.do_bench(
@@ -138,7 +141,8 @@ def main() -> None:
     parser.add_argument("--kinds", default="bf16,int8,int4,fp8")
     parser.add_argument("--layouts", default="head_major,token_major")
     parser.add_argument("--int8-paths", default="imma_t,imma,legacy", help="int8 decode loops to time")
-    parser.add_argument("--cases", default="w1,w2", help="w2 runs with bf16 only")
+    parser.add_argument("--cases", default="w1,w2", help="w2 and w3 run with bf16 only")
+    parser.add_argument("--w3-splits", default="1,2,4", help="w3: the split counts to time")
     parser.add_argument("--length", type=int, default=None, help="W1 context tokens (default 800)")
     parser.add_argument("--output", default=None, help="also write every row and the summary as JSON here")
     parser.add_argument("--w1-data", default=None,
@@ -167,6 +171,10 @@ def main() -> None:
     if "bf16" in kinds and "w2" in cases:
         for layout_name in layouts:
             results += measure("w2", "bf16", layout_name, GRID)
+    if "bf16" in kinds and "w3" in cases:  # bf16 only, each split count (the engine's rule picks 2)
+        for layout_name, splits in itertools.product(layouts, [int(s) for s in args.w3_splits.split(",")]):
+            rows = measure("w3", "bf16", layout_name, grid or GRID, splits=splits)
+            results += [{**r, "kind": f"bf16-splits{splits}"} for r in rows]
     labels = [r["kind"] for r in results if r["case"] == "w1"]
     kinds = list(dict.fromkeys(labels))
     best: dict[tuple, dict] = {}

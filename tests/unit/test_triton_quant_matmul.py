@@ -173,6 +173,21 @@ def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split
     assert not qm.split_counters(x.device, 1).any()
 
 
+@pytest.mark.parametrize("half2", [False, True])
+@pytest.mark.parametrize("k, chunks, split_k", [(256, 8, 1), (1024, 8, 1), (1024, 8, 2), (384, 4, 4)])
+def test_int4_gemv_early_loads(k, chunks, split_k, half2):
+    """DFLASH2_INT4_EARLY's order (the first step's weights loaded before the PDL wait, PREFETCH after when K
+    takes more steps: one step, several, split along K) computes what the plain order does."""
+    from dflash2.kernels.triton.int4_gemv import int4_gemv
+
+    weight, prepared = _int4_prepared(N, k, 32, seed=k + split_k, half2=half2)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(k))
+    config = {"BLOCK_N": 8, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
+    plain = int4_gemv(x, prepared, config={**config, "EARLY": 0})
+    assert torch.equal(int4_gemv(x, prepared, config={**config, "EARLY": 1}), plain)
+    torch.testing.assert_close(plain, expected(x, weight), atol=3e-3 if half2 else 2e-5, rtol=3e-3 if half2 else 1e-5)
+
+
 def test_int4_half2_layout():
     """DFLASH2_INT4_GEMV=half2: the same slots (column 32 c + 4 s + j in word j), each at HALF2_SLOT_BITS[s]:
     slots 0/1, 2/3 (and of the word >> 8: 4/5, 6/7) share a LOP3 that makes two fp16 values."""

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from dflash2.kernels.triton.elementwise import _silu_mul
 from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
-from dflash2.kernels.triton.pdl import pdl_args, pdl_start
+from dflash2.kernels.triton.pdl import PDL_OFF, pdl_args, pdl_start
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CHUNK = 32  # columns a thread takes from a row per step (4 int32 words)
@@ -116,6 +116,9 @@ def _bf16_pairs_to_float(v):
 # q / 256 those sums stay within 16 * 15 / 256 < 1 times the largest activation: they cannot overflow fp16.
 HALF2 = os.environ.get("DFLASH2_INT4_GEMV", "half2") == "half2"
 HALF2_SLOT_BITS = (0, 16, 4, 20, 8, 24, 12, 28)
+# an experiment (DFLASH2_INT4_EARLY=1, not yet measured): each program requests its first step's weights before
+# it waits for the previous kernel (EARLY in _int4_gemv_kernel)
+EARLY_LOADS = os.environ.get("DFLASH2_INT4_EARLY", "0") == "1"
 
 
 @triton.jit
@@ -240,7 +243,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                       CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr,
                       EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
                       PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr,
-                      HALF2: tl.constexpr = False):
+                      HALF2: tl.constexpr = False, EARLY: tl.constexpr = False):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
@@ -248,8 +251,12 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     words and scales of step i + 1 are requested before step i is computed (registers for one more step).
     PAIRED: the weight is a [gate | up] pair with its rows interleaved (pair_gate_up: row 2i is gate row i, row
     2i + 1 up row i); the outputs go back to [gate | up] order, or with SILU_OUT (SPLIT_K = 1) a program stores
-    silu(gate) * up of its BLOCK_N / 2 pairs, rounded as the separate silu_and_mul kernel would."""
-    pdl_start(USE_PDL)
+    silu(gate) * up of its BLOCK_N / 2 pairs, rounded as the separate silu_and_mul kernel would.
+    EARLY (with programmatic dependent launch): the first step's words and scales are requested before the wait
+    for the previous kernel, which never writes them, so they stream in while it finishes; the launcher sets
+    PREFETCH too when K takes more than one step."""
+    if not EARLY:
+        pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     STEP: tl.constexpr = CHUNKS * 32
     k_start, k_end = _k_range(K, pid_k, STEP, SPLIT_K)
@@ -267,14 +274,18 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     x_cols = c4 * 32 + j4  # [C, 1, 1, 4]; + 4 p for slot p
     sz_base = sz_ptr + rows[None, None, :] * stride_sn  # [1, 1, BN]
     acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
-    if PREFETCH:
+    if PREFETCH or EARLY:
         words_next, sz_next = _load_step(w_base, sz_base, k_start, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
+    if EARLY:
+        pdl_start(USE_PDL)
     for k0 in range(k_start, k_end, STEP):
         c_ok = k0 + c * 32 < k_end
         c_ok4 = c_ok[:, None, None, None]
         if PREFETCH:  # this step's words came with the previous one; ask for the next step's now
             words, sz = words_next, sz_next
             words_next, sz_next = _load_step(w_base, sz_base, k0 + STEP, k_end, c, n_ok, GS, EVEN_N, EVEN_K, True)
+        elif EARLY:  # one step (the launcher's rule): its words came before the wait
+            words, sz = words_next, sz_next
         else:
             words, sz = _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
         x_mask = c_ok4 & m_ok[None, :, None, None]
@@ -424,13 +435,17 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     tiles = triton.cdiv(n, block_n)
     split_k = max(1, min(config.get("SPLIT_K", 1), triton.cdiv(k, step)))
     even_k = k % (step * split_k) == 0
+    pdl = pdl_args()
+    # config["EARLY"] overrides the switch (tests and the tune; under the interpreter it only reorders the loads)
+    early = bool(config.get("EARLY", EARLY_LOADS)) and (pdl["USE_PDL"] != PDL_OFF or _INTERPRETED)
+    prefetch = (early or bool(config.get("PREFETCH", 0))) and k > step * split_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = split_counters(x.device, tiles) if split_k > 1 else out
     _int4_gemv_kernel[(tiles, split_k)](
         x, weight["words"], weight["sz"], out, ws, counters, m, n, k, x.stride(0), weight["words"].stride(0),
         weight["sz"].stride(0), out.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
         CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        PREFETCH=bool(config.get("PREFETCH", 0)) and k > step * split_k, EVEN_K=even_k, ASM=not _INTERPRETED,
-        PAIRED=paired, SILU_OUT=silu_out, HALF2=weight.get("half2", False), num_warps=config["num_warps"],
-        num_stages=config["num_stages"], **pdl_args())
+        PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired, SILU_OUT=silu_out,
+        HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **pdl)
     return out
