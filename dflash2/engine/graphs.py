@@ -276,7 +276,8 @@ class StepGraphs:
         layout = runner.layout
         attention.graph_num_splits = decode_num_splits(max(1, shape.decodes), layout.num_kv_heads,
                                                        attention.num_sms,
-                                                       runner.model.arch.num_heads // layout.num_kv_heads)
+                                                       runner.model.arch.num_heads // layout.num_kv_heads,
+                                                       layout.dtype)
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

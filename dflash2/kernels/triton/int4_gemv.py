@@ -116,9 +116,10 @@ def _bf16_pairs_to_float(v):
 # q / 256 those sums stay within 16 * 15 / 256 < 1 times the largest activation: they cannot overflow fp16.
 HALF2 = os.environ.get("DFLASH2_INT4_GEMV", "half2") == "half2"
 HALF2_SLOT_BITS = (0, 16, 4, 20, 8, 24, 12, 28)
-# an experiment (DFLASH2_INT4_EARLY=1, not yet measured): each program requests its first step's weights before
-# it waits for the previous kernel (EARLY in _int4_gemv_kernel)
-EARLY_LOADS = os.environ.get("DFLASH2_INT4_EARLY", "0") == "1"
+# each program requests its first step's weights before it waits for the previous kernel (EARLY in
+# _int4_gemv_kernel; DFLASH2_INT4_EARLY=0 turns it off). W2 int4 on the H200: 475.9 / 476.5 tok/s with it,
+# 467.4 / 466.6 without (eleventh session, call 3, half2 at the configs before the tune below)
+EARLY_LOADS = os.environ.get("DFLASH2_INT4_EARLY", "1") == "1"
 
 
 @triton.jit
@@ -347,21 +348,22 @@ INT4_GEMV_SHAPE_CONFIGS: dict = {
     (1, 28672, 4096): _ONE_WARP,
     (1, 128256, 4096): _ONE_WARP,
 }
-# the same for the half2 kernel (results/s11/call1_tune_half2.json, us: qkv 6.15 vs 6.72 at the default,
-# o_proj 5.33, gate_up 20.88, down 12.28 vs 13.48, lm_head 71.97)
+# The half2 kernel with early loads, M = 1 (decode_gemv_tune.py, results/s11/call3_tune_half2_early.json, us):
+# 16 rows a program is best on every layer shape (qkv 6.19, o_proj 4.23, gate_up 20.35, down 10.55; the half2
+# tune without early loads had picked one-warp and 8-row configs, at 6.15 / 5.33 / 20.88 / 12.28), and one warp
+# of 16 rows on lm_head (73.31 against 76.24 at _ONE_WARP)
+INT4_HALF2_M1_CONFIG = _SIXTEEN_ROWS
 INT4_HALF2_SHAPE_CONFIGS: dict = {
-    (1, 6144, 4096): _SIXTEEN_ROWS,
-    (1, 4096, 4096): {"BLOCK_N": 8, "CHUNKS": 64, "num_warps": 2, "num_stages": 1, "SPLIT_K": 1, "PREFETCH": 1},
-    (1, 28672, 4096): _ONE_WARP,
-    (1, 4096, 14336): _SIXTEEN_ROWS,
-    (1, 128256, 4096): _ONE_WARP,
+    (1, 128256, 4096): {**_ONE_WARP, "BLOCK_N": 16},
 }
 
 
 def int4_config(n: int, k: int, m: int = 1, half2: bool = False) -> dict:
     block_m = triton.next_power_of_2(max(1, m))
-    shapes = INT4_HALF2_SHAPE_CONFIGS if half2 else INT4_GEMV_SHAPE_CONFIGS
-    return shapes.get((block_m, n, k), INT4_GEMV_CONFIGS[min(block_m, 4)])
+    if half2:
+        default = INT4_HALF2_M1_CONFIG if block_m == 1 else INT4_GEMV_CONFIGS[min(block_m, 4)]
+        return INT4_HALF2_SHAPE_CONFIGS.get((block_m, n, k), default)
+    return INT4_GEMV_SHAPE_CONFIGS.get((block_m, n, k), INT4_GEMV_CONFIGS[min(block_m, 4)])
 
 
 def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
