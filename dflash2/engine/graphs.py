@@ -276,8 +276,7 @@ class StepGraphs:
         layout = runner.layout
         attention.graph_num_splits = decode_num_splits(max(1, shape.decodes), layout.num_kv_heads,
                                                        attention.num_sms,
-                                                       runner.model.arch.num_heads // layout.num_kv_heads,
-                                                       layout.dtype)
+                                                       runner.model.arch.num_heads // layout.num_kv_heads)
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

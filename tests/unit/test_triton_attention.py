@@ -46,36 +46,6 @@ def test_decode_matches_reference(group, num_splits):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_small_batch_decode_rule():
-    """A 16-bit cache with 2..SMALL_BATCH_ROWS decode rows takes SMALL_BATCH_CONFIG and SMALL_BATCH_WAVES of
-    splits (W3's 32 rows x 8 KV heads: 4 splits, not 2); one row (W2), a large batch (W1) or another cache
-    dtype keep the defaults."""
-    bf16 = torch.bfloat16
-    if not tri.SMALL_BATCH_ROWS:  # DFLASH2_DECODE_SMALL_BATCH=0
-        assert tri.decode_num_splits(32, 8, 132, 2, bf16) == tri.decode_num_splits(32, 8, 132, 2) == 2
-        return
-    assert tri.decode_num_splits(32, 8, 132, 2, bf16) == 4
-    assert tri.decode_num_splits(32, 8, 132, 2, torch.int8) == tri.decode_num_splits(32, 8, 132, 2) == 2
-    assert tri.decode_num_splits(1, 8, 132, 4, bf16) == tri.decode_num_splits(1, 8, 132, 4) == 16
-    assert tri.decode_num_splits(256, 8, 132, 2, bf16) == 1
-    q = torch.zeros(32, 16, 128, dtype=bf16)
-    assert tri.default_decode_config(q, torch.zeros(1, dtype=bf16)) is tri.SMALL_BATCH_CONFIG
-    assert tri.default_decode_config(q[:1], torch.zeros(1, dtype=bf16)) is tri.DECODE_CONFIG
-    assert tri.default_decode_config(q, torch.zeros(1, dtype=torch.float32)) is tri.DECODE_CONFIG
-
-
-def test_small_batch_config_matches_reference():
-    lengths = [3, 40, 17, 90]
-    k_cache, v_cache = make_cache(60, seed=5)
-    table = page_table_for(lengths, 60, seed=5)
-    q = torch.randn(len(lengths), NUM_KV_HEADS * 2, HEAD_DIM)
-    slots = torch.arange(len(lengths), dtype=torch.int32)
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    expected = ref.decode_attention(q, k_cache, v_cache, table, slots, lens, max(lengths), 0.25)
-    got = tri.decode_attention(q, k_cache, v_cache, table, slots, lens, 0.25, 4, config=tri.SMALL_BATCH_CONFIG)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-
-
 def test_write_kv_places_tokens_in_their_pages():
     k_cache, v_cache = torch.zeros(12, TOKENS_PER_PAGE, NUM_KV_HEADS, HEAD_DIM), torch.zeros(12, TOKENS_PER_PAGE, NUM_KV_HEADS, HEAD_DIM)
     table = page_table_for([12, 9], 12, seed=1)

@@ -45,23 +45,8 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {"int8-imma_t": {"BLOCK_N": 32, "num
                                              "int8-legacy": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}
 
 
-# 16-bit KV, 2..SMALL_BATCH_ROWS decode rows (W3's steps: 32 requests of ~300 tokens): smaller tiles over more
-# splits (SMALL_BATCH_WAVES). tune_decode.py's w3 case (H200, results/s11/call3_tune_w3.json): 23.9 us at 16/2/2
-# with 4 splits against 38.6 us at the default with 2. DFLASH2_DECODE_SMALL_BATCH=0 turns it off.
-SMALL_BATCH_ROWS = 64 if os.environ.get("DFLASH2_DECODE_SMALL_BATCH", "1") == "1" else 0
-SMALL_BATCH_CONFIG = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 2}
-SMALL_BATCH_WAVES = 4
-
-
-def small_batch(decode_rows: int, kv_dtype: torch.dtype | None) -> bool:
-    return kv_dtype in (torch.bfloat16, torch.float16) and 2 <= decode_rows <= SMALL_BATCH_ROWS
-
-
 def default_decode_config(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
-    """decode_attention's config for this q and cache: DECODE_CONFIGS by KV kind (int8: by its loop);
-    SMALL_BATCH_CONFIG for a small batch over a 16-bit cache."""
-    if small_batch(q.shape[0], k_cache.dtype):
-        return SMALL_BATCH_CONFIG
+    """decode_attention's config for this q and cache: DECODE_CONFIGS by KV kind (int8: by its loop)."""
     kind = kv_kind(k_cache.dtype)
     if kind == "int8":
         kind = f"int8-{int8_path(q, {})}"
@@ -302,14 +287,11 @@ def _precision(q: torch.Tensor) -> str:
 DECODE_WAVES = int(os.environ.get("DFLASH2_DECODE_WAVES", "2"))
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: int = 1,
-                      kv_dtype: torch.dtype | None = None) -> int:
-    """Enough splits that batch * kv_heads * splits fills the GPU DECODE_WAVES times (SMALL_BATCH_WAVES for a
-    small batch over a 16-bit cache): a power of two, at most 32, and at most MERGE_TILE / group (the last
-    split merges [group, splits, head_dim] in registers). Each value is a separately compiled kernel, so only
-    six exist; graph capture compiles them all."""
-    waves = SMALL_BATCH_WAVES if small_batch(batch, kv_dtype) else DECODE_WAVES
-    wanted = triton.cdiv(waves * num_sms, max(1, batch * num_kv_heads))
+def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: int = 1) -> int:
+    """Enough splits that batch * kv_heads * splits fills the GPU DECODE_WAVES times: a power of two, at most
+    32, and at most MERGE_TILE / group (the last split merges [group, splits, head_dim] in registers). Each
+    value is a separately compiled kernel, so only six exist; graph capture compiles them all."""
+    wanted = triton.cdiv(DECODE_WAVES * num_sms, max(1, batch * num_kv_heads))
     return min(32, max(1, MERGE_TILE // triton.next_power_of_2(group)), triton.next_power_of_2(wanted))
 
 
@@ -400,7 +382,7 @@ class TritonAttention:
         if nd:
             num_kv_heads = cache.k.shape[2]
             splits = self.graph_num_splits or decode_num_splits(nd, num_kv_heads, self.num_sms,
-                                                                q.shape[1] // num_kv_heads, cache.k.dtype)
+                                                                q.shape[1] // num_kv_heads)
             decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots, meta.decode_lengths,
                              scale, splits, out=out[:nd], k_scale=cache.k_scale, v_scale=cache.v_scale)
         if meta.prefill_block_segments is not None:  # set whenever the step has prefill chunks
