@@ -129,7 +129,7 @@ def main() -> None:
         report(f"GEMV {bits}-bit, M=1 (per weight)", quant_matmul._gemv_kernel, {**gemv_types, "w_ptr": weight},
                constants, elements_per_iteration=block_n * gs * t)
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-             "cnt_ptr": "*i32", "nw_ptr": "*bf16", "add_ptr": "*bf16", "eps": "fp32"}
+             "cnt_ptr": "*i32"}
     for half2 in (False, True):  # DFLASH2_INT4_GEMV=half2: packed fp16 products
         for block_m, config in sorted(int4_gemv.INT4_GEMV_CONFIGS.items()):
             for block_n in sorted({config["BLOCK_N"], 2 * config["BLOCK_N"]} if block_m == 1 else {config["BLOCK_N"]}):

@@ -25,16 +25,7 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm(x) with this weight (the Triton kernel on CUDA, float32 statistics as the reference)."""
-    if x.is_cuda:
-        from dflash2.kernels.triton.elementwise import rms_norm as fused
-
-        return fused(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
-    dtype = x.dtype
-    x32 = x.float()
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(dtype)
+        dtype = x.dtype
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)

@@ -57,29 +57,12 @@ class QuantLinear(nn.Module):
         batches (a gate_up on the int4 GEMV), rather than in a separate kernel."""
         return getattr(self.runtime, "fuses_silu_out", False) and self.bias is None
 
-    @property
-    def fuses_norm(self) -> bool:
-        """Whether forward(norm=...) and forward(residual=...) run inside the matmul's own kernel for
-        decode-sized batches (the int4 GEMV), rather than as separate kernels."""
-        return getattr(self.runtime, "fuses_norm", False) and self.bias is None
-
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.fmt, self.packed().tensors, dtype)
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False,
-                norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False) -> torch.Tensor:
         """y = x W^T (+ bias); with `silu_mul`, x is a fused [gate | up] and silu(gate) * up goes in; with
-        `silu_out` (a gate_up layer, no bias), y is [gate | up] and silu(gate) * up comes out. With `norm`
-        (weight, eps), y is of RMSNorm(x); with `residual`, residual += y (in place) is returned."""
-        if norm is not None or residual is not None:
-            if self.fuses_norm:
-                return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=silu_out, norm=norm, residual=residual)
-            if norm is not None:
-                from dflash2.layers.norm import rms_norm
-
-                x = rms_norm(x, *norm)
-            y = self.forward(x, silu_mul, silu_out)
-            return y if residual is None else residual.add_(y)
+        `silu_out` (a gate_up layer, no bias), y is [gate | up] and silu(gate) * up comes out."""
         if silu_out:
             if self.fuses_silu_out:
                 return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=True)

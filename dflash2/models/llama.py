@@ -5,7 +5,6 @@ cache through a backend chosen at load time. q/k/v and gate/up are fused into on
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -52,12 +51,9 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext,
-                norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """With `norm` and `residual` (the fused decode path, see LlamaDecoderLayer): x is the residual
-        stream, qkv_proj applies the norm, and o_proj adds its output into `residual` and returns it."""
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm=(norm.weight, norm.eps))
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -80,8 +76,6 @@ class LlamaAttention(nn.Module):
         else:
             q, k = rotary(ctx.positions, q, k)
             out = backend.forward(q, k, v, cache, ctx.attention, self.scale)
-        if residual is not None:
-            return self.o_proj(out.reshape(num_tokens, self.q_size), residual=residual)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     @property
@@ -103,11 +97,7 @@ class LlamaMLP(nn.Module):
         if isinstance(self.gate_up_proj, QuantLinear):
             self.gate_up_proj.gate_up = True
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        if norm is not None:  # the fused decode path: norm in gate_up_proj, residual added by down_proj
-            h = self.gate_up_proj(x, silu_out=True, norm=(norm.weight, norm.eps))
-            return self.down_proj(h, residual=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up: applied by gate_up_proj as it stores its outputs where its kernel can (the int4
         # GEMV), else by down_proj on its input (fused into the 16-bit GEMV)
         if getattr(self.gate_up_proj, "fuses_silu_out", False):
@@ -123,24 +113,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch, layer_index, quant)
 
-    def fuses_norms(self, x: torch.Tensor) -> bool:
-        """Whether this step runs the fused decode path (FUSE_NORMS): few rows on CUDA, and all four
-        matmuls on kernels that take a norm on their input or add the residual to their output (the int4
-        GEMV, no bias)."""
-        if not (FUSE_NORMS and x.device.type in FUSED_NORM_DEVICES and x.shape[0] <= FUSED_NORM_MAX_ROWS):
-            return False
-        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        return all(getattr(layer, "fuses_norm", False) for layer in linears) and self.mlp.gate_up_proj.fuses_silu_out
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
-                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before adding it): the add is fused into
-        the next norm. On the fused decode path, (the residual stream with the MLP output added, None): each
-        norm runs inside the matmul after it and each add inside the matmul before it."""
-        if self.fuses_norms(x):
-            stream = x if residual is None else x + residual
-            stream = self.self_attn(stream, rotary, ctx, norm=self.input_layernorm, residual=stream)
-            return self.mlp(stream, norm=self.post_attention_layernorm, residual=stream), None
+        the next norm."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -149,14 +125,6 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, rotary, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
-
-
-# An experiment (DFLASH2_FUSE_NORMS=1, not yet measured on the GPU): decode steps of int4 models run each RMSNorm
-# inside the next matmul and each residual add inside the one before (LlamaDecoderLayer.fuses_norms): two launches
-# a layer fewer
-FUSE_NORMS = os.environ.get("DFLASH2_FUSE_NORMS", "0") == "1"
-FUSED_NORM_MAX_ROWS = 4  # the int4 GEMV's rows (quant_matmul.GEMV_MAX_M)
-FUSED_NORM_DEVICES = ("cuda",)  # tests add "cpu" to run the path on the Triton interpreter
 
 
 class LlamaForCausalLM(nn.Module):
@@ -182,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, self.rotary, ctx)
-        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype, as the reference computes them; consumers that do arithmetic on them

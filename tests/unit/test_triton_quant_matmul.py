@@ -188,53 +188,6 @@ def test_int4_gemv_early_loads(k, chunks, split_k, half2):
     torch.testing.assert_close(plain, expected(x, weight), atol=3e-3 if half2 else 2e-5, rtol=3e-3 if half2 else 1e-5)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-@pytest.mark.parametrize("rows, k, chunks, split_k, half2", [(1, 256, 8, 1, False), (3, 384, 4, 1, True),
-                                                             (4, 1024, 8, 1, False), (2, 512, 4, 2, False)])
-def test_int4_gemv_fused_norm_and_residual(rows, k, chunks, split_k, half2):
-    """norm=(w, eps): the product of RMSNorm(x) (the norm summed inside the K loop, 1/rms applied to the
-    outputs); residual=r: r + the product, in place when out is r; split along K: the same through separate
-    kernels."""
-    from dflash2.kernels.triton.int4_gemv import int4_gemv
-
-    weight, prepared = _int4_prepared(N, k, 32, seed=k, half2=half2)
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, k, generator=g) * 3
-    norm_weight = torch.rand(k, generator=g) + 0.5
-    config = {"BLOCK_N": 8, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
-    tol = dict(atol=3e-3, rtol=3e-3) if half2 else dict(atol=1e-4, rtol=1e-4)
-    want = expected(_rms_norm(x, norm_weight, 1e-5), weight)
-    torch.testing.assert_close(int4_gemv(x, prepared, config=config, norm=(norm_weight, 1e-5)), want, **tol)
-    residual = torch.randn(rows, N, generator=g)
-    plain = int4_gemv(x, prepared, config=config)
-    summed = int4_gemv(x, prepared, config=config, residual=residual)
-    torch.testing.assert_close(summed, residual + plain, atol=1e-6, rtol=1e-6)
-    in_place = residual.clone()
-    assert int4_gemv(x, prepared, out=in_place, config=config, residual=in_place).data_ptr() == in_place.data_ptr()
-    torch.testing.assert_close(in_place, residual + plain, atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="norm weight"):
-        int4_gemv(x, prepared, config={**config, "SPLIT_K": 1}, norm=(norm_weight[:-1], 1e-5))
-
-
-def test_int4_gemv_fused_norm_with_silu_out():
-    """gate_up's call: norm in, silu(gate) * up out, from one kernel."""
-    from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up
-
-    inter, k = 24, 256
-    weight, prepared = _int4_prepared(2 * inter, k, 64, seed=9)
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(2, k, generator=g)
-    norm_weight = torch.rand(k, generator=g) + 0.5
-    config = {"BLOCK_N": 8, "CHUNKS": 4, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1}
-    both = expected(_rms_norm(x, norm_weight, 1e-6), weight)
-    want = torch.nn.functional.silu(both[:, :inter]) * both[:, inter:]
-    got = int4_gemv(x, pair_gate_up(prepared), config=config, silu_out=True, norm=(norm_weight, 1e-6))
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-
-
 def test_int4_half2_layout():
     """DFLASH2_INT4_GEMV=half2: the same slots (column 32 c + 4 s + j in word j), each at HALF2_SLOT_BITS[s]:
     slots 0/1, 2/3 (and of the word >> 8: 4/5, 6/7) share a LOP3 that makes two fp16 values."""
@@ -346,37 +299,3 @@ def test_quant_linear_gate_up_applies_silu_in_its_gemv():
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(layer(x, silu_out=True), silu_and_mul(plain(x)), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(layer(x), plain(x), atol=0, rtol=0)
-
-
-def test_fused_norm_decode_path_gives_the_same_tokens(tmp_path, monkeypatch):
-    """DFLASH2_FUSE_NORMS's decode path (norms inside qkv/gate_up, residual adds inside o_proj/down, the
-    final norm alone) on an int4 tiny model, through the engine on the Triton backend (interpreted): the same
-    greedy tokens as the unfused path, and the fused path really ran."""
-    import dflash2.engine.engine as engine_module
-    import dflash2.models.llama as llama
-    from dflash2 import LLM, SamplingParams
-    from dflash2.cli.main import main as dflash2_main
-    from dflash2.loading.model_loader import load_model
-    from tests.tiny_models import build_tiny_model
-
-    source, converted = str(tmp_path / "source"), str(tmp_path / "int4")
-    build_tiny_model("llama", source)
-    assert dflash2_main(["convert", "--model-path", source, "--output-path", converted, "--dtype", "int4",
-                         "--no-progress"]) == 0
-    monkeypatch.setattr(engine_module, "load_model",
-                        lambda *args, **kw: load_model(*args, quant_backend="triton", **kw))
-    prompts = [{"prompt_token_ids": [5 + i for i in range(n)]} for n in (3, 9)]
-    params = SamplingParams(max_tokens=5, min_tokens=5, temperature=0)
-    options = dict(dtype="float32", max_num_seqs=4, max_model_len=64, kv_cache_memory="1MiB", page_bytes=4096)
-    runs, fused_calls = {}, []
-    original = llama.LlamaDecoderLayer.fuses_norms
-    monkeypatch.setattr(llama.LlamaDecoderLayer, "fuses_norms",
-                        lambda self, x: fused_calls.append(original(self, x)) or fused_calls[-1])
-    for fused in (False, True):
-        monkeypatch.setattr(llama, "FUSE_NORMS", fused)
-        monkeypatch.setattr(llama, "FUSED_NORM_DEVICES", ("cpu",) if fused else ("cuda",))
-        fused_calls.clear()
-        llm = LLM(converted, **options)
-        runs[fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert any(fused_calls) == fused
-    assert runs[True] == runs[False]

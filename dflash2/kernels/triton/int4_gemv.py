@@ -239,13 +239,12 @@ def _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS: tl.constexpr, EVEN_N: tl
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, add_ptr, eps, M, N, K, stride_xm,
-                      stride_wn, stride_sn, stride_om, stride_am, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+                      stride_sn, stride_om, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr,
                       EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
                       PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr,
-                      HALF2: tl.constexpr = False, EARLY: tl.constexpr = False, NORM: tl.constexpr = False,
-                      ADD: tl.constexpr = False):
+                      HALF2: tl.constexpr = False, EARLY: tl.constexpr = False):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
@@ -256,11 +255,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, ad
     silu(gate) * up of its BLOCK_N / 2 pairs, rounded as the separate silu_and_mul kernel would.
     EARLY (with programmatic dependent launch): the first step's words and scales are requested before the wait
     for the previous kernel, which never writes them, so they stream in while it finishes; the launcher sets
-    PREFETCH too when K takes more than one step.
-    NORM (SPLIT_K = 1, no SILU_MUL): x is the residual stream and the product is of RMSNorm(x) with weight
-    nw_ptr: every program sees all of x along its K loop, so it sums x^2 there, multiplies x by the norm
-    weight before the products, and scales its outputs by rsqrt(mean x^2 + eps) at the end. ADD (SPLIT_K = 1,
-    no SILU_OUT): the outputs, rounded to the output dtype, plus add_ptr's (the residual stream) are stored."""
+    PREFETCH too when K takes more than one step."""
     if not EARLY:
         pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -280,8 +275,6 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, ad
     x_cols = c4 * 32 + j4  # [C, 1, 1, 4]; + 4 p for slot p
     sz_base = sz_ptr + rows[None, None, :] * stride_sn  # [1, 1, BN]
     acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
-    if NORM:
-        squares = tl.zeros([CHUNKS, BLOCK_M, 1], tl.float32)
     if PREFETCH or EARLY:
         words_next, sz_next = _load_step(w_base, sz_base, k_start, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
     if EARLY:
@@ -307,17 +300,6 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, ad
         x5 = _x_slot(x_base, cols + 20, x_mask, K, SILU_MUL, MASKED, ASM)
         x6 = _x_slot(x_base, cols + 24, x_mask, K, SILU_MUL, MASKED, ASM)
         x7 = _x_slot(x_base, cols + 28, x_mask, K, SILU_MUL, MASKED, ASM)
-        if NORM:
-            squares += tl.sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7, axis=3)
-            w_mask = c_ok4 & (cols >= 0)
-            x0 = x0 * _x_slot(nw_ptr, cols, w_mask, K, False, MASKED, ASM)
-            x1 = x1 * _x_slot(nw_ptr, cols + 4, w_mask, K, False, MASKED, ASM)
-            x2 = x2 * _x_slot(nw_ptr, cols + 8, w_mask, K, False, MASKED, ASM)
-            x3 = x3 * _x_slot(nw_ptr, cols + 12, w_mask, K, False, MASKED, ASM)
-            x4 = x4 * _x_slot(nw_ptr, cols + 16, w_mask, K, False, MASKED, ASM)
-            x5 = x5 * _x_slot(nw_ptr, cols + 20, w_mask, K, False, MASKED, ASM)
-            x6 = x6 * _x_slot(nw_ptr, cols + 24, w_mask, K, False, MASKED, ASM)
-            x7 = x7 * _x_slot(nw_ptr, cols + 28, w_mask, K, False, MASKED, ASM)
         s = sz.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         if HALF2:
@@ -332,8 +314,6 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, ad
             xs = xa + xb
             acc += s * (16.0 * tl.sum(f, axis=3) - t - z * xs)
     result = tl.sum(acc, axis=0)  # [BM, BN]
-    if NORM:
-        result = result * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # [BM, 1]: each row's 1 / rms
     if SILU_OUT:
         dtype = out_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(result, [BLOCK_M, BLOCK_N // 2, 2]))
@@ -346,10 +326,6 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, ad
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         if PAIRED:  # interleaved row r -> its [gate | up] column (rows past N stay past N, masked)
             cols = tl.where(cols < N, (cols % 2) * (N // 2) + cols // 2, cols)
-        if ADD:  # rounded as a separate GEMV would store it, then the residual added as the norm kernel does
-            mask = m_ok[:, None] & (cols < N)[None, :]
-            res = tl.load(add_ptr + m_idx[:, None] * stride_am + cols[None, :], mask=mask, other=0.0)
-            result = result.to(out_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)
         _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, cols, M, N, stride_om, pid, pid_k, SPLIT_K)
 
 
@@ -429,36 +405,26 @@ def pair_gate_up(weight: dict) -> dict:
 
 
 def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, silu_mul: bool = False,
-              config: dict | None = None, silu_out: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
+              config: dict | None = None, silu_out: bool = False) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with silu_mul; M small) @ W^T for a weight from prepare_int4; with silu_out (a
-    pair_gate_up weight) silu(gate) * up of that product, [M, N / 2]. With norm = (weight, eps): the product
-    is of RMSNorm(x) (x is the residual stream); with residual [M, N]: residual + the product is returned
-    (out may be residual itself). Where the kernel cannot fuse them (split along K, SiLU-mul input), the
-    norm and the add run as separate kernels."""
+    pair_gate_up weight) silu(gate) * up of that product, [M, N / 2]."""
     paired = weight.get("paired", False)
     if silu_out and not paired:
         raise ValueError("int4 GEMV silu_out needs a pair_gate_up weight")
     n, k = weight["n"], weight["k"]
-    config = config or int4_config(n, k, x.shape[0], weight.get("half2", False))
-    if (norm is not None or residual is not None) and (config.get("SPLIT_K", 1) > 1 or silu_mul):
-        from dflash2.kernels.triton.elementwise import rms_norm
-
-        if norm is not None:
-            x = rms_norm(x, norm[0], norm[1])
-        y = int4_gemv(x, weight, None if residual is not None else out, silu_mul, config, silu_out)
-        return y if residual is None else torch.add(residual, y, out=out)
     if silu_out:
+        config = config or int4_config(n, k, x.shape[0], weight.get("half2", False))
         if config.get("SPLIT_K", 1) > 1 or config["BLOCK_N"] % 2 or n % config["BLOCK_N"]:
             from dflash2.kernels.triton.elementwise import silu_and_mul
 
-            return silu_and_mul(int4_gemv(x, weight, config=config, norm=norm))
+            return silu_and_mul(int4_gemv(x, weight, config=config))
         if out is None:
             out = torch.empty((x.shape[0], n // 2), dtype=x.dtype, device=x.device)
     x, out = prepare_io(x, weight, out, silu_mul)
     m = out.shape[0]
     if m == 0:
         return out
+    config = config or int4_config(n, k, m, weight.get("half2", False))
     block_n, chunks = config["BLOCK_N"], config["CHUNKS"]
     block_m = triton.next_power_of_2(m)
     if not _INTERPRETED and chunks != CHUNK * config["num_warps"]:
@@ -477,18 +443,11 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     prefetch = (early or bool(config.get("PREFETCH", 0))) and k > step * split_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = split_counters(x.device, tiles) if split_k > 1 else out
-    if residual is not None and (silu_out or residual.shape != out.shape or residual.stride(1) != 1):
-        raise ValueError(f"int4 GEMV residual: expected [{m}, {n}] with unit column stride, no silu_out")
-    if norm is not None and norm[0].shape != (k,):
-        raise ValueError(f"int4 GEMV norm weight: expected [{k}], got {tuple(norm[0].shape)}")
     _int4_gemv_kernel[(tiles, split_k)](
-        x, weight["words"], weight["sz"], out, ws, counters, out if norm is None else norm[0],
-        out if residual is None else residual, 0.0 if norm is None else norm[1], m, n, k, x.stride(0),
-        weight["words"].stride(0), weight["sz"].stride(0), out.stride(0),
-        out.stride(0) if residual is None else residual.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
+        x, weight["words"], weight["sz"], out, ws, counters, m, n, k, x.stride(0), weight["words"].stride(0),
+        weight["sz"].stride(0), out.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
         CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
         PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired, SILU_OUT=silu_out,
-        HALF2=weight.get("half2", False), EARLY=early, NORM=norm is not None, ADD=residual is not None,
-        num_warps=config["num_warps"],
+        HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
         num_stages=config["num_stages"], **pdl)
     return out

@@ -330,8 +330,6 @@ class TritonWeight:
         # at 8 and 4 bits recomputing silu in every row block costs more than the separate kernel
         self.fuses_silu_mul = fmt.bits == 16
         self.fuses_silu_out = False
-        # a norm on the input and a residual add on the output, inside the int4 GEMV (llama.FUSE_NORMS)
-        self.fuses_norm = "int4" in weight
 
     def pair_gate_up(self) -> None:
         """This weight's rows are [gate | up]. The int4 GEMV's repacked rows are interleaved (int4_gemv.
@@ -342,19 +340,9 @@ class TritonWeight:
             self.weight["int4"] = pair_gate_up(self.weight["int4"])
             self.fuses_silu_out = True
 
-    def matmul(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False,
-               norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False) -> torch.Tensor:
         """x W^T; silu_mul: x is [gate | up] and silu(gate) * up goes in; silu_out (after pair_gate_up): the
-        output is [gate | up] and silu(gate) * up comes out; norm (weight, eps): of RMSNorm(x); residual:
-        residual += the product, in place, returned."""
-        if norm is not None or residual is not None:
-            if x.shape[0] <= GEMV_MAX_M and "int4" in self.weight and (not silu_out or self.fuses_silu_out):
-                return int4_gemv(x, self.weight["int4"], out=residual, silu_mul=silu_mul, silu_out=silu_out,
-                                 norm=norm, residual=residual)
-            from dflash2.layers.norm import rms_norm
-
-            y = self.matmul(rms_norm(x, *norm) if norm is not None else x, silu_mul, silu_out)
-            return y if residual is None else residual.add_(y)
+        output is [gate | up] and silu(gate) * up comes out."""
         if silu_out:
             if x.shape[0] <= GEMV_MAX_M and self.fuses_silu_out:
                 return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul, silu_out=True)
