@@ -1,7 +1,8 @@
 """Time the paged decode kernel on W1/W2-like shapes per KV dtype and page layout, for several tile configs.
 
     PYTHONPATH=$PWD python3 benchmarks/tune_decode.py [--kinds bf16,int8,int4,fp8] [--layouts head_major,token_major]
-                                                      [--int8-paths imma_t,imma,legacy] [--cases w1,w2] [--length 800]
+                                                      [--int8-paths imma_t,imma,legacy] [--cases w1,w2,w3] [--length 800]
+                                                      [--w2-splits 4,8,16] [--w3-splits 1,2,4]
                                                       [--grid "64,2,2 64,2,3"]
                                                       [--w1-data .bench/w1_throughput.jsonl --decoded 256]
                                                       [--output tune.json]      (GPU)
@@ -143,6 +144,7 @@ def main() -> None:
     parser.add_argument("--int8-paths", default="imma_t,imma,legacy", help="int8 decode loops to time")
     parser.add_argument("--cases", default="w1,w2", help="w2 and w3 run with bf16 only")
     parser.add_argument("--w3-splits", default="1,2,4", help="w3: the split counts to time")
+    parser.add_argument("--w2-splits", default="", help="w2: split counts to time (default: the engine's)")
     parser.add_argument("--length", type=int, default=None, help="W1 context tokens (default 800)")
     parser.add_argument("--output", default=None, help="also write every row and the summary as JSON here")
     parser.add_argument("--w1-data", default=None,
@@ -170,7 +172,11 @@ def main() -> None:
             results += measure("w1", kind, layout_name, grid or GRID, **w1)
     if "bf16" in kinds and "w2" in cases:
         for layout_name in layouts:
-            results += measure("w2", "bf16", layout_name, GRID)
+            if not args.w2_splits:  # the engine's split count (16 for one row and 8 KV heads)
+                results += measure("w2", "bf16", layout_name, GRID)
+            for splits in [int(s) for s in args.w2_splits.split(",") if s]:
+                rows = measure("w2", "bf16", layout_name, grid or GRID, splits=splits)
+                results += [{**r, "kind": f"bf16-splits{splits}"} for r in rows]
     if "bf16" in kinds and "w3" in cases:  # bf16 only, each split count (the engine's rule picks 2)
         for layout_name, splits in itertools.product(layouts, [int(s) for s in args.w3_splits.split(",")]):
             rows = measure("w3", "bf16", layout_name, grid or GRID, splits=splits)
