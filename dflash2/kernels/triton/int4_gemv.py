@@ -1,7 +1,8 @@
 """Decode GEMV for int4 weights (M <= 4 activation rows), built to stay memory-bound on Hopper.
 
 At 4 bits a weight the bytes are so few that instructions, not bandwidth, limit a plain kernel: an H200
-issues about 4 thread-instructions per weight at full bandwidth. This one spends about 3 (M = 1):
+issues about 4 thread-instructions per weight at full bandwidth. This one spends about 3 (M = 1) with float32
+products, as below, and about 2-2.5 with the packed fp16 products that 16-bit models use (HALF2, further down):
 
 Layout (repacked once at prepare(); the on-disk tensor stays as it is). Each row is cut into chunks of 32
 columns = 4 int32 words = one 16-byte vector a thread loads. Word j (0..3) of a chunk holds the 8 codes of
