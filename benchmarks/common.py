@@ -42,6 +42,14 @@ def print_report(report: dict[str, Any], output: str | None) -> None:
             f.write(text + "\n")
 
 
+def print_tune(rows: list[dict[str, Any]], summary: dict[str, Any], output: str | None) -> None:
+    """A tune's end: its summary on one line, and every row and the summary as JSON to `output` when given."""
+    print("summary", json.dumps(summary))
+    if output:
+        with open(output, "w") as f:
+            json.dump({"rows": rows, "summary": summary}, f, indent=1)
+
+
 def sync() -> None:
     import torch
 

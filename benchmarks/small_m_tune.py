@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks import gemv_bench  # noqa: E402
+from benchmarks.common import print_tune  # noqa: E402
 from dflash2.kernels.triton import quant_matmul as qm  # noqa: E402
 
 SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
@@ -80,10 +81,7 @@ def main() -> None:
                                      "triton_us": best[(rows, shape, "triton_gemm")]["us"],
                                      "triton_config": best[(rows, shape, "triton_gemm")]["config"]}
                for rows, shape, kernel in best if kernel == "cublas" and (rows, shape, "triton_gemm") in best}
-    print("summary", json.dumps(summary))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"rows": results, "summary": summary}, f, indent=1)
+    print_tune(results, summary, args.output)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks.common import print_tune  # noqa: E402
 from dflash2.config import ModelArchConfig  # noqa: E402
 from dflash2.engine.kv.layout import KVLayout  # noqa: E402
 from dflash2.kernels.triton import attention as tri  # noqa: E402
@@ -204,10 +205,7 @@ def main() -> None:
         "head_major_speedup_w1": {kind: round(best[("w1", kind, "token_major")]["us"] / best[("w1", kind, "head_major")]["us"], 3)
                                   for kind in kinds if ("w1", kind, "token_major") in best and ("w1", kind, "head_major") in best},
         }
-    print("summary", json.dumps(summary))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"rows": results, "summary": summary}, f, indent=1)
+    print_tune(results, summary, args.output)
 
 
 if __name__ == "__main__":
