@@ -269,15 +269,10 @@ def gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = Non
     return out
 
 
-def _float_weight(weight: torch.Tensor) -> dict[str, Any]:
-    """A 16-bit weight [N, K] as the kernels take a prepared one."""
-    return {"bits": 16, "n": weight.shape[0], "k": weight.shape[1], "w": weight}
-
-
 def gemv_16bit(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
                silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with silu_mul) @ weight[N, K]^T for a 16-bit weight, by the GEMV kernel."""
-    return gemv(x, _float_weight(weight), out, silu_mul)
+    return gemv(x, {"bits": 16, "n": weight.shape[0], "k": weight.shape[1], "w": weight}, out, silu_mul)
 
 
 # -- the backend -----------------------------------------------------------------------------------------
