@@ -29,7 +29,6 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from dflash2.kernels.triton import attention as attn  # noqa: E402
 from dflash2.kernels.triton import int4_gemv, quant_matmul  # noqa: E402
-from dflash2.kernels.triton.pdl import PDL_WAIT_FIRST  # noqa: E402
 from dflash2.kernels.triton.int8_decode import int8_sub_tiles  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -42,7 +41,7 @@ def compile_sm90(kernel, types: dict[str, str], constants: dict, num_warps: int,
     defaults = {n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty}
     constants = {**defaults, **constants}  # constexpr parameters with defaults (HALF2, EARLY) as the launcher's
     if "USE_PDL" in names:  # programmatic dependent launch as on the H200 (kernels/triton/pdl.py)
-        constants = {"USE_PDL": PDL_WAIT_FIRST, **constants}
+        constants = {"USE_PDL": True, **constants}
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n not in constants and (signature[n].startswith("*") or n.startswith("stride"))}

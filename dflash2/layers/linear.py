@@ -26,11 +26,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        if x.is_cuda and self.bias is None:
-            if x.shape[0] <= DECODE_GEMV_MAX_ROWS:
-                from dflash2.kernels.triton.quant_matmul import gemv_16bit
+        if x.is_cuda and x.shape[0] <= DECODE_GEMV_MAX_ROWS and self.bias is None:
+            from dflash2.kernels.triton.quant_matmul import gemv_16bit
 
-                return gemv_16bit(x, self.weight, silu_mul=silu_mul)
+            return gemv_16bit(x, self.weight, silu_mul=silu_mul)
         return F.linear(silu_and_mul(x) if silu_mul else x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -1,4 +1,4 @@
-"""Which programmatic-dependent-launch mode the Triton launchers get (the kernels' USE_PDL constant)."""
+"""Which programmatic-dependent-launch arguments the Triton launchers get (the kernels' USE_PDL constant)."""
 from __future__ import annotations
 
 import pytest
@@ -15,16 +15,20 @@ def fresh_cache():
 
 def test_off_without_a_hopper_gpu_or_under_the_interpreter(monkeypatch):
     monkeypatch.setattr(pdl, "pdl_enabled", lambda: False)
-    monkeypatch.setenv("DFLASH2_PDL_LAUNCH_FIRST", "1")
-    assert pdl.pdl_args() == {"USE_PDL": pdl.PDL_OFF}  # no launch option: a plain launch
+    assert pdl.pdl_args() == {"USE_PDL": False}  # no launch option: a plain launch
 
 
-@pytest.mark.parametrize("value, mode", [(None, pdl.PDL_WAIT_FIRST), ("0", pdl.PDL_WAIT_FIRST),
-                                         ("1", pdl.PDL_LAUNCH_FIRST)])
-def test_wait_first_unless_launch_first_is_asked_for(monkeypatch, value, mode):
+def test_on_with_the_launch_option(monkeypatch):
     monkeypatch.setattr(pdl, "pdl_enabled", lambda: True)
-    if value is None:
-        monkeypatch.delenv("DFLASH2_PDL_LAUNCH_FIRST", raising=False)
-    else:
-        monkeypatch.setenv("DFLASH2_PDL_LAUNCH_FIRST", value)
-    assert pdl.pdl_args() == {"USE_PDL": mode, "launch_pdl": True}
+    assert pdl.pdl_args() == {"USE_PDL": True, "launch_pdl": True}
+
+
+def test_off_by_switch_and_under_the_interpreter(monkeypatch):
+    pdl.pdl_enabled.cache_clear()
+    monkeypatch.setenv("DFLASH2_PDL", "0")
+    assert not pdl.pdl_enabled()
+    pdl.pdl_enabled.cache_clear()
+    monkeypatch.delenv("DFLASH2_PDL")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.pdl_enabled()
+    pdl.pdl_enabled.cache_clear()

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from dflash2.kernels.triton.elementwise import _silu_mul
 from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
-from dflash2.kernels.triton.pdl import PDL_OFF, pdl_args, pdl_start
+from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CHUNK = 32  # columns a thread takes from a row per step (4 int32 words)
@@ -440,7 +440,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     even_k = k % (step * split_k) == 0
     pdl = pdl_args()
     # config["EARLY"] overrides the switch (tests and the tune; under the interpreter it only reorders the loads)
-    early = bool(config.get("EARLY", EARLY_LOADS)) and (pdl["USE_PDL"] != PDL_OFF or _INTERPRETED)
+    early = bool(config.get("EARLY", EARLY_LOADS)) and (pdl["USE_PDL"] or _INTERPRETED)
     prefetch = (early or bool(config.get("PREFETCH", 0))) and k > step * split_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = split_counters(x.device, tiles) if split_k > 1 else out
