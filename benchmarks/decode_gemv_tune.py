@@ -28,7 +28,8 @@ from dflash2.quantization.formats import WeightFormat  # noqa: E402
 # CHUNKS = 32 num_warps (int4_gemv checks it); PREFETCH: the next K step's words loaded before this one's math
 INT4_CONFIGS = [dict(BLOCK_N=bn, CHUNKS=32 * w, num_warps=w, num_stages=1, SPLIT_K=sk, PREFETCH=pf)
                 for bn, w, sk, pf in [(8, 4, 1, 0), (4, 4, 1, 0), (16, 4, 1, 0), (2, 4, 1, 0), (8, 8, 1, 0),
-                                      (4, 4, 2, 0), (8, 2, 1, 0), (8, 2, 1, 1), (8, 1, 1, 1), (16, 1, 1, 1)]]
+                                      (4, 4, 2, 0), (8, 2, 1, 0), (8, 2, 1, 1), (8, 1, 1, 1), (16, 1, 1, 1),
+                                      (16, 4, 2, 0), (16, 2, 1, 1), (16, 2, 2, 1)]]
 GEMV16_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st)
                   for bn, bk, sk, w, st in [(8, 512, 1, 4, 2), (4, 1024, 1, 4, 3), (8, 1024, 1, 8, 3),
                                             (16, 512, 1, 8, 2), (8, 512, 2, 4, 3), (4, 512, 1, 4, 4)]]

@@ -4,6 +4,10 @@ cache's kind (int8 / int4 / fp8 with an fp16 scale per token and head, absmax / 
     write_kv          K and V as they are
     rotary_write_kv   the rotary embedding applied to q in place and to k on its way into the cache (and
                       Qwen3's per-head q/k RMS norms first, `qk_norm`): one launch instead of three
+
+Both read the token's slot, position and page (the host copies them in before the step's first kernel) and
+the rotary tables before their programmatic-dependent-launch wait (pdl.py): only q, k and v come from the
+kernel before.
 """
 from __future__ import annotations
 
@@ -98,13 +102,13 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, page_ta
                      HEAD_DIM: tl.constexpr, KV_HEADS_PAD: tl.constexpr, KIND: tl.constexpr,
                      USE_PDL: tl.constexpr):
     """One token: its K and V rows (every KV head) into the token's page slot, quantized for KIND > 0."""
-    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, KV_HEADS_PAD)
     mask = heads < num_kv_heads
     _, row_offs, scale_offs = _token_rows(page_table, token_slots, positions, t, heads, stride_pt, tokens_per_page,
                                           stride_cache_page, stride_cache_token, stride_cache_head,
                                           stride_scale_page, stride_scale_token, stride_scale_head)
+    pdl_start(USE_PDL)  # after the host-written indices (module docstring)
     d = tl.arange(0, HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask[:, None], other=0.0)
     v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask[:, None], other=0.0)
@@ -137,7 +141,6 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
                             KIND: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """One token: rotate q in place; rotate k and write it, and v, into the token's page slot. QK_NORM
     (Qwen3): q and k are RMS-normed per head first, as elementwise.qk_rms_norm_ would (one launch fewer)."""
-    pdl_start(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     hk = tl.arange(0, KV_HEADS_PAD)
     kv_mask = hk < num_kv_heads
@@ -147,6 +150,7 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
     d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * stride_cos + d)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cos + d)[None, :]
+    pdl_start(USE_PDL)  # after the host-written indices and the tables (module docstring)
     hq = tl.arange(0, Q_HEADS_PAD)
     q_mask = (hq < num_heads)[:, None]
     q_offs = t * stride_qt + hq[:, None] * stride_qh + d[None, :]
