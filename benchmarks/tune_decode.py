@@ -5,6 +5,7 @@
                                                       [--w2-splits 4,8,16] [--w3-splits 1,2,4]
                                                       [--grid "64,2,2 64,2,3"]
                                                       [--w1-data .bench/w1_throughput.jsonl --decoded 256]
+                                                      [--graph 32] [--w2-length 256]
                                                       [--output tune.json]      (GPU)
 Caches are real engine pools: Qwen3-0.6B (28 layers, 8 KV heads, GQA 2, head 128) in 1 MiB pages (9 bf16
 tokens a page, 18 int8, 35 int4), 256 requests of --length tokens (800) in shuffled pages, or with --w1-data W1's
@@ -32,6 +33,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks.common import print_tune  # noqa: E402
+from benchmarks.gemv_bench import seconds_per_call  # noqa: E402
 from dflash2.config import ModelArchConfig  # noqa: E402
 from dflash2.engine.kv.layout import KVLayout  # noqa: E402
 from dflash2.kernels.triton import attention as tri  # noqa: E402
@@ -118,11 +120,13 @@ def measure(name: str, kind: str, layout_name: str, grid: list, int8_path: str |
                   **({"int8": int8_path} if int8_path else {})}
         row = {"case": name, "kind": label, "layout": layout_name, "tokens_per_page": tpp, "splits": splits,
                **({"prompts": "w1", "decoded": decoded} if prompt_lengths else {"length": shape["length"]}), **config}
+        call = lambda: tri.decode_attention(q, cache.k, cache.v, table, slots, lengths, 0.088, splits,  # noqa: E731
+                                            k_scale=cache.k_scale, v_scale=cache.v_scale, config=config)
         try:
-            ms = triton.testing.do_bench(
-                lambda: tri.decode_attention(q, cache.k, cache.v, table, slots, lengths, 0.088, splits,
-                                             k_scale=cache.k_scale, v_scale=cache.v_scale, config=config),
-                warmup=25, rep=100)
+            if GRAPH_CALLS:  # one CUDA graph of that many calls: no host launch time in the figure
+                ms = seconds_per_call([call] * GRAPH_CALLS) * 1e3
+            else:
+                ms = triton.testing.do_bench(call, warmup=25, rep=100)
         except Exception as e:  # a config that does not compile (shared memory)
             rows.append({**row, "error": str(e)[:80]})
             continue
@@ -130,6 +134,9 @@ def measure(name: str, kind: str, layout_name: str, grid: list, int8_path: str |
     del cache
     torch.cuda.empty_cache()
     return rows
+
+
+GRAPH_CALLS = 0  # --graph N
 
 
 def current(label: str) -> tuple:
@@ -154,7 +161,16 @@ def main() -> None:
     parser.add_argument("--decoded", type=int, default=256, help="with --w1-data: tokens decoded so far")
     parser.add_argument("--grid", default=None,
                         help="the configs to time, every kind alike: 'BLOCK_N,warps,stages' items separated by spaces")
+    parser.add_argument("--graph", type=int, default=0, metavar="N",
+                        help="time N calls captured in one CUDA graph (per call; without the host's launch time, "
+                             "which do_bench's single launches include: W2's one row is far below it). With "
+                             "DFLASH2_PDL=0 the calls do not overlap, so this is each call's latency")
+    parser.add_argument("--w2-length", type=int, default=None, help="W2 context tokens (default 384)")
     args = parser.parse_args()
+    global GRAPH_CALLS
+    GRAPH_CALLS = args.graph
+    if args.w2_length:
+        CASES["w2"]["length"] = args.w2_length
     grid = [tuple(int(v) for v in item.split(",")) for item in args.grid.split()] if args.grid else None
     prompts = None
     if args.w1_data:
