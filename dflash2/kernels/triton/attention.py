@@ -96,10 +96,16 @@ def _tile_scores(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, toke
         k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
         stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
         stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+    return _scores(q, k, k_scale, scale, KIND, PRECISION), v, v_scale
+
+
+@triton.jit
+def _scores(q, k, k_scale, scale, KIND: tl.constexpr, PRECISION: tl.constexpr):
+    """q K^T * scale for a loaded tile, its K scales folded in."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     if KIND != 0:
         s = s * k_scale[None, :]
-    return s * scale, v, v_scale
+    return s * scale
 
 
 @triton.jit
@@ -133,18 +139,29 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          SPLITS_PAD: tl.constexpr,
                          PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_LOOP: tl.constexpr,
-                         INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_start(USE_PDL)
+                         INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr = False):
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
     # batch ordered longest-first (the runner's order) starts its longest programs first
     kv_head = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
+    # lengths, slots and the page table come from the host before the step's first kernel, and every cached
+    # token but the newest was written by earlier steps: all of that may be read before the wait
     length = tl.load(lengths + b)
     slot = tl.load(slots + b).to(tl.int64)
     per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, length)
+    EARLY_TILE: tl.constexpr = EARLY and KIND != 1  # the int8 loops load their own tiles
+    if EARLY_TILE:  # the first tile without the newest token, which the kernel before this one writes
+        tokens0 = start + tl.arange(0, BLOCK_N)
+        in_split0 = tokens0 < end
+        newest0 = tokens0 == length - 1
+        k0, v0, k_scale0, v_scale0 = _load_kv_tile(
+            k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens0, in_split0 & ~newest0, kv_head,
+            stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
+            stride_scale_token, stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+    pdl_start(USE_PDL)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -170,7 +187,22 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
             stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION)
     else:
-        for n0 in range(start, end, BLOCK_N):
+        first = start
+        if EARLY_TILE:  # the early tile, with the newest token (if it is in it) loaded now
+            k1, v1, k_scale1, v_scale1 = _load_kv_tile(
+                k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens0, in_split0 & newest0, kv_head,
+                stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
+                stride_scale_token, stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+            k0 = tl.where(newest0[:, None], k1, k0)
+            v0 = tl.where(newest0[:, None], v1, v0)
+            k_scale0 = tl.where(newest0, k_scale1, k_scale0)
+            v_scale0 = tl.where(newest0, v_scale1, v_scale0)
+            s = _scores(q, k0, k_scale0, scale, KIND, PRECISION)
+            s = tl.where(in_split0[None, :], s, float("-inf"))
+            # an empty split's tile is all -inf: the update must not subtract that max
+            m_i, l_i, acc = _softmax_update(s, v0, v_scale0, m_i, l_i, acc, q, KIND, PRECISION, True)
+            first = start + BLOCK_N
+        for n0 in range(first, end, BLOCK_N):
             tokens = n0 + tl.arange(0, BLOCK_N)
             token_mask = tokens < end
             s, v, v_scale = _tile_scores(
@@ -295,6 +327,13 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: 
     return min(32, max(1, MERGE_TILE // triton.next_power_of_2(group)), triton.next_power_of_2(wanted))
 
 
+# Each decode program loads its first KV tile before it waits for the previous kernel (EARLY in
+# _decode_split_kernel; 16-bit, int4 and fp8 caches), and the newest token, which that kernel writes, after it.
+# DFLASH2_DECODE_EARLY=0 turns it off. Without programmatic dependent launch there is nothing to overlap, so it
+# is off there too (under the interpreter it only reorders the loads, so the tests run it).
+EARLY_TILE = os.environ.get("DFLASH2_DECODE_EARLY", "1") == "1"
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 MERGE_TILE = 64  # heads x splits the merging program holds at once (x head_dim fp32 values over its threads)
 
 
@@ -303,7 +342,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """q [B, H, D] over each request's first lengths[b] cached positions -> [B, H, D]. `config` overrides
-    DECODE_CONFIG (benchmarks/tune_decode.py)."""
+    DECODE_CONFIG (benchmarks/tune_decode.py); config["EARLY"] overrides EARLY_TILE."""
     batch, num_heads, dim = q.shape
     config = default_decode_config(q, k_cache) if config is None else config
     kind, k_scales, v_scales, *scale_strides = scale_args(k_cache, k_scale, v_scale)
@@ -317,6 +356,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     counters = split_counters(q.device, batch * num_kv_heads)  # a dict lookup; read only with splits
     block_n = config["BLOCK_N"] if dim <= 128 else 32
+    pdl = pdl_args()
     loop = int8_path(q, config) if kind == 1 else ""
     # imma_t: heads as the mma's N side (no 16-row padding), one token sub-tile a warp
     group_pad = triton.next_power_of_2(group) if loop == "imma_t" else max(16, triton.next_power_of_2(group))
@@ -328,7 +368,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, GROUP_PAD=group_pad, GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
+        EARLY=bool(config.get("EARLY", EARLY_TILE)) and (pdl["USE_PDL"] or _INTERPRETED),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl)
     return out
 
 
