@@ -200,3 +200,50 @@ def test_engine_with_quantized_kv_graphs_equal_eager(tmp_path, kind):
     reference = [o.outputs[0].token_ids for o in torch_backend.generate([{"prompt_token_ids": p} for p in prompts], params)]
     same = sum(a == b for a, b in zip(runs["eager"], reference))
     assert same >= len(prompts) - 1, same  # Triton and torch round differently; a near-tie may flip one
+
+
+@pytest.mark.parametrize("kind", ("bf16",) + KINDS)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 16])
+def test_decode_with_rotary_equals_rotary_write_then_decode(kind, qk_norm, num_splits):
+    """decode_attention(rotary=...), a decode-only step's one launch, against rotary_write_kv then
+    decode_attention in bf16 (GQA 4, head 128): the same cache contents and output."""
+    from dflash2.config import RopeConfig
+    from dflash2.kernels.attention_metadata import AttentionMetadata
+    from dflash2.kernels.triton import attention as tri
+    from dflash2.kernels.triton import kv_write
+    from dflash2.layers.rotary import RotaryEmbedding
+
+    rng = random.Random(7)
+    lengths = [1, 2, 33, 384, 1025] + [rng.randrange(1, 900) for _ in range(11)]
+    tokens_per_page = 16  # two equal caches; the newest positions are overwritten by the step
+    _, ref_cache, table, _ = _filled(kind, True, lengths, tokens_per_page, seed=3)
+    _, cache, _, _ = _filled(kind, True, lengths, tokens_per_page, seed=3)
+    rotary = RotaryEmbedding(RopeConfig(theta=500000.0), DIM, 2048).to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q = (3 * torch.randn(len(lengths), KV_HEADS * 4, DIM, generator=g, device="cuda")).bfloat16()
+    k = (3 * torch.randn(len(lengths), KV_HEADS, DIM, generator=g, device="cuda")).bfloat16()
+    v = torch.randn(len(lengths), KV_HEADS, DIM, generator=g, device="cuda").bfloat16()
+    norms = ((torch.rand(DIM, generator=g, device="cuda") + 0.5).bfloat16(),
+             (torch.rand(DIM, generator=g, device="cuda") + 0.5).bfloat16(), 1e-6) if qk_norm else None
+    slots = torch.arange(len(lengths), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(page_table=table, token_slots=slots, positions=lens.long() - 1,
+                             num_decode_tokens=len(lengths), decode_lengths=lens, max_decode_length=max(lengths))
+    q_ref = q.clone()
+    kv_write.rotary_write_kv(q_ref, k, v, ref_cache, rotary.cos, rotary.sin, meta, norms)
+    expected = tri.decode_attention(q_ref, ref_cache.k, ref_cache.v, table, slots, lens, DIM ** -0.5, num_splits,
+                                    k_scale=ref_cache.k_scale, v_scale=ref_cache.v_scale)
+    q_in = q.clone()
+    got = tri.decode_attention(q_in, cache.k, cache.v, table, slots, lens, DIM ** -0.5, num_splits,
+                               k_scale=cache.k_scale, v_scale=cache.v_scale,
+                               rotary=tri.DecodeRotary(k, v, rotary.cos, rotary.sin, norms))
+    assert torch.equal(q_in, q)
+    error = (got.float() - expected.float()).norm() / expected.float().norm()
+    assert error < 1e-2, error
+    if kind == "bf16":
+        torch.testing.assert_close(cache.k.float(), ref_cache.k.float(), atol=2e-2, rtol=1.6e-2)
+        assert torch.equal(cache.v, ref_cache.v)
+    else:
+        assert _codes_close(cache.k, ref_cache.k, kind) and _codes_close(cache.v, ref_cache.v, kind)
+        torch.testing.assert_close(cache.k_scale.float(), ref_cache.k_scale.float(), atol=0, rtol=1e-3)
