@@ -12,8 +12,12 @@ On by default on CUDA devices of compute capability 9.0 or newer; `DFLASH2_PDL=0
 the interpreter. Launchers pass `**pdl_args()` (the kernel's USE_PDL constant and the launch option).
 
 Letting the next kernel launch before the wait instead of after measured slower (W2 int4 452.2 against 459.0
-tok/s, tenth session; the switch is gone). What may come before the wait is a read of memory no kernel writes:
-the int4 GEMV requests its first weights there (int4_gemv.EARLY_LOADS).
+tok/s, tenth session; the switch is gone). What may come before the wait is a read of memory that no kernel of
+the step writes, or that only a kernel two or more launches back writes (the wait comes before the trigger, so
+a kernel starts only once the one before its predecessor has completed): the int4 GEMV requests its first
+weights there (int4_gemv.EARLY_LOADS), the KV-write kernels read their host-written indices and the rotary
+tables (kv_write.py), and each decode attention program its first KV tile, all but the newest token
+(attention.EARLY_TILE).
 """
 from __future__ import annotations
 
