@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.
 from dflash2 import LLM, SamplingParams  # noqa: E402
 from dflash2.config import ModelArchConfig  # noqa: E402
 from dflash2.engine.kv.layout import KVLayout, resolve_kv_dtype  # noqa: E402
-from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache  # noqa: E402
+from dflash2.kernels.attention_metadata import KVCache  # noqa: E402
 from dflash2.kernels.torch_ref import attention as ref  # noqa: E402
 from dflash2.kernels.torch_ref.kv_quant import dequantize_kv, fake_quantize_kv, quantize_kv  # noqa: E402
 from dflash2.kernels.triton import attention as tri  # noqa: E402
@@ -165,16 +165,14 @@ def test_triton_write_matches_torch_write(kind, head_major):
 
 
 @pytest.mark.parametrize("kind", QUANTIZED)
-@pytest.mark.parametrize("early", [True, False])
-def test_triton_decode_matches_torch_on_the_quantized_cache(kind, early):
+def test_triton_decode_matches_torch_on_the_quantized_cache(kind):
     lengths = [1, 9, 30, 47]
     cache, *_, table = filled_caches(kind, lengths, seed=3)
     q = torch.randn(len(lengths), NUM_KV_HEADS * 2, HEAD_DIM, generator=torch.Generator().manual_seed(2))
     slots, lens = torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
     args = (q, cache.k, cache.v, table, slots, lens)
     expected = ref.decode_attention(*args, max(lengths), 0.25, cache.k_scale, cache.v_scale)
-    got = tri.decode_attention(*args, 0.25, 3, k_scale=cache.k_scale, v_scale=cache.v_scale,
-                               config={**tri.default_decode_config(q, cache.k), "EARLY": early})
+    got = tri.decode_attention(*args, 0.25, 3, k_scale=cache.k_scale, v_scale=cache.v_scale)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -323,57 +321,3 @@ def test_scoring_emulates_the_engine_kv_path(tiny_qwen2):
     torch.testing.assert_close(picked, engine_lp, atol=1e-4, rtol=0)
     float_lp = log_probs(llm.engine.model.module, ids)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert float((float_lp - engine_lp).abs().max()) > 1e-4  # the emulation is not a no-op
-
-
-@pytest.mark.parametrize("kind", ("fp32",) + QUANTIZED)
-@pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_with_rotary_equals_rotary_write_then_decode(kind, qk_norm, num_splits):
-    """decode_attention(rotary=...) (a decode-only step: q rotated in the kernel, the newest K/V rotated and
-    written by the program whose split holds them) gives the output and the cache bytes of the separate
-    rotary_write_kv launch followed by decode_attention; q is left as it was. The newest token sits in a
-    split's first tile (lengths 1, 7, 23 with 3 splits) and in later tiles (40, 70 with one split)."""
-    from dflash2.config import RopeConfig
-    from dflash2.layers.rotary import RotaryEmbedding
-
-    lengths = [1, 7, 23, 40, 70]
-    layout = KVLayout.for_model(arch(num_layers=1, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM), kind, 1024)
-    tpp = layout.tokens_per_page
-    num_pages = sum(-(-n // tpp) for n in lengths) + 2
-    table = random_page_table(lengths, tpp, num_pages, seed=5)
-    g = torch.Generator().manual_seed(6)
-    slots = torch.cat([torch.full((n - 1,), s, dtype=torch.int32) for s, n in enumerate(lengths)])
-    positions = torch.cat([torch.arange(n - 1) for n in lengths])
-    old_k = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=g)
-    old_v = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=g)
-    caches = []
-    for _ in range(2):  # the same old tokens in two pools
-        cache = layout.layer_views(torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8))[0]
-        ref.write_kv(old_k, old_v, cache.k, cache.v, table, slots, positions, cache.k_scale, cache.v_scale)
-        caches.append(cache)
-    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), HEAD_DIM, 128)
-    num_heads = NUM_KV_HEADS * 3
-    q = 3 * torch.randn(len(lengths), num_heads, HEAD_DIM, generator=g)
-    k = 3 * torch.randn(len(lengths), NUM_KV_HEADS, HEAD_DIM, generator=g)
-    v = torch.randn(len(lengths), NUM_KV_HEADS, HEAD_DIM, generator=g)
-    norms = ((torch.rand(HEAD_DIM, generator=g) + 0.5, torch.rand(HEAD_DIM, generator=g) + 0.5, 1e-6)
-             if qk_norm else None)
-    decode_slots, lens = torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
-    meta = AttentionMetadata(page_table=table, token_slots=decode_slots, positions=lens.long() - 1,
-                             num_decode_tokens=len(lengths), decode_lengths=lens, max_decode_length=max(lengths))
-    q_ref = q.clone()
-    ref_cache, cache = caches
-    kv_write.rotary_write_kv(q_ref, k, v, ref_cache, rotary.cos, rotary.sin, meta, norms)
-    expected = tri.decode_attention(q_ref, ref_cache.k, ref_cache.v, table, decode_slots, lens, 0.25, num_splits,
-                                    k_scale=ref_cache.k_scale, v_scale=ref_cache.v_scale)
-    q_in = q.clone()
-    got = tri.decode_attention(q_in, cache.k, cache.v, table, decode_slots, lens, 0.25, num_splits,
-                               k_scale=cache.k_scale, v_scale=cache.v_scale,
-                               rotary=tri.DecodeRotary(k, v, rotary.cos, rotary.sin, norms))
-    assert torch.equal(q_in, q)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    for name in ("k", "v", "k_scale", "v_scale"):
-        a, b = getattr(cache, name), getattr(ref_cache, name)
-        if a is not None:
-            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name

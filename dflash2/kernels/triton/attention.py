@@ -21,7 +21,6 @@ Prefill programs each take BLOCK_M queries of one head of one request's chunk.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,7 +30,7 @@ from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_ki
 from dflash2.kernels.triton.gemv_parts import split_counters
 from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_imma_tiles, _int8_tile,
                                                 int8_path, int8_sub_tiles)
-from dflash2.kernels.triton.kv_write import rotary_write_kv, rotated_halves, scale_args, write_kv, write_kv_halves
+from dflash2.kernels.triton.kv_write import rotary_write_kv, scale_args, write_kv
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 PREFILL_BLOCK_M = 64
@@ -97,16 +96,10 @@ def _tile_scores(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, toke
         k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
         stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
         stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-    return _scores(q, k, k_scale, scale, KIND, PRECISION), v, v_scale
-
-
-@triton.jit
-def _scores(q, k, k_scale, scale, KIND: tl.constexpr, PRECISION: tl.constexpr):
-    """q K^T * scale for a loaded tile, its K scales folded in."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     if KIND != 0:
         s = s * k_scale[None, :]
-    return s * scale
+    return s * scale, v, v_scale
 
 
 @triton.jit
@@ -131,8 +124,7 @@ def _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND: tl.constexpr, PRECISI
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, out_ptr, lse_ptr,
-                         final_ptr, cnt_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, q_norm_w, k_norm_w, norm_eps,
-                         stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+                         final_ptr, cnt_ptr,
                          stride_qt, stride_qh, stride_cache_page, stride_cache_token, stride_cache_head,
                          stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
@@ -141,63 +133,24 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          SPLITS_PAD: tl.constexpr,
                          PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_LOOP: tl.constexpr,
-                         INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr = False,
-                         ROTARY: tl.constexpr = False, QK_NORM: tl.constexpr = False):
+                         INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
     # batch ordered longest-first (the runner's order) starts its longest programs first
     kv_head = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
-    # lengths, slots and the page table come from the host before the step's first kernel, and every cached
-    # token but the newest was written by earlier steps: all of that may be read before the wait
     length = tl.load(lengths + b)
     slot = tl.load(slots + b).to(tl.int64)
     per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, length)
-    d = tl.arange(0, HEAD_DIM)
-    if ROTARY:  # the newest token (position length - 1): its rotary table row, and where its K/V go
-        newest = length - 1
-        half = tl.arange(0, HEAD_DIM // 2)
-        cos = tl.load(cos_ptr + newest * stride_cos + half)[None, :]
-        sin = tl.load(sin_ptr + newest * stride_cos + half)[None, :]
-        new_page = tl.load(page_table + slot * stride_pt + newest // tokens_per_page).to(tl.int64)
-        new_in_page = newest % tokens_per_page
-    EARLY_TILE: tl.constexpr = EARLY and KIND != 1  # the int8 loops load their own tiles
-    if EARLY_TILE:  # the first tile without the newest token, which the kernel before this one writes
-        tokens0 = start + tl.arange(0, BLOCK_N)
-        in_split0 = tokens0 < end
-        newest0 = tokens0 == length - 1
-        k0, v0, k_scale0, v_scale0 = _load_kv_tile(
-            k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens0, in_split0 & ~newest0, kv_head,
-            stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
-            stride_scale_token, stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-    pdl_start(USE_PDL)
 
     g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
     head_mask = g < GROUP
-    if ROTARY:  # q and the newest k arrive un-rotated (rotary_write_kv's work, done here for decode-only steps)
-        q1, q2 = rotated_halves(q_ptr + b * stride_qt, heads, head_mask, stride_qh, cos, sin, q_norm_w, norm_eps,
-                                HEAD_DIM // 2, QK_NORM)
-        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))  # the halves side by side
-        if split == newest // per_split:  # this program's range holds the newest token: write its K/V first
-            one = tl.arange(0, 1)
-            k1, k2 = rotated_halves(k_new_ptr + b * stride_kt, kv_head + one, one < 1, stride_kh, cos, sin, k_norm_w,
-                                    norm_eps, HEAD_DIM // 2, QK_NORM)
-            v_offs = v_new_ptr + b * stride_vt + (kv_head + one)[:, None] * stride_vh + half[None, :]
-            v1 = tl.load(v_offs)
-            v2 = tl.load(v_offs + HEAD_DIM // 2)
-            heads_off = (kv_head + one).to(tl.int64)
-            row_offs = new_page * stride_cache_page + new_in_page * stride_cache_token + heads_off * stride_cache_head
-            scale_offs = (new_page * stride_scale_page + new_in_page * stride_scale_token
-                          + heads_off * stride_scale_head)
-            write_kv_halves(k1, k2, v1, v2, k_cache, v_cache, k_scales, v_scales, row_offs, scale_offs, one < 1,
-                            HEAD_DIM // 2, 1, KIND)
-            tl.debug_barrier()  # the stores are seen by this program's loads of the newest token below
-    else:
-        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=head_mask[:, None],
-                    other=0.0)
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=head_mask[:, None], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -217,22 +170,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
             stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION)
     else:
-        first = start
-        if EARLY_TILE:  # the early tile, with the newest token (if it is in it) loaded now
-            k1, v1, k_scale1, v_scale1 = _load_kv_tile(
-                k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens0, in_split0 & newest0, kv_head,
-                stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
-                stride_scale_token, stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-            k0 = tl.where(newest0[:, None], k1, k0)
-            v0 = tl.where(newest0[:, None], v1, v0)
-            k_scale0 = tl.where(newest0, k_scale1, k_scale0)
-            v_scale0 = tl.where(newest0, v_scale1, v_scale0)
-            s = _scores(q, k0, k_scale0, scale, KIND, PRECISION)
-            s = tl.where(in_split0[None, :], s, float("-inf"))
-            # an empty split's tile is all -inf: the update must not subtract that max
-            m_i, l_i, acc = _softmax_update(s, v0, v_scale0, m_i, l_i, acc, q, KIND, PRECISION, True)
-            first = start + BLOCK_N
-        for n0 in range(first, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             tokens = n0 + tl.arange(0, BLOCK_N)
             token_mask = tokens < end
             s, v, v_scale = _tile_scores(
@@ -357,43 +295,15 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: 
     return min(32, max(1, MERGE_TILE // triton.next_power_of_2(group)), triton.next_power_of_2(wanted))
 
 
-# Each decode program loads its first KV tile before it waits for the previous kernel (EARLY in
-# _decode_split_kernel; 16-bit, int4 and fp8 caches), and the newest token, which that kernel writes, after it.
-# DFLASH2_DECODE_EARLY=0 turns it off. Without programmatic dependent launch there is nothing to overlap, so it
-# is off there too (under the interpreter it only reorders the loads, so the tests run it).
-EARLY_TILE = os.environ.get("DFLASH2_DECODE_EARLY", "1") == "1"
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-# In a decode-only step the decode kernel applies the rotary embedding (and Qwen3's q/k norms) and writes the
-# new K/V itself (decode_attention's `rotary`): one launch a layer fewer. DFLASH2_DECODE_ROTARY=0: a separate
-# rotary_write_kv launch, as in steps with prefill chunks.
-DECODE_ROTARY = os.environ.get("DFLASH2_DECODE_ROTARY", "1") == "1"
-
 MERGE_TILE = 64  # heads x splits the merging program holds at once (x head_dim fp32 values over its threads)
-
-
-@dataclass(frozen=True)
-class DecodeRotary:
-    """The newest token's un-rotated k and v [B, KV heads, D] and the rotary tables [positions, D] (and Qwen3's
-    q/k norms: (q weight, k weight, eps)), for a decode_attention that rotates q and writes the new K/V itself."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, config: dict | None = None,
-                     rotary: DecodeRotary | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """q [B, H, D] over each request's first lengths[b] cached positions -> [B, H, D]. `config` overrides
-    DECODE_CONFIG (benchmarks/tune_decode.py); config["EARLY"] overrides EARLY_TILE. With `rotary`, q is
-    un-rotated and position lengths[b] - 1 is not cached yet: the kernel rotates q, and the program whose
-    split holds that position rotates k and writes k and v into the cache before reading it (rotary_write_kv's
-    work, without its launch); q itself is left as it was."""
+    DECODE_CONFIG (benchmarks/tune_decode.py)."""
     batch, num_heads, dim = q.shape
     config = default_decode_config(q, k_cache) if config is None else config
     kind, k_scales, v_scales, *scale_strides = scale_args(k_cache, k_scale, v_scale)
@@ -407,29 +317,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     counters = split_counters(q.device, batch * num_kv_heads)  # a dict lookup; read only with splits
     block_n = config["BLOCK_N"] if dim <= 128 else 32
-    pdl = pdl_args()
     loop = int8_path(q, config) if kind == 1 else ""
     # imma_t: heads as the mma's N side (no 16-row padding), one token sub-tile a warp
     group_pad = triton.next_power_of_2(group) if loop == "imma_t" else max(16, triton.next_power_of_2(group))
-    if rotary is not None:
-        k_new, v_new, cos, sin = rotary.k, rotary.v, rotary.cos, rotary.sin
-        q_norm_w, k_norm_w, eps = rotary.qk_norm if rotary.qk_norm is not None else (q, q, 0.0)
-    else:  # unused pointers
-        k_new = v_new = cos = sin = q_norm_w = k_norm_w = q
-        eps = 0.0
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, partial, lse, out, counters,
-        k_new, v_new, cos, sin, q_norm_w, k_norm_w, eps, k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1), cos.stride(0),
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *scale_strides, page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), scale, k_cache.shape[1],
         GROUP=group, GROUP_PAD=group_pad, GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
-        EARLY=bool(config.get("EARLY", EARLY_TILE)) and (pdl["USE_PDL"] or _INTERPRETED),
-        ROTARY=rotary is not None, QK_NORM=rotary is not None and rotary.qk_norm is not None,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl)
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
     return out
 
 
@@ -473,14 +372,11 @@ class TritonAttention:
                        meta: AttentionMetadata, scale: float, cos: torch.Tensor, sin: torch.Tensor,
                        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """forward() for un-rotated q and k: the rotary embedding (and Qwen3's q/k norms, `qk_norm`) is
-        applied while writing the cache; in a decode-only step, inside the decode kernel (DECODE_ROTARY)."""
-        if DECODE_ROTARY and meta.prefill_block_segments is None and meta.num_decode_tokens == q.shape[0]:
-            return self._attend(q, cache, meta, scale, DecodeRotary(k, v, cos, sin, qk_norm))
+        applied while writing the cache."""
         rotary_write_kv(q, k, v, cache, cos, sin, meta, qk_norm)
         return self._attend(q, cache, meta, scale)
 
-    def _attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-                rotary: DecodeRotary | None = None) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
@@ -488,8 +384,7 @@ class TritonAttention:
             splits = self.graph_num_splits or decode_num_splits(nd, num_kv_heads, self.num_sms,
                                                                 q.shape[1] // num_kv_heads)
             decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots, meta.decode_lengths,
-                             scale, splits, out=out[:nd], k_scale=cache.k_scale, v_scale=cache.v_scale,
-                             rotary=rotary)
+                             scale, splits, out=out[:nd], k_scale=cache.k_scale, v_scale=cache.v_scale)
         if meta.prefill_block_segments is not None:  # set whenever the step has prefill chunks
             prefill_attention(q, cache, meta, scale, out, row_offset=nd)
         return out

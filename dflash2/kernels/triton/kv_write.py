@@ -95,16 +95,6 @@ def _row_divisors(k_scales, v_scales, scale_offs, k_absmax, v_absmax, mask, HEAD
 
 
 @triton.jit
-def write_token_rows(k, v, k_cache, v_cache, k_scales, v_scales, row_offs, scale_offs, mask,
-                     HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr):
-    """Store one token's K and V rows [ROWS, HEAD_DIM] (quantized for KIND > 0, with their row scales)."""
-    k_div, v_div = _row_divisors(k_scales, v_scales, scale_offs, tl.max(tl.abs(k.to(tl.float32)), 1),
-                                 tl.max(tl.abs(v.to(tl.float32)), 1), mask, ROWS, KIND)
-    _store_rows(k_cache, row_offs, k, k_div, mask, 0, HEAD_DIM, KIND)
-    _store_rows(v_cache, row_offs, v, v_div, mask, 0, HEAD_DIM, KIND)
-
-
-@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, page_table, token_slots, positions,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cache_page, stride_cache_token,
                      stride_cache_head, stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
@@ -122,8 +112,10 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, page_ta
     d = tl.arange(0, HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask[:, None], other=0.0)
     v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask[:, None], other=0.0)
-    write_token_rows(k, v, k_cache, v_cache, k_scales, v_scales, row_offs, scale_offs, mask, HEAD_DIM,
-                     KV_HEADS_PAD, KIND)
+    k_div, v_div = _row_divisors(k_scales, v_scales, scale_offs, tl.max(tl.abs(k.to(tl.float32)), 1),
+                                 tl.max(tl.abs(v.to(tl.float32)), 1), mask, KV_HEADS_PAD, KIND)
+    _store_rows(k_cache, row_offs, k, k_div, mask, 0, HEAD_DIM, KIND)
+    _store_rows(v_cache, row_offs, v, v_div, mask, 0, HEAD_DIM, KIND)
 
 
 @triton.jit
@@ -136,34 +128,6 @@ def _rms_norm_halves(x1, x2, weight_ptr, eps, HALF: tl.constexpr):
     w1 = tl.load(weight_ptr + d)[None, :]
     w2 = tl.load(weight_ptr + HALF + d)[None, :]
     return w1 * (a * inv).to(x1.dtype), w2 * (b * inv).to(x2.dtype)
-
-
-@triton.jit
-def rotated_halves(base, rows, row_mask, stride_row, cos, sin, norm_w, eps, HALF: tl.constexpr,
-                   QK_NORM: tl.constexpr):
-    """The halves [R, HALF] x2 of rows base + rows * stride_row, RMS-normed per row with norm_w first if QK_NORM,
-    then rotated by a position's cos / sin [1, HALF], rounded to the input dtype."""
-    d = tl.arange(0, HALF)
-    offs = base + rows[:, None] * stride_row + d[None, :]
-    x1 = tl.load(offs, mask=row_mask[:, None], other=0.0)
-    x2 = tl.load(offs + HALF, mask=row_mask[:, None], other=0.0)
-    if QK_NORM:
-        x1, x2 = _rms_norm_halves(x1, x2, norm_w, eps, HALF)
-    c, s = cos.to(x1.dtype), sin.to(x1.dtype)
-    return (x1 * c - x2 * s).to(x1.dtype), (x2 * c + x1 * s).to(x1.dtype)
-
-
-@triton.jit
-def write_kv_halves(k1, k2, v1, v2, k_cache, v_cache, k_scales, v_scales, row_offs, scale_offs, mask,
-                    HALF: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr):
-    """Store one token's K and V rows given as halves [ROWS, HALF] (quantized for KIND > 0, with row scales)."""
-    k_abs = tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), 1), tl.max(tl.abs(k2.to(tl.float32)), 1))
-    v_abs = tl.maximum(tl.max(tl.abs(v1.to(tl.float32)), 1), tl.max(tl.abs(v2.to(tl.float32)), 1))
-    k_div, v_div = _row_divisors(k_scales, v_scales, scale_offs, k_abs, v_abs, mask, ROWS, KIND)
-    _store_rows(k_cache, row_offs, k1, k_div, mask, 0, HALF, KIND)
-    _store_rows(k_cache, row_offs, k2, k_div, mask, HALF, HALF, KIND)
-    _store_rows(v_cache, row_offs, v1, v_div, mask, 0, HALF, KIND)
-    _store_rows(v_cache, row_offs, v2, v_div, mask, HALF, HALF, KIND)
 
 
 @triton.jit
@@ -188,21 +152,31 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
     sin = tl.load(sin_ptr + pos * stride_cos + d)[None, :]
     pdl_start(USE_PDL)  # after the host-written indices and the tables (module docstring)
     hq = tl.arange(0, Q_HEADS_PAD)
-    q1, q2 = rotated_halves(q_ptr + t * stride_qt, hq, hq < num_heads, stride_qh, cos, sin, q_norm_w, norm_eps,
-                            HALF, QK_NORM)
-    q_offs = t * stride_qt + hq[:, None] * stride_qh + d[None, :]
     q_mask = (hq < num_heads)[:, None]
-    tl.store(q_ptr + q_offs, q1, mask=q_mask)
-    tl.store(q_ptr + q_offs + HALF, q2, mask=q_mask)
-    k1, k2 = rotated_halves(k_ptr + t * stride_kt, hk, kv_mask, stride_kh, cos, sin, k_norm_w, norm_eps, HALF,
-                            QK_NORM)
+    q_offs = t * stride_qt + hq[:, None] * stride_qh + d[None, :]
+    q1 = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+    q2 = tl.load(q_ptr + q_offs + HALF, mask=q_mask, other=0.0)
+    if QK_NORM:
+        q1, q2 = _rms_norm_halves(q1, q2, q_norm_w, norm_eps, HALF)
+    c, s = cos.to(q1.dtype), sin.to(q1.dtype)
+    tl.store(q_ptr + q_offs, q1 * c - q2 * s, mask=q_mask)
+    tl.store(q_ptr + q_offs + HALF, q2 * c + q1 * s, mask=q_mask)
+    k_offs = t * stride_kt + hk[:, None] * stride_kh + d[None, :]
+    k1 = tl.load(k_ptr + k_offs, mask=kv_mask[:, None], other=0.0)
+    k2 = tl.load(k_ptr + k_offs + HALF, mask=kv_mask[:, None], other=0.0)
+    if QK_NORM:
+        k1, k2 = _rms_norm_halves(k1, k2, k_norm_w, norm_eps, HALF)
+    k1, k2 = (k1 * c - k2 * s).to(k1.dtype), (k2 * c + k1 * s).to(k1.dtype)  # rounded as a separate rotary would
     v_offs = t * stride_vt + hk[:, None] * stride_vh + d[None, :]
     v1 = tl.load(v_ptr + v_offs, mask=kv_mask[:, None], other=0.0)
     v2 = tl.load(v_ptr + v_offs + HALF, mask=kv_mask[:, None], other=0.0)
-    write_kv_halves(k1, k2, v1, v2, k_cache, v_cache, k_scales, v_scales, row_offs, scale_offs, kv_mask, HALF,
-                    KV_HEADS_PAD, KIND)
-
-
+    k_abs = tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), 1), tl.max(tl.abs(k2.to(tl.float32)), 1))
+    v_abs = tl.maximum(tl.max(tl.abs(v1.to(tl.float32)), 1), tl.max(tl.abs(v2.to(tl.float32)), 1))
+    k_div, v_div = _row_divisors(k_scales, v_scales, scale_offs, k_abs, v_abs, kv_mask, KV_HEADS_PAD, KIND)
+    _store_rows(k_cache, row_offs, k1, k_div, kv_mask, 0, HALF, KIND)
+    _store_rows(k_cache, row_offs, k2, k_div, kv_mask, HALF, HALF, KIND)
+    _store_rows(v_cache, row_offs, v1, v_div, kv_mask, 0, HALF, KIND)
+    _store_rows(v_cache, row_offs, v2, v_div, kv_mask, HALF, HALF, KIND)
 def scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
     """(kind id, k scales, v scales, their three strides); a float cache passes the cache and zero strides."""
     kind = KIND_IDS[kv_kind(k_cache.dtype)]

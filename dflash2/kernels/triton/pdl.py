@@ -15,9 +15,8 @@ Letting the next kernel launch before the wait instead of after measured slower 
 tok/s, tenth session; the switch is gone). What may come before the wait is a read of memory that no kernel of
 the step writes, or that only a kernel two or more launches back writes (the wait comes before the trigger, so
 a kernel starts only once the one before its predecessor has completed): the int4 GEMV requests its first
-weights there (int4_gemv.EARLY_LOADS), the KV-write kernels read their host-written indices and the rotary
-tables (kv_write.py), and each decode attention program its first KV tile, all but the newest token
-(attention.EARLY_TILE).
+weights there (int4_gemv.EARLY_LOADS), and the KV-write kernels read their host-written indices and the rotary
+tables (kv_write.py).
 """
 from __future__ import annotations
 
