@@ -1,7 +1,8 @@
 """Decode matmuls (M = 1 by default) on llama-3-8b shapes: cuBLAS bf16, the Triton 16-bit GEMV, the legacy int4
 GEMV (quant_matmul._gemv_kernel) and the int4 GEMV of kernels/triton/int4_gemv.py over a few configs; prints one
 JSON line per (kernel, config, shape), the best config per kernel (least total time over the shapes) and the
-best int4 config per shape. About a minute on an H200.
+best int4 config per shape. About a minute on an H200. At M = 1 it also times the int4 GEMV with silu(gate) * up
+fused on either side (silu_variants): gate_up's epilogue, as the engine runs it, or down's input.
 
     PYTHONPATH=$PWD python3 benchmarks/decode_gemv_tune.py [--rows 1] [--output tune.json] [--int4-only]   (GPU)
 
@@ -20,9 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks import gemv_bench  # noqa: E402
 from benchmarks.gemv_bench import SHAPES, copies_for, cycle, random_packed, seconds_per_call  # noqa: E402
 from dflash2.kernels.triton import quant_matmul as qm  # noqa: E402
-from dflash2.kernels.triton.int4_gemv import int4_config, int4_gemv, prepare_int4  # noqa: E402
+from dflash2.kernels.triton.int4_gemv import int4_config, int4_gemv, pair_gate_up, prepare_int4  # noqa: E402
 from dflash2.quantization.formats import WeightFormat  # noqa: E402
 
 # CHUNKS = 32 num_warps (int4_gemv checks it); PREFETCH: the next K step's words loaded before this one's math
@@ -33,6 +35,40 @@ INT4_CONFIGS = [dict(BLOCK_N=bn, CHUNKS=32 * w, num_warps=w, num_stages=1, SPLIT
 GEMV16_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st)
                   for bn, bk, sk, w, st in [(8, 512, 1, 4, 2), (4, 1024, 1, 4, 3), (8, 1024, 1, 8, 3),
                                             (16, 512, 1, 8, 2), (8, 512, 2, 4, 3), (4, 512, 1, 4, 4)]]
+
+
+def silu_variants(configs: list[dict], shapes: dict = SHAPES, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """The two places the engine can put silu(gate) * up, M = 1, llama-3-8b: in gate_up's epilogue (the paired
+    weight, silu_out: what the int4 engine runs) or on down's input (silu_mul, reading [gate | up]); the plain
+    GEMVs of the same shapes are the rows above. Each variant at the shape's default config and `configs`."""
+    rows = []
+    fmt = WeightFormat(4, 128)
+    for shape, (n, k), silu_out in (("gate_up_silu_out", shapes["gate_up"], True),
+                                    ("down_silu_mul", shapes["down"], False)):
+        x = torch.randn(1, k if silu_out else 2 * k, device=gemv_bench.DEVICE).to(dtype)
+        out = torch.empty(1, n // 2 if silu_out else n, device=gemv_bench.DEVICE, dtype=dtype)
+        weights = []
+        for _ in range(copies_for(fmt.storage_bytes(n, k))):
+            t = random_packed(fmt, n, k).tensors
+            weight = prepare_int4(t["qweight"], t["scales"], t["zeros"], 128)
+            weights.append(pair_gate_up(weight) if silu_out else weight)
+        default = int4_config(n, k, 1, weights[0]["half2"])
+        for config in [default] + [c for c in configs if c != default]:
+            if silu_out:
+                fn = lambda w, c: int4_gemv(x, w, out=out, config=c, silu_out=True)  # noqa: E731
+            else:
+                fn = lambda w, c: int4_gemv(x, w, out=out, config=c, silu_mul=True)  # noqa: E731
+            try:
+                seconds = seconds_per_call(cycle(lambda w: fn(w, config), weights))
+            except Exception as e:  # a config that does not compile
+                print(json.dumps({"shape": shape, "kernel": "gemv_int4", "config": config, "error": str(e)[:100]}))
+                continue
+            row = {"shape": shape, "M": 1, "kernel": "gemv_int4", "config": config, "us": round(seconds * 1e6, 2),
+                   "GB_s": round((n * k // 2 + 4 * n * (k // 128)) / seconds / 1e9, 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del weights
+    return rows
 
 
 def main() -> None:
@@ -81,6 +117,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del candidates, int4, legacy
         torch.cuda.empty_cache()
+    if m == 1:
+        rows += silu_variants(INT4_CONFIGS[:3] + [INT4_CONFIGS[-3]])
     best = {}
     for (kernel, config), per_shape in totals.items():
         if len(per_shape) == len(SHAPES):
