@@ -108,7 +108,7 @@ def case(kind: str, head_major: bool, batch: int, length: int, layers: int, kv_h
 
 def measure(name: str, kind: str, layout_name: str, grid: list, int8_path: str | None = None,
             length: int | None = None, prompt_lengths: list[int] | None = None, decoded: int = 0,
-            splits: int | None = None) -> list[dict]:
+            splits: int | None = None, graph_calls: int = 0) -> list[dict]:
     shape = {**CASES[name], **({"length": length} if length else {})}
     q, cache, table, slots, lengths, kv_bytes, tpp = case(kind, layout_name == "head_major", **shape,
                                                           prompt_lengths=prompt_lengths, decoded=decoded)
@@ -123,8 +123,8 @@ def measure(name: str, kind: str, layout_name: str, grid: list, int8_path: str |
         call = lambda: tri.decode_attention(q, cache.k, cache.v, table, slots, lengths, 0.088, splits,  # noqa: E731
                                             k_scale=cache.k_scale, v_scale=cache.v_scale, config=config)
         try:
-            if GRAPH_CALLS:  # one CUDA graph of that many calls: no host launch time in the figure
-                ms = seconds_per_call([call] * GRAPH_CALLS) * 1e3
+            if graph_calls:  # one CUDA graph of that many calls: no host launch time in the figure
+                ms = seconds_per_call([call] * graph_calls) * 1e3
             else:
                 ms = triton.testing.do_bench(call, warmup=25, rep=100)
         except Exception as e:  # a config that does not compile (shared memory)
@@ -134,9 +134,6 @@ def measure(name: str, kind: str, layout_name: str, grid: list, int8_path: str |
     del cache
     torch.cuda.empty_cache()
     return rows
-
-
-GRAPH_CALLS = 0  # --graph N
 
 
 def current(label: str) -> tuple:
@@ -167,16 +164,13 @@ def main() -> None:
                              "DFLASH2_PDL=0 the calls do not overlap, so this is each call's latency")
     parser.add_argument("--w2-length", type=int, default=None, help="W2 context tokens (default 384)")
     args = parser.parse_args()
-    global GRAPH_CALLS
-    GRAPH_CALLS = args.graph
-    if args.w2_length:
-        CASES["w2"]["length"] = args.w2_length
     grid = [tuple(int(v) for v in item.split(",")) for item in args.grid.split()] if args.grid else None
     prompts = None
     if args.w1_data:
         with open(args.w1_data) as f:
             prompts = [len(json.loads(line)["prompt_token_ids"]) for line in f if line.strip()]
-    w1 = dict(length=args.length, prompt_lengths=prompts, decoded=args.decoded)
+    w1 = dict(length=args.length, prompt_lengths=prompts, decoded=args.decoded, graph_calls=args.graph)
+    w2 = dict(length=args.w2_length, graph_calls=args.graph)
     kinds, layouts, cases = args.kinds.split(","), args.layouts.split(","), args.cases.split(",")
     results: list[dict] = []
     for kind, layout_name in itertools.product(kinds, layouts):
@@ -190,13 +184,13 @@ def main() -> None:
     if "bf16" in kinds and "w2" in cases:
         for layout_name in layouts:
             if not args.w2_splits:  # the engine's split count (16 for one row and 8 KV heads)
-                results += measure("w2", "bf16", layout_name, GRID)
+                results += measure("w2", "bf16", layout_name, GRID, **w2)
             for splits in [int(s) for s in args.w2_splits.split(",") if s]:
-                rows = measure("w2", "bf16", layout_name, grid or GRID, splits=splits)
+                rows = measure("w2", "bf16", layout_name, grid or GRID, splits=splits, **w2)
                 results += [{**r, "kind": f"bf16-splits{splits}"} for r in rows]
     if "bf16" in kinds and "w3" in cases:  # bf16 only, each split count (the engine's rule picks 2)
         for layout_name, splits in itertools.product(layouts, [int(s) for s in args.w3_splits.split(",")]):
-            rows = measure("w3", "bf16", layout_name, grid or GRID, splits=splits)
+            rows = measure("w3", "bf16", layout_name, grid or GRID, splits=splits, graph_calls=args.graph)
             results += [{**r, "kind": f"bf16-splits{splits}"} for r in rows]
     labels = [r["kind"] for r in results if r["case"] == "w1"]
     kinds = list(dict.fromkeys(labels))
