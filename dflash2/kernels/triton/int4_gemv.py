@@ -331,6 +331,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
 
 
 # Per BLOCK_M (activation rows rounded up to a power of two). BLOCK_N rows a program; CHUNKS = 32 num_warps
+# (a config may also cap the registers a thread, "maxnreg": ptxas spills past it, and more programs fit an SM)
 # puts every thread on its own 32 columns of all BLOCK_N rows (a step of 32 CHUNKS columns along K); fewer
 # CHUNKS spread the rows over warps as well. More rows a thread share the activation work but take registers
 # (sm_90, M = 1: BLOCK_N 4 / 8 / 16 -> 96 / 128 / 255 registers).
@@ -450,5 +451,5 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
         PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired, SILU_OUT=silu_out,
         HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
-        num_stages=config["num_stages"], **pdl)
+        num_stages=config["num_stages"], **pdl, **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
     return out
