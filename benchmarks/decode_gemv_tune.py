@@ -61,17 +61,25 @@ def silu_variants(configs: list[dict], shapes: dict = SHAPES, dtype: torch.dtype
                 fn = lambda w, c: int4_gemv(x, w, out=out, config=c, silu_out=True)  # noqa: E731
             else:
                 fn = lambda w, c: int4_gemv(x, w, out=out, config=c, silu_mul=True)  # noqa: E731
-            try:
-                seconds = seconds_per_call(cycle(lambda w: fn(w, config), weights))
-            except Exception as e:  # a config that does not compile
-                print(json.dumps({"shape": shape, "kernel": "gemv_int4", "config": config, "error": str(e)[:100]}))
-                continue
-            row = {"shape": shape, "M": 1, "kernel": "gemv_int4", "config": config, "us": round(seconds * 1e6, 2),
-                   "GB_s": round((n * k // 2 + 4 * n * (k // 128)) / seconds / 1e9, 1)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            row = timed_row(shape, 1, "gemv_int4", config, fn, weights, fmt.storage_bytes(n, k))
+            if row is not None:
+                rows.append(row)
         del weights
     return rows
+
+
+def timed_row(shape: str, m: int, kernel: str, config: dict, fn, weights: list, nbytes: int) -> dict | None:
+    """fn(weight, config) timed over L2-cold weight copies: the row, printed; None (an error line printed) for a
+    config that does not compile."""
+    try:
+        seconds = seconds_per_call(cycle(lambda w: fn(w, config), weights))
+    except Exception as e:  # a config that does not compile
+        print(json.dumps({"shape": shape, "kernel": kernel, "config": config, "error": str(e)[:100]}))
+        return None
+    row = {"shape": shape, "M": m, "kernel": kernel, "config": config, "us": round(seconds * 1e6, 2),
+           "GB_s": round(nbytes / seconds / 1e9, 1)}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main() -> None:
@@ -99,7 +107,7 @@ def main() -> None:
             int4.append(prepare_int4(t["qweight"], t["scales"], t["zeros"], 128))
             legacy.append({"bits": 4, "n": n, "k": k, "group_size": 128, "w": t["qweight"],
                            "words": t["qweight"].view(torch.int32), "scales": t["scales"], "zeros": t["zeros"]})
-        int4_bytes = n * k // 2 + 4 * n * (k // 128)
+        int4_bytes = fmt.storage_bytes(n, k)
         legacy_config = qm.gemv_config(4, n, k)
         candidates += [("legacy_gemv_int4", legacy_config, lambda w, c: qm.gemv(x, w, out=out, config=c), legacy,
                         int4_bytes)]
@@ -107,17 +115,11 @@ def main() -> None:
         candidates += [("gemv_int4", c, lambda w, c: int4_gemv(x, w, out=out, config=c), int4, int4_bytes)
                        for c in configs]
         for kernel, config, fn, weights, nbytes in candidates:
-            try:
-                seconds = seconds_per_call(cycle(lambda w: fn(w, config), weights))
-            except Exception as e:  # a config that does not compile
-                print(json.dumps({"shape": shape, "kernel": kernel, "config": config, "error": str(e)[:100]}))
+            row = timed_row(shape, m, kernel, config, fn, weights, nbytes)
+            if row is None:
                 continue
-            row = {"shape": shape, "M": m, "kernel": kernel, "config": config, "us": round(seconds * 1e6, 2),
-                   "GB_s": round(nbytes / seconds / 1e9, 1)}
             rows.append(row)
-            key = (kernel, json.dumps(config, sort_keys=True))
-            totals.setdefault(key, {})[shape] = row["us"]
-            print(json.dumps(row), flush=True)
+            totals.setdefault((kernel, json.dumps(config, sort_keys=True)), {})[shape] = row["us"]
         del candidates, int4, legacy
         torch.cuda.empty_cache()
     if m == 1:

@@ -6,9 +6,8 @@ the sum, and the wall time per step.
     python3 benchmarks/decode_profile.py --model qwen3-0.6b --batch 32 --prompt-len 256   # a W3 decode step
 
 Kernel times come from CUPTI (kernels inside graph replays included); overlap between kernels (programmatic
-dependent launch) makes their sum larger than the step. So the JSON also gives each kernel's exposed time: kernels
-in start order, each one is charged for how far it moves the latest end seen so far (max(0, end - latest end)),
-which sums to the time the device was busy; a kernel that runs entirely under another one is charged nothing.
+dependent launch) makes their sum larger than the step. So the JSON also gives each kernel's exposed time
+(kernel_times.py): how far it moves the latest kernel end, summing to the time the device was busy.
 `--timeline FILE` writes every kernel of the last profiled step (name, start and end in us from the step's first
 kernel) as JSON lines.
 """
@@ -19,59 +18,15 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 from benchmarks.common import sync  # noqa: E402
+from benchmarks.kernel_times import exposed_table, kernel_events, kernel_table, write_timeline  # noqa: E402
 from benchmarks.latency import WEIGHT_CHOICES, quantize_dummy_weights  # noqa: E402
 from dflash2 import LLM, SamplingParams  # noqa: E402
-
-
-def kernel_table(prof, steps: int) -> list[dict]:
-    """Device kernels of a profile: name, calls and microseconds per step, largest first."""
-    total_us: dict[str, float] = defaultdict(float)
-    calls: dict[str, int] = defaultdict(int)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total_us[event.name] += event.device_time
-            calls[event.name] += 1
-    rows = [{"kernel": name[:90], "calls_per_step": round(calls[name] / steps, 2),
-             "us_per_step": round(us / steps, 1)} for name, us in total_us.items()]
-    return sorted(rows, key=lambda r: -r["us_per_step"])
-
-
-def kernel_events(prof) -> list[tuple[float, float, str]]:
-    """(start us, end us, name) of every device kernel, in start order."""
-    events = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-              if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sorted(events)
-
-
-def exposed_table(events: list[tuple[float, float, str]], steps: int) -> tuple[list[dict], float]:
-    """Each kernel's exposed microseconds per step (see the module docstring), largest first, and their sum."""
-    exposed: dict[str, float] = defaultdict(float)
-    latest = None
-    for start, end, name in events:
-        if latest is None:
-            latest = start
-        exposed[name] += max(0.0, end - max(latest, start))
-        latest = max(latest, end)
-    rows = [{"kernel": name[:90], "exposed_us_per_step": round(us / steps, 1)} for name, us in exposed.items()]
-    return sorted(rows, key=lambda r: -r["exposed_us_per_step"]), round(sum(exposed.values()) / steps, 1)
-
-
-def write_timeline(events: list[tuple[float, float, str]], steps: int, path: str) -> None:
-    """The last step's kernels (the events split into `steps` equal runs: every step launches the same ones)."""
-    per_step = len(events) // steps
-    last = events[-per_step:]
-    origin = last[0][0]
-    with open(path, "w") as f:
-        for start, end, name in last:
-            f.write(json.dumps({"kernel": name[:60], "start_us": round(start - origin, 2),
-                                "end_us": round(end - origin, 2)}) + "\n")
 
 
 def main() -> None:
@@ -109,8 +64,8 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         sync()
-    kernels = kernel_table(prof, args.steps)
     events = kernel_events(prof)
+    kernels = kernel_table(events, args.steps)
     exposed, busy_us = exposed_table(events, args.steps)
     if args.timeline:
         write_timeline(events, args.steps, args.timeline)

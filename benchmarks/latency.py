@@ -10,6 +10,7 @@ step reads one row of it). The roofline then counts the quantized bytes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -19,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.common import finish, sync  # noqa: E402
+from benchmarks.kernel_times import exposed_table, kernel_events, kernel_table  # noqa: E402
 from benchmarks.roofline import H200_BYTES_PER_S, weight_bytes  # noqa: E402
 from dflash2 import LLM, SamplingParams  # noqa: E402
 from dflash2.quantization.config import QuantConfig, parse_bits  # noqa: E402
@@ -80,7 +82,10 @@ def profile_decode(llm: LLM, prompt: list[int]) -> None:
         for _ in range(20):
             engine.step()
         sync()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=50), flush=True)
+    events = kernel_events(prof)
+    exposed, busy_us = exposed_table(events, 20)
+    print(json.dumps({"busy_us_per_step": busy_us, "exposed": exposed[:25], "kernels": kernel_table(events, 20)[:25]},
+                     indent=1), flush=True)
     while engine.has_unfinished():
         engine.step()
 
@@ -95,7 +100,8 @@ def main() -> None:
     parser.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=2048,
                         help="0: the prompt's prefill runs eagerly (decode-only graphs)")
     parser.add_argument("--no-overlap", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="print the top kernels of 20 decode steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the top kernels of 20 decode steps, totals and exposed (decode_profile.py has more)")
     parser.add_argument("--blas", default=None, help="torch.backends.cuda.preferred_blas_library: cublas or cublaslt")
     parser.add_argument("--weights", default="bf16", choices=WEIGHT_CHOICES,
                         help="dummy weights quantized to this width (all linear layers and lm_head; embedding bf16)")

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.common import finish, sync  # noqa: E402
+from benchmarks.kernel_times import exposed_table, kernel_events  # noqa: E402
 from benchmarks.roofline import decode_ceiling_tok_s  # noqa: E402
 from dflash2 import LLM, SamplingParams  # noqa: E402
 from dflash2.engine.step_trace import StepTrace  # noqa: E402
@@ -78,20 +79,9 @@ def gpu_busy_fraction(llm: LLM, prompts: list, params: SamplingParams, warm_step
     with steady_decode(llm, prompts, params, warm_steps) as engine:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:  # CUDA only: no per-op host tracing cost
             wall = timed_steps(engine, steps)
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    busy = 0.0
-    current_start, current_end = None, None
-    for begin, end in intervals:
-        if current_end is None or begin > current_end:
-            if current_end is not None:
-                busy += current_end - current_start
-            current_start, current_end = begin, end
-        else:
-            current_end = max(current_end, end)
-    if current_end is not None:
-        busy += current_end - current_start
-    span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
+    events = kernel_events(prof)
+    busy = exposed_table(events, 1)[1]  # us: the union of the kernels' intervals
+    span = (max(end for _, end, _ in events) - events[0][0]) if events else 0.0
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70), flush=True)
     return {"profiled_steps": steps, "wall_ms": round(wall * 1e3, 2), "kernel_busy_ms": round(busy / 1e3, 2),
             "busy_fraction_of_wall": round(busy / 1e6 / wall, 3),

@@ -331,10 +331,10 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
 
 
 # Per BLOCK_M (activation rows rounded up to a power of two). BLOCK_N rows a program; CHUNKS = 32 num_warps
-# (a config may also cap the registers a thread, "maxnreg": ptxas spills past it, and more programs fit an SM)
 # puts every thread on its own 32 columns of all BLOCK_N rows (a step of 32 CHUNKS columns along K); fewer
 # CHUNKS spread the rows over warps as well. More rows a thread share the activation work but take registers
-# (sm_90, M = 1: BLOCK_N 4 / 8 / 16 -> 96 / 128 / 255 registers).
+# (sm_90, M = 1: BLOCK_N 4 / 8 / 16 -> 96 / 128 / 255 registers). A config may also cap the registers a thread
+# ("maxnreg", passed to the launch): ptxas spills past the cap, and more programs fit an SM.
 INT4_GEMV_CONFIGS: dict = {
     1: {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
     2: {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},

@@ -3,10 +3,10 @@
 A decode step is a chain of a few hundred small kernels (W2: ~9 a layer); between two of them the device
 otherwise drains the first grid, then launches and ramps up the next, a few microseconds each time. A kernel
 launched with `launch_pdl=True` may be started by the hardware once every program of the kernel before it
-has called `gdc_launch_dependents`; each of our kernels calls `pdl_start(USE_PDL)` first thing, which waits
-(`gdc_wait`) until the previous grid has completed and its writes are visible, then lets the next kernel
-launch. So no kernel touches memory its predecessor may write before that one is done (correctness is
-unchanged), but launch and ramp-up overlap the predecessor's tail. Kernels that do not call it (torch's) launch as usual.
+has called `gdc_launch_dependents`; each of our kernels calls `pdl_start(USE_PDL)` before it touches anything
+the kernel before it may write; it waits (`gdc_wait`) until the previous grid has completed and its writes are
+visible, then lets the next kernel launch. So correctness is unchanged, but launch and ramp-up overlap the
+predecessor's tail. Kernels that do not call it (torch's) launch as usual.
 
 On by default on CUDA devices of compute capability 9.0 or newer; `DFLASH2_PDL=0` turns it off; never under
 the interpreter. Launchers pass `**pdl_args()` (the kernel's USE_PDL constant and the launch option).

@@ -54,7 +54,7 @@ GEMM_SMALL_M = 32  # up to this many rows the GEMM takes GEMM_SMALL_M_CONFIG (sp
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # int4 decode (M <= GEMV_MAX_M) through kernels/triton/int4_gemv.py: a second, repacked copy of each weight,
-# ~3 sm_90 instructions a weight against ~8.6 for _gemv_kernel (benchmarks/sass_count.py), no shared memory in
+# ~2.5 (16-bit models) to ~3.2 sm_90 instructions a weight against ~8.6 for _gemv_kernel (benchmarks/sass_count.py), no shared memory in
 # its K loop. DFLASH2_INT4_GEMV=legacy keeps int4 decode on _gemv_kernel (and skips the repacked copy);
 # =float keeps the repacked kernel's float32 products instead of its default packed fp16 ones (int4_gemv.HALF2).
 INT4_REPACKED = os.environ.get("DFLASH2_INT4_GEMV", "half2") != "legacy"

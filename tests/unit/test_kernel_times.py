@@ -1,7 +1,7 @@
-"""benchmarks/decode_profile.py's exposed-time accounting."""
+"""benchmarks/kernel_times.py's exposed-time accounting."""
 from __future__ import annotations
 
-from benchmarks.decode_profile import exposed_table
+from benchmarks.kernel_times import exposed_table
 
 
 def test_each_kernel_is_charged_for_how_far_it_moves_the_latest_end():
