@@ -32,9 +32,15 @@ INT4_CONFIGS = [dict(BLOCK_N=bn, CHUNKS=32 * w, num_warps=w, num_stages=1, SPLIT
                 for bn, w, sk, pf in [(8, 4, 1, 0), (4, 4, 1, 0), (16, 4, 1, 0), (2, 4, 1, 0), (8, 8, 1, 0),
                                       (4, 4, 2, 0), (8, 2, 1, 0), (8, 2, 1, 1), (8, 1, 1, 1), (16, 1, 1, 1),
                                       (16, 4, 2, 0), (16, 2, 1, 1), (16, 2, 2, 1)]]
-# 16 rows on 4 warps need ~255 registers a thread: two programs an SM. Capped (ptxas spills past the cap), three
-# (168) or four (128) fit; the twelfth session's hypothesis is that two warps a scheduler hide too little
-INT4_CONFIGS += [{**INT4_CONFIGS[2], "maxnreg": r} for r in (168, 128)]
+# 16 rows on 4 warps take 168 registers a thread with packed fp16 products (254 with float32 ones: two programs
+# an SM; benchmarks/sass_count.py), three programs an SM. Capped (ptxas spills past the cap), four fit at 128
+CAPPED_CONFIGS = [{**INT4_CONFIGS[2], "maxnreg": r} for r in (168, 128)]
+# PERSISTENT: programs an SM, each walking row tiles with the next tile's words requested ahead (sm_90 registers
+# at M = 1, one step a tile: 96 at 8 rows, 254 at 16; benchmarks/sass_count.py)
+PERSISTENT_CONFIGS = [dict(BLOCK_N=bn, CHUNKS=32 * w, num_warps=w, num_stages=1, SPLIT_K=1, PERSISTENT=p)
+                      for bn, w, p in [(8, 4, 4), (8, 4, 5), (8, 4, 2), (16, 4, 2), (16, 4, 1), (4, 4, 8),
+                                       (8, 2, 8)]]
+INT4_CONFIGS += CAPPED_CONFIGS + PERSISTENT_CONFIGS
 GEMV16_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st)
                   for bn, bk, sk, w, st in [(8, 512, 1, 4, 2), (4, 1024, 1, 4, 3), (8, 1024, 1, 8, 3),
                                             (16, 512, 1, 8, 2), (8, 512, 2, 4, 3), (4, 512, 1, 4, 4)]]
@@ -123,7 +129,7 @@ def main() -> None:
         del candidates, int4, legacy
         torch.cuda.empty_cache()
     if m == 1:
-        rows += silu_variants(INT4_CONFIGS[:3] + INT4_CONFIGS[-2:])
+        rows += silu_variants(INT4_CONFIGS[:3] + CAPPED_CONFIGS + PERSISTENT_CONFIGS)
     best = {}
     for (kernel, config), per_shape in totals.items():
         if len(per_shape) == len(SHAPES):

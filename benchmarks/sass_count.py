@@ -140,6 +140,15 @@ def main() -> None:
                        elements_per_iteration=block_n * config["CHUNKS"] * 32, num_warps=config["num_warps"],
                        num_stages=config["num_stages"])
 
+    persistent_types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16"}
+    for block_n in (8, 16):  # config "PERSISTENT", one step a tile (K = 4096 on 4 warps): the loop is over tiles
+        constants = {"GS": 128, "BLOCK_M": 1, "BLOCK_N": block_n, "CHUNKS": 128, "STEPS": 1, "SILU_MUL": False,
+                     "EVEN_M": True, "EVEN_K": True, "ASM": True, "PAIRED": False, "SILU_OUT": False, "HALF2": True,
+                     "EARLY": True}
+        report(f"int4 GEMV, persistent, half2, M=1, BLOCK_N={block_n} (per weight)",
+               int4_gemv._int4_gemv_persistent_kernel, persistent_types, constants,
+               elements_per_iteration=block_n * 128 * 32, num_warps=4, num_stages=1)
+
 
 if __name__ == "__main__":
     main()

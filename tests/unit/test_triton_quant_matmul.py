@@ -188,6 +188,34 @@ def test_int4_gemv_early_loads(k, chunks, split_k, half2):
     torch.testing.assert_close(plain, expected(x, weight), atol=3e-3 if half2 else 2e-5, rtol=3e-3 if half2 else 1e-5)
 
 
+@pytest.mark.parametrize("half2", [False, True])
+@pytest.mark.parametrize("rows, k, chunks, programs, mode", [
+    (1, 128, 4, 2, "plain"),     # one step a tile: activations loaded once; 5 tiles over 2 programs
+    (3, 448, 4, 3, "plain"),     # 4 steps a tile, the last part masked (K not a multiple of the step)
+    (4, 256, 2, 5, "plain"),     # as many programs as tiles (one tile each), 2 steps
+    (2, 128, 4, 4, "silu_out"),  # paired gate/up rows, silu(gate) * up stored by tile
+    (1, 384, 4, 2, "silu_mul"),  # [gate | up] activations, 3 steps
+])
+def test_int4_gemv_persistent(rows, k, chunks, programs, mode, half2):
+    """config "PERSISTENT" (fewer programs than row tiles, each walking its tiles with the next step's words
+    requested ahead) computes bit for bit what one program a tile does, ragged N and K included."""
+    from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up
+
+    weight, prepared = _int4_prepared(N + 3 if mode == "silu_out" else N, k, 32, seed=rows + k, half2=half2)
+    x = torch.randn(rows, 2 * k if mode == "silu_mul" else k, generator=torch.Generator().manual_seed(k))
+    config = {"BLOCK_N": 8, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1}
+    kwargs = {"silu_out": mode == "silu_out", "silu_mul": mode == "silu_mul"}
+    if mode == "silu_out":
+        prepared = pair_gate_up(prepared)
+    plain = int4_gemv(x, prepared, config=config, **kwargs)
+    for early in (0, 1):
+        persistent = {**config, "PERSISTENT": 1, "PROGRAMS": programs, "EARLY": early}
+        assert torch.equal(int4_gemv(x, prepared, config=persistent, **kwargs), plain)
+    if mode == "plain":
+        torch.testing.assert_close(plain, expected(x, weight), atol=3e-3 if half2 else 2e-5,
+                                   rtol=3e-3 if half2 else 1e-5)
+
+
 def test_int4_half2_layout():
     """DFLASH2_INT4_GEMV=half2: the same slots (column 32 c + 4 s + j in word j), each at HALF2_SLOT_BITS[s]:
     slots 0/1, 2/3 (and of the word >> 8: 4/5, 6/7) share a LOP3 that makes two fp16 values."""

@@ -25,6 +25,7 @@ SPLIT_K > 1 splits K over programs (gemv_parts._store_or_reduce: the last one su
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -292,49 +293,146 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
             words, sz = _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
         x_mask = c_ok4 & m_ok[None, :, None, None]
         MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
-        cols = k0 + x_cols
-        x0 = _x_slot(x_base, cols, x_mask, K, SILU_MUL, MASKED, ASM)
-        x1 = _x_slot(x_base, cols + 4, x_mask, K, SILU_MUL, MASKED, ASM)
-        x2 = _x_slot(x_base, cols + 8, x_mask, K, SILU_MUL, MASKED, ASM)
-        x3 = _x_slot(x_base, cols + 12, x_mask, K, SILU_MUL, MASKED, ASM)
-        x4 = _x_slot(x_base, cols + 16, x_mask, K, SILU_MUL, MASKED, ASM)
-        x5 = _x_slot(x_base, cols + 20, x_mask, K, SILU_MUL, MASKED, ASM)
-        x6 = _x_slot(x_base, cols + 24, x_mask, K, SILU_MUL, MASKED, ASM)
-        x7 = _x_slot(x_base, cols + 28, x_mask, K, SILU_MUL, MASKED, ASM)
-        s = sz.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        if HALF2:
-            xs = tl.sum(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, axis=3)  # [C, BM, 1]
-            acc += s * (_half2_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM) - z * xs)
-        else:
-            f0, f1, f2, f3, f4, f5, f6, f7 = _slot_floats(words, ASM)
-            f = f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3 + f4 * x4 + f5 * x5 + f6 * x6 + f7 * x7  # [C, BM, BN, 4]
-            xa = tl.sum(x1 + x3 + x5 + x7, axis=3)  # [C, BM, 1]
-            xb = tl.sum(x0 + x2 + x4 + x6, axis=3)
-            t = 16.0 * xa + 256.0 * xb
-            xs = xa + xb
-            acc += s * (16.0 * tl.sum(f, axis=3) - t - z * xs)
-    result = tl.sum(acc, axis=0)  # [BM, BN]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, k0 + x_cols, x_mask, K, SILU_MUL, MASKED, ASM)
+        acc += _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
+    _int4_store(tl.sum(acc, axis=0), pid, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M, BLOCK_N,
+                SPLIT_K, PAIRED, SILU_OUT)
+
+
+@triton.jit
+def _slot_activations(x_base, cols, mask, K, SILU_MUL: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr):
+    """The activations of a step's 8 slots ([C, BM, 1, 4] each, float32): slot p at cols + 4 p."""
+    return (_x_slot(x_base, cols, mask, K, SILU_MUL, MASKED, ASM),
+            _x_slot(x_base, cols + 4, mask, K, SILU_MUL, MASKED, ASM),
+            _x_slot(x_base, cols + 8, mask, K, SILU_MUL, MASKED, ASM),
+            _x_slot(x_base, cols + 12, mask, K, SILU_MUL, MASKED, ASM),
+            _x_slot(x_base, cols + 16, mask, K, SILU_MUL, MASKED, ASM),
+            _x_slot(x_base, cols + 20, mask, K, SILU_MUL, MASKED, ASM),
+            _x_slot(x_base, cols + 24, mask, K, SILU_MUL, MASKED, ASM),
+            _x_slot(x_base, cols + 28, mask, K, SILU_MUL, MASKED, ASM))
+
+
+@triton.jit
+def _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2: tl.constexpr, ASM: tl.constexpr):
+    """One step's sum (q - z) s x per chunk, [C, BM, BN] float32: words [C, 1, BN, 4] (the HALF2 layout or the
+    float one, see the docstring), sz [C, 1, BN] their scale/zero pairs, x_p the activations of slot p."""
+    s = sz.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if HALF2:
+        xs = tl.sum(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, axis=3)  # [C, BM, 1]
+        part = s * (_half2_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM) - z * xs)
+    else:
+        f0, f1, f2, f3, f4, f5, f6, f7 = _slot_floats(words, ASM)
+        f = f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3 + f4 * x4 + f5 * x5 + f6 * x6 + f7 * x7  # [C, BM, BN, 4]
+        xa = tl.sum(x1 + x3 + x5 + x7, axis=3)  # [C, BM, 1]
+        xb = tl.sum(x0 + x2 + x4 + x6, axis=3)
+        t = 16.0 * xa + 256.0 * xb
+        xs = xa + xb
+        part = s * (16.0 * tl.sum(f, axis=3) - t - z * xs)
+    return part
+
+
+@triton.jit
+def _int4_store(result, tile, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr):
+    """Store tile `tile`'s [BM, BN] result (or its split-K partial): PAIRED rows back in [gate | up] order, or
+    with SILU_OUT silu(gate) * up of its BLOCK_N / 2 pairs."""
     if SILU_OUT:
         dtype = out_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(result, [BLOCK_M, BLOCK_N // 2, 2]))
-        pairs = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        mask = m_ok[:, None] & (pairs < N // 2)[None, :]
+        pairs = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        mask = (m_idx < M)[:, None] & (pairs < N // 2)[None, :]
         # the outputs rounded as the unfused GEMV would have stored them, then silu_and_mul's rounding
         tl.store(out_ptr + m_idx[:, None] * stride_om + pairs[None, :], _silu_mul(gate.to(dtype), up.to(dtype)),
                  mask=mask)
     else:
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if PAIRED:  # interleaved row r -> its [gate | up] column (rows past N stay past N, masked)
             cols = tl.where(cols < N, (cols % 2) * (N // 2) + cols // 2, cols)
-        _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, cols, M, N, stride_om, pid, pid_k, SPLIT_K)
+        _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, cols, M, N, stride_om, tile, pid_k, SPLIT_K)
+
+
+@triton.jit
+def _tile_step_load(w_ptr, sz_ptr, tile, k0, N, K, c, lanes, offs, stride_wn, stride_sn, GS: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """The words [C, 1, BN, 4] and scale/zero pairs [C, 1, BN] of row tile `tile` at column k0, masked (a tile
+    past the last one loads nothing: the persistent kernel's prefetch after its last step)."""
+    rows = tile * BLOCK_N + lanes
+    n_ok = rows < N
+    rows = tl.where(n_ok, rows, 0)
+    c_ok = k0 + c * 32 < K
+    words = tl.load(w_ptr + rows[None, None, :, None] * stride_wn + k0 // 8 + offs,
+                    mask=c_ok[:, None, None, None] & n_ok[None, None, :, None], other=0)
+    g = (k0 + c[:, None, None] * 32) // GS
+    sz = tl.load(sz_ptr + rows[None, None, :] * stride_sn + g, mask=c_ok[:, None, None] & n_ok[None, None, :],
+                 other=0)
+    return words, sz
+
+
+@triton.jit
+def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                                 stride_om, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 CHUNKS: tl.constexpr, STEPS: tl.constexpr, SILU_MUL: tl.constexpr,
+                                 EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, PAIRED: tl.constexpr,
+                                 SILU_OUT: tl.constexpr, HALF2: tl.constexpr, USE_PDL: tl.constexpr,
+                                 EARLY: tl.constexpr):
+    """The same GEMV with fewer programs than row tiles (int4_gemv's config "PERSISTENT"): program p takes tiles
+    p, p + P, p + 2 P, ... (P programs), each in STEPS steps along K, and requests the next step's words (the
+    next tile's, after a tile's last step) before it computes this one, so its loads keep streaming while it
+    computes, and no wave of programs ends half-empty. With one step a tile (K <= 32 CHUNKS) the activations
+    are loaded once, before the loop. EARLY: the first words are requested before the PDL wait."""
+    if not EARLY:
+        pdl_start(USE_PDL)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    STEP: tl.constexpr = CHUNKS * 32
+    MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
+    total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs) * STEPS  # this program's (tile, step) pairs
+    lanes = tl.arange(0, BLOCK_N)
+    m_idx = tl.arange(0, BLOCK_M)
+    m_ok = m_idx < M
+    c = tl.arange(0, CHUNKS)
+    c4 = c[:, None, None, None]
+    j4 = tl.arange(0, 4)[None, None, None, :]
+    offs = c4 * 4 + j4  # [C, 1, 1, 4]: a chunk's 4 words
+    x_base = x_ptr + m_idx[None, :, None, None] * stride_xm  # [1, BM, 1, 1]
+    x_cols = c4 * 32 + j4  # [C, 1, 1, 4]; + 4 p for slot p
+    words_next, sz_next = _tile_step_load(w_ptr, sz_ptr, pid, 0, N, K, c, lanes, offs, stride_wn, stride_sn, GS,
+                                          BLOCK_N)
+    if EARLY:
+        pdl_start(USE_PDL)
+    if STEPS == 1:
+        x_mask = (c4 * 32 < K) & m_ok[None, :, None, None]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, x_cols, x_mask, K, SILU_MUL, MASKED, ASM)
+    acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
+    for f in range(0, total):
+        tile = pid + (f // STEPS) * programs
+        k0 = (f % STEPS) * STEP
+        words, sz = words_next, sz_next
+        words_next, sz_next = _tile_step_load(w_ptr, sz_ptr, pid + ((f + 1) // STEPS) * programs,
+                                              ((f + 1) % STEPS) * STEP, N, K, c, lanes, offs, stride_wn, stride_sn,
+                                              GS, BLOCK_N)
+        if STEPS == 1:
+            part = _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
+            _int4_store(tl.sum(part, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0, BLOCK_M,
+                        BLOCK_N, 1, PAIRED, SILU_OUT)
+        else:
+            x_mask = (k0 + c4 * 32 < K) & m_ok[None, :, None, None]
+            y0, y1, y2, y3, y4, y5, y6, y7 = _slot_activations(x_base, k0 + x_cols, x_mask, K, SILU_MUL, MASKED,
+                                                               ASM)
+            acc += _step_sum(words, sz, y0, y1, y2, y3, y4, y5, y6, y7, HALF2, ASM)
+            if k0 + STEP >= K:
+                _int4_store(tl.sum(acc, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0,
+                            BLOCK_M, BLOCK_N, 1, PAIRED, SILU_OUT)
+                acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
 
 
 # Per BLOCK_M (activation rows rounded up to a power of two). BLOCK_N rows a program; CHUNKS = 32 num_warps
 # puts every thread on its own 32 columns of all BLOCK_N rows (a step of 32 CHUNKS columns along K); fewer
 # CHUNKS spread the rows over warps as well. More rows a thread share the activation work but take registers
-# (sm_90, M = 1: BLOCK_N 4 / 8 / 16 -> 96 / 128 / 255 registers). A config may also cap the registers a thread
-# ("maxnreg", passed to the launch): ptxas spills past the cap, and more programs fit an SM.
+# (sm_90, M = 1, float32 products: BLOCK_N 8 / 16 -> 128 / 254 registers; half2: 96 / 168). A config may also
+# cap the registers a thread ("maxnreg", passed to the launch): ptxas spills past the cap, and more programs fit
+# an SM. "PERSISTENT": P programs an SM (the grid is P times the SMs, or the tiles if fewer), each walking its
+# row tiles in _int4_gemv_persistent_kernel; SPLIT_K and PREFETCH do not apply there.
 INT4_GEMV_CONFIGS: dict = {
     1: {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
     2: {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
@@ -366,6 +464,13 @@ def int4_config(n: int, k: int, m: int = 1, half2: bool = False) -> dict:
         default = INT4_HALF2_M1_CONFIG if block_m == 1 else INT4_GEMV_CONFIGS[min(block_m, 4)]
         return INT4_HALF2_SHAPE_CONFIGS.get((block_m, n, k), default)
     return INT4_GEMV_SHAPE_CONFIGS.get((block_m, n, k), INT4_GEMV_CONFIGS[min(block_m, 4)])
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device (the persistent grid's unit); 2 elsewhere (the interpreter), so that tests see
+    programs taking several tiles."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
@@ -437,11 +542,21 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         raise ValueError("int4 GEMV indexes with int32 offsets: the activation is too large")
     step = chunks * CHUNK
     tiles = triton.cdiv(n, block_n)
-    split_k = max(1, min(config.get("SPLIT_K", 1), triton.cdiv(k, step)))
-    even_k = k % (step * split_k) == 0
     pdl = pdl_args()
     # config["EARLY"] overrides the switch (tests and the tune; under the interpreter it only reorders the loads)
     early = bool(config.get("EARLY", EARLY_LOADS)) and (pdl["USE_PDL"] or _INTERPRETED)
+    if config.get("PERSISTENT"):
+        programs = min(tiles, config.get("PROGRAMS") or config["PERSISTENT"] * _multiprocessors(x.device))
+        _int4_gemv_persistent_kernel[(programs,)](
+            x, weight["words"], weight["sz"], out, m, n, k, x.stride(0), weight["words"].stride(0),
+            weight["sz"].stride(0), out.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
+            CHUNKS=chunks, STEPS=triton.cdiv(k, step), SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_K=k % step == 0,
+            ASM=not _INTERPRETED, PAIRED=paired, SILU_OUT=silu_out, HALF2=weight.get("half2", False), EARLY=early,
+            num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl,
+            **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
+        return out
+    split_k = max(1, min(config.get("SPLIT_K", 1), triton.cdiv(k, step)))
+    even_k = k % (step * split_k) == 0
     prefetch = (early or bool(config.get("PREFETCH", 0))) and k > step * split_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = split_counters(x.device, tiles) if split_k > 1 else out
