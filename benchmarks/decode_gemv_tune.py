@@ -36,10 +36,11 @@ INT4_CONFIGS = [dict(BLOCK_N=bn, CHUNKS=32 * w, num_warps=w, num_stages=1, SPLIT
 # an SM; benchmarks/sass_count.py), three programs an SM. Capped (ptxas spills past the cap), four fit at 128
 CAPPED_CONFIGS = [{**INT4_CONFIGS[2], "maxnreg": r} for r in (168, 128)]
 # PERSISTENT: programs an SM, each walking row tiles with the next tile's words requested ahead (sm_90 registers
-# at M = 1, one step a tile: 96 at 8 rows, 254 at 16; benchmarks/sass_count.py)
+# at M = 1, K = 4096 on 4 warps, one step a tile: 96 at 8 rows, 254 at 16; on one warp, four steps a tile and
+# no cross-warp sum: 134 / 168; benchmarks/sass_count.py)
 PERSISTENT_CONFIGS = [dict(BLOCK_N=bn, CHUNKS=32 * w, num_warps=w, num_stages=1, SPLIT_K=1, PERSISTENT=p)
                       for bn, w, p in [(8, 4, 4), (8, 4, 5), (8, 4, 2), (16, 4, 2), (16, 4, 1), (4, 4, 8),
-                                       (8, 2, 8)]]
+                                       (8, 2, 8), (8, 1, 16), (16, 1, 8)]]
 INT4_CONFIGS += CAPPED_CONFIGS + PERSISTENT_CONFIGS
 GEMV16_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st)
                   for bn, bk, sk, w, st in [(8, 512, 1, 4, 2), (4, 1024, 1, 4, 3), (8, 1024, 1, 8, 3),

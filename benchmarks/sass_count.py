@@ -128,7 +128,7 @@ def main() -> None:
         report(f"GEMV {bits}-bit, M=1 (per weight)", quant_matmul._gemv_kernel, {**gemv_types, "w_ptr": weight},
                constants, elements_per_iteration=block_n * gs * t)
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-             "cnt_ptr": "*i32"}
+             "cnt_ptr": "*i32", "nw_ptr": "*bf16", "eps": "fp32"}
     for half2 in (False, True):  # DFLASH2_INT4_GEMV=half2: packed fp16 products
         for block_m, config in sorted(int4_gemv.INT4_GEMV_CONFIGS.items()):
             for block_n in sorted({config["BLOCK_N"], 2 * config["BLOCK_N"]} if block_m == 1 else {config["BLOCK_N"]}):
@@ -140,13 +140,16 @@ def main() -> None:
                        elements_per_iteration=block_n * config["CHUNKS"] * 32, num_warps=config["num_warps"],
                        num_stages=config["num_stages"])
 
-    persistent_types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16"}
-    for block_n in (8, 16):  # config "PERSISTENT", one step a tile (K = 4096 on 4 warps): the loop is over tiles
+    persistent_types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "nw_ptr": "*bf16",
+                        "eps": "fp32"}
+    # config "PERSISTENT", one step a tile (K = 4096 on 4 warps): the loop is over tiles; with the RMSNorm
+    # prologue (NORM, normed once a program) and the residual add (ADD_OUT)
+    for block_n, fused in ((8, {}), (16, {}), (8, {"NORM": True}), (8, {"ADD_OUT": True})):
         constants = {"GS": 128, "BLOCK_M": 1, "BLOCK_N": block_n, "CHUNKS": 128, "STEPS": 1, "SILU_MUL": False,
                      "EVEN_M": True, "EVEN_K": True, "ASM": True, "PAIRED": False, "SILU_OUT": False, "HALF2": True,
-                     "EARLY": True}
-        report(f"int4 GEMV, persistent, half2, M=1, BLOCK_N={block_n} (per weight)",
-               int4_gemv._int4_gemv_persistent_kernel, persistent_types, constants,
+                     "EARLY": True, **fused}
+        report(f"int4 GEMV, persistent, half2, M=1, BLOCK_N={block_n}{''.join(', ' + f for f in fused)} "
+               "(per weight)", int4_gemv._int4_gemv_persistent_kernel, persistent_types, constants,
                elements_per_iteration=block_n * 128 * 32, num_warps=4, num_stages=1)
 
 

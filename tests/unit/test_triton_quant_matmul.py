@@ -216,6 +216,42 @@ def test_int4_gemv_persistent(rows, k, chunks, programs, mode, half2):
                                    rtol=3e-3 if half2 else 1e-5)
 
 
+@pytest.mark.parametrize("half2", [False, True])
+@pytest.mark.parametrize("k, config", [
+    (128, {"CHUNKS": 4, "SPLIT_K": 1}),                     # one step
+    (448, {"CHUNKS": 4, "SPLIT_K": 1}),                     # 4 steps, the last part masked
+    (512, {"CHUNKS": 4, "SPLIT_K": 2}),                     # split along K: each split norms the whole row
+    (128, {"CHUNKS": 4, "PERSISTENT": 1, "PROGRAMS": 2}),   # persistent, one step: normed once a program
+    (448, {"CHUNKS": 4, "PERSISTENT": 1, "PROGRAMS": 3}),   # persistent, 4 steps
+])
+def test_int4_gemv_norm_and_residual_add(k, config, half2):
+    """norm=(weight, eps): the GEMV's input is RMSNorm(x) computed in its prologue (x the residual stream, left
+    as it was); add_out: out += the product in the epilogue. Both against the separate steps."""
+    from dflash2.kernels.triton.int4_gemv import int4_gemv
+    from dflash2.layers.norm import RMSNorm
+
+    weight, prepared = _int4_prepared(N, k, 32, seed=k, half2=half2)
+    config = {"BLOCK_N": 8, "num_warps": 1, "num_stages": 1, **config}
+    g = torch.Generator().manual_seed(k)
+    norm = RMSNorm(k, 1e-5)
+    norm.weight.data = torch.rand(k, generator=g) + 0.5
+    for rows in (1, 3):
+        residual = torch.randn(rows, k, generator=g) * 3
+        kept = residual.clone()
+        fused = int4_gemv(residual, prepared, config=config, norm=(norm.weight, norm.eps))
+        assert torch.equal(residual, kept)
+        torch.testing.assert_close(fused, int4_gemv(norm(residual), prepared, config=config), atol=1e-5, rtol=1e-5)
+        x = torch.randn(rows, k, generator=g)
+        stream = torch.randn(rows, N, generator=g)
+        want = stream + int4_gemv(x, prepared, config=config)
+        assert int4_gemv(x, prepared, out=stream, config=config, add_out=True).data_ptr() == stream.data_ptr()
+        torch.testing.assert_close(stream, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="norm weight"):
+        int4_gemv(residual, prepared, norm=(norm.weight[:-1], 1e-5))
+    with pytest.raises(ValueError, match="add_out"):
+        int4_gemv(x, prepared, add_out=True)
+
+
 def test_int4_half2_layout():
     """DFLASH2_INT4_GEMV=half2: the same slots (column 32 c + 4 s + j in word j), each at HALF2_SLOT_BITS[s]:
     slots 0/1, 2/3 (and of the word >> 8: 4/5, 6/7) share a LOP3 that makes two fp16 values."""

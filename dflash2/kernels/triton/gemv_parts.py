@@ -36,13 +36,14 @@ def _activation(x_ptr, m, stride_xm, K, cols, mask, SILU_MUL: tl.constexpr):
 
 @triton.jit
 def _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om, tile_id, pid_k,
-                     SPLIT_K: tl.constexpr):
+                     SPLIT_K: tl.constexpr, ADD_OUT: tl.constexpr = False):
     """Store [BLOCK_M, BLOCK_N] fp32; split along K, park it in the workspace and let the last program of
-    this tile (a ticket from the tile's counter) sum all SPLIT_K partials, store, and reset the counter."""
+    this tile (a ticket from the tile's counter) sum all SPLIT_K partials, store, and reset the counter.
+    ADD_OUT: out += the result (rounded to out's dtype first, as a separate residual add would see it)."""
     mask = (m_idx < M)[:, None] & (rows < N)[None, :]
     out_offs = m_idx[:, None] * stride_om + rows[None, :]
     if SPLIT_K == 1:
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_out(acc, out_ptr + out_offs, mask, ADD_OUT)
     else:
         ws_offs = m_idx[:, None] * N + rows[None, :]
         tl.store(ws_ptr + pid_k * M * N + ws_offs, acc, mask=mask)
@@ -52,8 +53,16 @@ def _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om
             total = tl.zeros_like(acc)
             for split in range(SPLIT_K):
                 total += tl.load(ws_ptr + split * M * N + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            _store_out(total, out_ptr + out_offs, mask, ADD_OUT)
             tl.atomic_xchg(cnt_ptr + tile_id, 0)
+
+
+@triton.jit
+def _store_out(value, ptrs, mask, ADD_OUT: tl.constexpr):
+    dtype = ptrs.dtype.element_ty
+    if ADD_OUT:
+        value = value.to(dtype) + tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, value.to(dtype), mask=mask)
 
 
 @triton.jit

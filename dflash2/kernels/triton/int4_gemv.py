@@ -242,11 +242,12 @@ def _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS: tl.constexpr, EVEN_N: tl
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
-                      stride_sn, stride_om, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr,
-                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                      PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr,
-                      HALF2: tl.constexpr = False, EARLY: tl.constexpr = False):
+                      stride_sn, stride_om, nw_ptr, eps, GS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                      EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+                      ASM: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+                      HALF2: tl.constexpr = False, EARLY: tl.constexpr = False, NORM: tl.constexpr = False,
+                      ADD_OUT: tl.constexpr = False):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
@@ -257,7 +258,10 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     silu(gate) * up of its BLOCK_N / 2 pairs, rounded as the separate silu_and_mul kernel would.
     EARLY (with programmatic dependent launch): the first step's words and scales are requested before the wait
     for the previous kernel, which never writes them, so they stream in while it finishes; the launcher sets
-    PREFETCH too when K takes more than one step."""
+    PREFETCH too when K takes more than one step.
+    NORM: x is the residual stream, and the GEMV's input is its RMSNorm with weight nw (rms_norm's arithmetic;
+    every program computes the rows' statistics in a pass over x first). ADD_OUT: out += the result (the
+    residual add, rounded as rms_norm's residual add: the product in the output dtype first)."""
     if not EARLY:
         pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -281,6 +285,9 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         words_next, sz_next = _load_step(w_base, sz_base, k_start, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
     if EARLY:
         pdl_start(USE_PDL)
+    MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
+    if NORM:
+        rstd = _rms_rstd(x_base, x_cols, m_ok, K, eps, STEP, ASM)
     for k0 in range(k_start, k_end, STEP):
         c_ok = k0 + c * 32 < k_end
         c_ok4 = c_ok[:, None, None, None]
@@ -292,11 +299,45 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         else:
             words, sz = _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
         x_mask = c_ok4 & m_ok[None, :, None, None]
-        MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
         x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, k0 + x_cols, x_mask, K, SILU_MUL, MASKED, ASM)
+        if NORM:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr,
+                                                           k0 + x_cols, c_ok4, x_ptr.dtype.element_ty)
         acc += _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
     _int4_store(tl.sum(acc, axis=0), pid, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M, BLOCK_N,
-                SPLIT_K, PAIRED, SILU_OUT)
+                SPLIT_K, PAIRED, SILU_OUT, ADD_OUT)
+
+
+@triton.jit
+def _sum_squares(x0, x1, x2, x3, x4, x5, x6, x7):
+    """Per activation row, the sum of squares of a step's slots: [1, BM, 1, 1]."""
+    sq = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7  # [C, BM, 1, 4]
+    return tl.sum(tl.sum(sq, axis=3, keep_dims=True), axis=0, keep_dims=True)
+
+
+@triton.jit
+def _rms_rstd(x_base, x_cols, m_ok, K, eps, STEP: tl.constexpr, ASM: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each activation row, [1, BM, 1, 1], in a pass over the row."""
+    total = tl.zeros([1, x_base.shape[1], 1, 1], tl.float32)
+    for k0 in range(0, K, STEP):
+        mask = (k0 + x_cols < K) & m_ok[None, :, None, None]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, k0 + x_cols, mask, K, False, True, ASM)
+        total += _sum_squares(x0, x1, x2, x3, x4, x5, x6, x7)
+    return tl.rsqrt(total / K + eps)
+
+
+@triton.jit
+def _normed(x, rstd, nw_ptr, cols, mask, DTYPE: tl.constexpr):
+    """rms_norm's output at `cols` as float32: (x rstd) rounded to the activations' dtype, times the weight."""
+    return (tl.load(nw_ptr + cols, mask=mask, other=0.0) * (x * rstd).to(DTYPE)).to(tl.float32)
+
+
+@triton.jit
+def _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr, cols, mask, DTYPE: tl.constexpr):
+    return (_normed(x0, rstd, nw_ptr, cols, mask, DTYPE), _normed(x1, rstd, nw_ptr, cols + 4, mask, DTYPE),
+            _normed(x2, rstd, nw_ptr, cols + 8, mask, DTYPE), _normed(x3, rstd, nw_ptr, cols + 12, mask, DTYPE),
+            _normed(x4, rstd, nw_ptr, cols + 16, mask, DTYPE), _normed(x5, rstd, nw_ptr, cols + 20, mask, DTYPE),
+            _normed(x6, rstd, nw_ptr, cols + 24, mask, DTYPE), _normed(x7, rstd, nw_ptr, cols + 28, mask, DTYPE))
 
 
 @triton.jit
@@ -334,9 +375,10 @@ def _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2: tl.constexpr, AS
 
 @triton.jit
 def _int4_store(result, tile, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr):
+                BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr,
+                ADD_OUT: tl.constexpr = False):
     """Store tile `tile`'s [BM, BN] result (or its split-K partial): PAIRED rows back in [gate | up] order, or
-    with SILU_OUT silu(gate) * up of its BLOCK_N / 2 pairs."""
+    with SILU_OUT silu(gate) * up of its BLOCK_N / 2 pairs; ADD_OUT: added to what out holds."""
     if SILU_OUT:
         dtype = out_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(result, [BLOCK_M, BLOCK_N // 2, 2]))
@@ -349,7 +391,8 @@ def _int4_store(result, tile, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, 
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if PAIRED:  # interleaved row r -> its [gate | up] column (rows past N stay past N, masked)
             cols = tl.where(cols < N, (cols % 2) * (N // 2) + cols // 2, cols)
-        _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, cols, M, N, stride_om, tile, pid_k, SPLIT_K)
+        _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, cols, M, N, stride_om, tile, pid_k, SPLIT_K,
+                         ADD_OUT)
 
 
 @triton.jit
@@ -371,16 +414,18 @@ def _tile_step_load(w_ptr, sz_ptr, tile, k0, N, K, c, lanes, offs, stride_wn, st
 
 @triton.jit
 def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                                 stride_om, GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 CHUNKS: tl.constexpr, STEPS: tl.constexpr, SILU_MUL: tl.constexpr,
-                                 EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, PAIRED: tl.constexpr,
-                                 SILU_OUT: tl.constexpr, HALF2: tl.constexpr, USE_PDL: tl.constexpr,
-                                 EARLY: tl.constexpr):
+                                 stride_om, nw_ptr, eps, GS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr,
+                                 SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                                 PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, HALF2: tl.constexpr,
+                                 USE_PDL: tl.constexpr, EARLY: tl.constexpr, NORM: tl.constexpr = False,
+                                 ADD_OUT: tl.constexpr = False):
     """The same GEMV with fewer programs than row tiles (int4_gemv's config "PERSISTENT"): program p takes tiles
     p, p + P, p + 2 P, ... (P programs), each in STEPS steps along K, and requests the next step's words (the
     next tile's, after a tile's last step) before it computes this one, so its loads keep streaming while it
     computes, and no wave of programs ends half-empty. With one step a tile (K <= 32 CHUNKS) the activations
-    are loaded once, before the loop. EARLY: the first words are requested before the PDL wait."""
+    are loaded once, before the loop (and with NORM normed once). EARLY: the first words are requested before
+    the PDL wait. NORM, ADD_OUT: as in _int4_gemv_kernel."""
     if not EARLY:
         pdl_start(USE_PDL)
     pid, programs = tl.program_id(0), tl.num_programs(0)
@@ -401,8 +446,15 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
     if EARLY:
         pdl_start(USE_PDL)
     if STEPS == 1:
-        x_mask = (c4 * 32 < K) & m_ok[None, :, None, None]
+        c_ok4 = c4 * 32 < K
+        x_mask = c_ok4 & m_ok[None, :, None, None]
         x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, x_cols, x_mask, K, SILU_MUL, MASKED, ASM)
+        if NORM:
+            rstd = tl.rsqrt(_sum_squares(x0, x1, x2, x3, x4, x5, x6, x7) / K + eps)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr, x_cols,
+                                                           c_ok4, x_ptr.dtype.element_ty)
+    elif NORM:
+        rstd = _rms_rstd(x_base, x_cols, m_ok, K, eps, STEP, ASM)
     acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
     for f in range(0, total):
         tile = pid + (f // STEPS) * programs
@@ -414,15 +466,19 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
         if STEPS == 1:
             part = _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
             _int4_store(tl.sum(part, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0, BLOCK_M,
-                        BLOCK_N, 1, PAIRED, SILU_OUT)
+                        BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT)
         else:
-            x_mask = (k0 + c4 * 32 < K) & m_ok[None, :, None, None]
+            c_ok4 = k0 + c4 * 32 < K
+            x_mask = c_ok4 & m_ok[None, :, None, None]
             y0, y1, y2, y3, y4, y5, y6, y7 = _slot_activations(x_base, k0 + x_cols, x_mask, K, SILU_MUL, MASKED,
                                                                ASM)
+            if NORM:
+                y0, y1, y2, y3, y4, y5, y6, y7 = _slots_normed(y0, y1, y2, y3, y4, y5, y6, y7, rstd, nw_ptr,
+                                                               k0 + x_cols, c_ok4, x_ptr.dtype.element_ty)
             acc += _step_sum(words, sz, y0, y1, y2, y3, y4, y5, y6, y7, HALF2, ASM)
             if k0 + STEP >= K:
                 _int4_store(tl.sum(acc, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0,
-                            BLOCK_M, BLOCK_N, 1, PAIRED, SILU_OUT)
+                            BLOCK_M, BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT)
                 acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
 
 
@@ -512,22 +568,34 @@ def pair_gate_up(weight: dict) -> dict:
 
 
 def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, silu_mul: bool = False,
-              config: dict | None = None, silu_out: bool = False) -> torch.Tensor:
+              config: dict | None = None, silu_out: bool = False,
+              norm: tuple[torch.Tensor, float] | None = None, add_out: bool = False) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with silu_mul; M small) @ W^T for a weight from prepare_int4; with silu_out (a
-    pair_gate_up weight) silu(gate) * up of that product, [M, N / 2]."""
+    pair_gate_up weight) silu(gate) * up of that product, [M, N / 2]. norm = (weight [K], eps): the input is
+    RMSNorm(x) as rms_norm computes it (x: the residual stream, not changed). add_out: out += the product (the
+    residual add; out is required)."""
     paired = weight.get("paired", False)
     if silu_out and not paired:
         raise ValueError("int4 GEMV silu_out needs a pair_gate_up weight")
+    if norm is not None and silu_mul:
+        raise ValueError("int4 GEMV takes norm or silu_mul, not both")
+    if add_out and (out is None or silu_out):
+        raise ValueError("int4 GEMV add_out needs out (the residual stream) and no silu_out")
+    if norm is not None and (norm[0].shape != (weight["k"],) or norm[0].dtype != x.dtype):
+        raise ValueError(f"int4 GEMV norm weight: expected [{weight['k']}] {x.dtype}, got "
+                         f"{tuple(norm[0].shape)} {norm[0].dtype}")
     n, k = weight["n"], weight["k"]
     if silu_out:
         config = config or int4_config(n, k, x.shape[0], weight.get("half2", False))
         if config.get("SPLIT_K", 1) > 1 or config["BLOCK_N"] % 2 or n % config["BLOCK_N"]:
             from dflash2.kernels.triton.elementwise import silu_and_mul
 
-            return silu_and_mul(int4_gemv(x, weight, config=config))
+            return silu_and_mul(int4_gemv(x, weight, config=config, norm=norm))
         if out is None:
             out = torch.empty((x.shape[0], n // 2), dtype=x.dtype, device=x.device)
     x, out = prepare_io(x, weight, out, silu_mul)
+    norm_weight, eps = norm if norm is not None else (x, 0.0)  # x: any pointer, never read without NORM
+    fused = {"NORM": norm is not None, "ADD_OUT": add_out}
     m = out.shape[0]
     if m == 0:
         return out
@@ -549,10 +617,11 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         programs = min(tiles, config.get("PROGRAMS") or config["PERSISTENT"] * _multiprocessors(x.device))
         _int4_gemv_persistent_kernel[(programs,)](
             x, weight["words"], weight["sz"], out, m, n, k, x.stride(0), weight["words"].stride(0),
-            weight["sz"].stride(0), out.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
-            CHUNKS=chunks, STEPS=triton.cdiv(k, step), SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_K=k % step == 0,
-            ASM=not _INTERPRETED, PAIRED=paired, SILU_OUT=silu_out, HALF2=weight.get("half2", False), EARLY=early,
-            num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl,
+            weight["sz"].stride(0), out.stride(0), norm_weight, eps, GS=weight["group_size"], BLOCK_M=block_m,
+            BLOCK_N=block_n, CHUNKS=chunks, STEPS=triton.cdiv(k, step), SILU_MUL=silu_mul, EVEN_M=m == block_m,
+            EVEN_K=k % step == 0, ASM=not _INTERPRETED, PAIRED=paired, SILU_OUT=silu_out,
+            HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
+            num_stages=config["num_stages"], **fused, **pdl,
             **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
         return out
     split_k = max(1, min(config.get("SPLIT_K", 1), triton.cdiv(k, step)))
@@ -562,9 +631,9 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     counters = split_counters(x.device, tiles) if split_k > 1 else out
     _int4_gemv_kernel[(tiles, split_k)](
         x, weight["words"], weight["sz"], out, ws, counters, m, n, k, x.stride(0), weight["words"].stride(0),
-        weight["sz"].stride(0), out.stride(0), GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n,
-        CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_N=n % block_n == 0,
-        PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired, SILU_OUT=silu_out,
-        HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
-        num_stages=config["num_stages"], **pdl, **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
+        weight["sz"].stride(0), out.stride(0), norm_weight, eps, GS=weight["group_size"], BLOCK_M=block_m,
+        BLOCK_N=block_n, CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m,
+        EVEN_N=n % block_n == 0, PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired,
+        SILU_OUT=silu_out, HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **fused, **pdl, **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
     return out
