@@ -57,12 +57,26 @@ class QuantLinear(nn.Module):
         batches (a gate_up on the int4 GEMV), rather than in a separate kernel."""
         return getattr(self.runtime, "fuses_silu_out", False) and self.bias is None
 
+    def fuses_norm(self, rows: int) -> bool:
+        """Whether forward(norm=, add_to=) folds the RMSNorm and the residual add into the matmul's own kernel
+        for `rows` activation rows (the int4 GEMV with DFLASH2_FUSE_NORM=1), rather than running them apart."""
+        return self.bias is None and getattr(self.runtime, "fuses_norm", lambda rows: False)(rows)
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.fmt, self.packed().tensors, dtype)
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False, norm: nn.Module | None = None,
+                add_to: torch.Tensor | None = None) -> torch.Tensor:
         """y = x W^T (+ bias); with `silu_mul`, x is a fused [gate | up] and silu(gate) * up goes in; with
-        `silu_out` (a gate_up layer, no bias), y is [gate | up] and silu(gate) * up comes out."""
+        `silu_out` (a gate_up layer, no bias), y is [gate | up] and silu(gate) * up comes out. `norm` (an
+        RMSNorm): y is of norm(x); `add_to`: y is added into that tensor (in place), which is returned; both in
+        the matmul's kernel where fuses_norm, else as separate steps."""
+        if norm is not None or add_to is not None:
+            if self.fuses_norm(x.shape[0]) and (not silu_out or self.fuses_silu_out):
+                return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=silu_out, add_to=add_to,
+                                           norm=None if norm is None else (norm.weight, norm.eps))
+            y = self.forward(x if norm is None else norm(x), silu_mul, silu_out)
+            return y if add_to is None else add_to.add_(y)
         if silu_out:
             if self.fuses_silu_out:
                 return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=True)

@@ -51,9 +51,12 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext, norm: RMSNorm | None = None,
+                add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of x; with `norm`, of norm(x), and with `add_to`, added into that tensor (both folded into
+        the qkv and o_proj GEMVs: LlamaDecoderLayer.fuses_norms)."""
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm=norm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -76,7 +79,8 @@ class LlamaAttention(nn.Module):
         else:
             q, k = rotary(ctx.positions, q, k)
             out = backend.forward(q, k, v, cache, ctx.attention, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        return self.o_proj(out) if add_to is None else self.o_proj(out, add_to=add_to)
 
     @property
     def qkv_weight(self) -> torch.Tensor:  # the fused float weight of a plain checkpoint (tests read it)
@@ -97,9 +101,11 @@ class LlamaMLP(nn.Module):
         if isinstance(self.gate_up_proj, QuantLinear):
             self.gate_up_proj.gate_up = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
         # silu(gate) * up: applied by gate_up_proj as it stores its outputs where its kernel can (the int4
         # GEMV), else by down_proj on its input (fused into the 16-bit GEMV)
+        if norm is not None or add_to is not None:  # LlamaDecoderLayer.fuses_norms: gate_up norms, down adds
+            return self.down_proj(self.gate_up_proj(x, silu_out=True, norm=norm), add_to=add_to)
         if getattr(self.gate_up_proj, "fuses_silu_out", False):
             return self.down_proj(self.gate_up_proj(x, silu_out=True))
         return self.down_proj(self.gate_up_proj(x), silu_mul=True)  # silu(gate) * up, fused where it can be
@@ -113,13 +119,31 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch, layer_index, quant)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
-                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def fuses_norms(self, rows: int) -> bool:
+        """Whether this layer's four GEMVs take its norms and residual adds for `rows` tokens: qkv and gate_up
+        norm their input, o_proj and down add their output into the residual stream (QuantLinear.fuses_norm)."""
+        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        return (all(isinstance(linear, QuantLinear) and linear.fuses_norm(rows) for linear in linears)
+                and self.mlp.gate_up_proj.fuses_silu_out)
+
+    def forward(self, x: torch.Tensor | None, residual: torch.Tensor | None, rotary: RotaryEmbedding,
+                ctx: ForwardContext) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before adding it): the add is fused into
-        the next norm."""
+        the next norm. Where fuses_norms: (None, the residual stream with everything added), its GEMVs having
+        normed and added; x None: nothing is left to add."""
+        if self.fuses_norms(residual.shape[0] if x is None else x.shape[0]):
+            if residual is None:
+                residual = x
+            elif x is not None:
+                residual.add_(x)
+            self.self_attn(residual, rotary, ctx, norm=self.input_layernorm, add_to=residual)
+            self.mlp(residual, norm=self.post_attention_layernorm, add_to=residual)
+            return None, residual
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
+        elif x is None:
+            h = self.input_layernorm(residual)
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, rotary, ctx)
@@ -150,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, self.rotary, ctx)
-        return self.norm(x, residual)[0]
+        return self.norm(residual) if x is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype, as the reference computes them; consumers that do arithmetic on them

@@ -242,3 +242,49 @@ def test_int4_engine_matches_torch_backend(tiny_int4, monkeypatch):
         runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
     assert runs["triton"] == runs["torch"]
+
+
+@pytest.mark.parametrize("n, k", [(6144, 4096), (28672, 4096), (4096, 14336)])
+def test_int4_gemv_norm_and_residual_add(n, k):
+    """The RMSNorm prologue (norm=) and residual-add epilogue (add_out) of the int4 GEMV in bf16, at the default
+    config and the persistent ones, against rms_norm + GEMV and GEMV + add: the add bit for bit, the norm within
+    rounding (its statistics are summed in another order)."""
+    from benchmarks.decode_gemv_tune import PERSISTENT_CONFIGS
+    from dflash2.kernels.triton.elementwise import rms_norm
+    from dflash2.kernels.triton.int4_gemv import int4_gemv
+
+    _, prepared = _int4_prepared(n, k, seed=n)
+    norm_weight = (torch.rand(k, device="cuda") + 0.5).bfloat16()
+    for config in [None] + PERSISTENT_CONFIGS[:4]:
+        for rows in (1, 4):
+            residual = (torch.randn(rows, k, device="cuda") * 4).bfloat16()
+            plain = int4_gemv(rms_norm(residual, norm_weight, 1e-5), prepared, config=config)
+            fused = int4_gemv(residual, prepared, config=config, norm=(norm_weight, 1e-5))
+            assert _relative_error(fused, plain.float()) < 2e-3, (config, rows)
+            stream = torch.randn(rows, n, device="cuda").bfloat16()
+            want = stream + int4_gemv(residual, prepared, config=config)
+            assert torch.equal(int4_gemv(residual, prepared, out=stream, config=config, add_out=True), want)
+
+
+def test_int4_engine_folds_norms(tiny_int4, monkeypatch):
+    """DFLASH2_FUSE_NORM on the GPU: the tiny int4 model's greedy tokens with each layer's norms and residual
+    adds folded into its GEMVs (decode steps, CUDA graphs) equal the "torch" backend's."""
+    import dflash2.engine.engine as engine_module
+    from dflash2 import LLM, SamplingParams
+    from dflash2.kernels.triton import quant_matmul as qm
+    from dflash2.loading.model_loader import load_model
+
+    monkeypatch.setattr(qm, "FUSE_NORM", True)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(4)]
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
+    runs = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setattr(engine_module, "load_model",
+                            lambda *args, backend=backend, **kw: load_model(*args, quant_backend=backend, **kw))
+        llm = LLM(tiny_int4, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128,
+                  kv_cache_memory="64MiB", page_bytes=4096)
+        assert llm.engine.model.module.layers[0].fuses_norms(1) == (backend == "triton")
+        runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+    assert runs["triton"] == runs["torch"]

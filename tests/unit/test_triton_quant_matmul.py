@@ -363,3 +363,32 @@ def test_quant_linear_gate_up_applies_silu_in_its_gemv():
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(layer(x, silu_out=True), silu_and_mul(plain(x)), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(layer(x), plain(x), atol=0, rtol=0)
+
+
+def test_decoder_layers_fold_norms_into_int4_gemvs(tmp_path, monkeypatch):
+    """DFLASH2_FUSE_NORM: a tiny int4 llama on the Triton backend (interpreted) whose decode steps fold both
+    RMSNorms and both residual adds of every layer into the GEMVs generates the same greedy tokens as with the
+    separate steps; prefill steps (more rows than the GEMV takes) keep them separate."""
+    import dflash2.engine.engine as engine_module
+    from dflash2 import LLM, SamplingParams
+    from dflash2.cli.main import main as dflash2_main
+    from dflash2.loading.model_loader import load_model
+    from tests.tiny_models import build_tiny_model
+
+    source, out = str(tmp_path / "source"), str(tmp_path / "int4")
+    build_tiny_model("llama", source)
+    assert dflash2_main(["convert", "--model-path", source, "--output-path", out, "--dtype", "int4",
+                         "--no-progress"]) == 0
+    monkeypatch.setattr(engine_module, "load_model",
+                        lambda *args, **kw: load_model(*args, **{**kw, "quant_backend": "triton"}))
+    prompts = [[5, 17, 99, 3, 250, 8], [40, 41, 42]]
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0)
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(qm, "FUSE_NORM", fused)
+        llm = LLM(out, kv_cache_memory="4MiB", max_num_seqs=2)
+        layer = llm.engine.model.module.layers[0]
+        assert layer.fuses_norms(1) == (fused and qm.INT4_REPACKED) and not layer.fuses_norms(qm.GEMV_MAX_M + 1)
+        runs[fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+    assert runs[True] == runs[False]

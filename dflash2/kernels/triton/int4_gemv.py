@@ -122,6 +122,10 @@ HALF2_SLOT_BITS = (0, 16, 4, 20, 8, 24, 12, 28)
 # _int4_gemv_kernel; DFLASH2_INT4_EARLY=0 turns it off). W2 int4 on the H200: 475.9 / 476.5 tok/s with it,
 # 467.4 / 466.6 without (eleventh session, call 3, half2 at the configs before the tune below)
 EARLY_LOADS = os.environ.get("DFLASH2_INT4_EARLY", "1") == "1"
+# DFLASH2_FUSE_NORM=1: a decoder layer whose four linears run this GEMV folds its two RMSNorms into the GEMVs
+# that read them (qkv, gate_up: norm=) and its two residual adds into the GEMVs that produce them (o_proj, down:
+# add_out), two launches a layer fewer (models/llama.py). Off until measured on the GPU (thirteenth session).
+FUSE_NORM = os.environ.get("DFLASH2_FUSE_NORM", "0") == "1"
 
 
 @triton.jit

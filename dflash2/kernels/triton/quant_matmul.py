@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
-from dflash2.kernels.triton.int4_gemv import HALF2, int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4
+from dflash2.kernels.triton.int4_gemv import FUSE_NORM, HALF2, int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4
 from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 from dflash2.quantization.formats import WeightFormat, unpack_int6
@@ -335,9 +335,23 @@ class TritonWeight:
             self.weight["int4"] = pair_gate_up(self.weight["int4"])
             self.fuses_silu_out = True
 
-    def matmul(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False) -> torch.Tensor:
+    def fuses_norm(self, rows: int) -> bool:
+        """Whether matmul(norm=, add_to=) runs the RMSNorm and the residual add inside the GEMV for `rows`
+        activation rows (the int4 GEMV, with DFLASH2_FUSE_NORM=1)."""
+        return FUSE_NORM and "int4" in self.weight and rows <= GEMV_MAX_M
+
+    def matmul(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False,
+               norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T; silu_mul: x is [gate | up] and silu(gate) * up goes in; silu_out (after pair_gate_up): the
-        output is [gate | up] and silu(gate) * up comes out."""
+        output is [gate | up] and silu(gate) * up comes out. Where fuses_norm: norm = (weight, eps) makes the
+        input RMSNorm(x); add_to: the product is added into that tensor, which is returned."""
+        if norm is not None or add_to is not None:
+            if not self.fuses_norm(x.shape[0]) or (silu_out and not self.fuses_silu_out):
+                raise ValueError(f"this weight does not fuse a norm or residual add ({self.kernel}, {x.shape[0]} rows)")
+            if silu_out:
+                return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul, silu_out=True, norm=norm)
+            return int4_gemv(x, self.weight["int4"], out=add_to, silu_mul=silu_mul, norm=norm,
+                             add_out=add_to is not None)
         if silu_out:
             if x.shape[0] <= GEMV_MAX_M and self.fuses_silu_out:
                 return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul, silu_out=True)
