@@ -75,6 +75,23 @@ def silu_variants(configs: list[dict], shapes: dict = SHAPES, dtype: torch.dtype
     return rows
 
 
+def engine_configs(rows: list[dict], shapes: dict = SHAPES) -> dict:
+    """{"NxK": the fastest int4 config} over the timed rows, for DFLASH2_INT4_CONFIGS: the plain GEMV's rows per
+    shape, except gate_up, which the engine runs with SiLU-mul in its epilogue (gate_up_silu_out rows)."""
+    best: dict = {}
+    for row in rows:
+        shape = "gate_up" if row["shape"] == "gate_up_silu_out" else row["shape"]
+        if row["kernel"] != "gemv_int4" or shape not in shapes or row["shape"] == "gate_up":
+            continue
+        if shape not in best or row["us"] < best[shape]["us"]:
+            best[shape] = row
+    if "gate_up" not in best:  # no SiLU-mul rows (M > 1): the plain gate_up
+        plain = [r for r in rows if r["kernel"] == "gemv_int4" and r["shape"] == "gate_up"]
+        if plain:
+            best["gate_up"] = min(plain, key=lambda r: r["us"])
+    return {"x".join(map(str, shapes[shape])): row["config"] for shape, row in best.items()}
+
+
 def timed_row(shape: str, m: int, kernel: str, config: dict, fn, weights: list, nbytes: int) -> dict | None:
     """fn(weight, config) timed over L2-cold weight copies: the row, printed; None (an error line printed) for a
     config that does not compile."""
@@ -94,6 +111,9 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     parser.add_argument("--rows", type=int, default=1, help="activation rows M (the GEMV takes M <= 4)")
     parser.add_argument("--int4-only", action="store_true", help="skip cuBLAS and the 16-bit GEMV")
+    parser.add_argument("--configs-out", default=None,
+                        help="write the best int4 config per shape as DFLASH2_INT4_CONFIGS reads it (M = 1; "
+                             "gate_up: the best with SiLU-mul in its epilogue, as the engine runs it)")
     args = parser.parse_args()
     rows, totals = [], {}
     m = args.rows
@@ -143,6 +163,9 @@ def main() -> None:
         if row["kernel"] == "gemv_int4" and (row["shape"] not in per_shape or row["us"] < per_shape[row["shape"]]["us"]):
             per_shape[row["shape"]] = row
     print("best_int4_per_shape " + json.dumps(per_shape), flush=True)
+    if args.configs_out and m == 1:
+        with open(args.configs_out, "w") as f:
+            json.dump(engine_configs(rows), f, indent=1)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(0), "M": m, "rows": rows, "best": best,

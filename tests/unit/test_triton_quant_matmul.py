@@ -392,3 +392,36 @@ def test_decoder_layers_fold_norms_into_int4_gemvs(tmp_path, monkeypatch):
         runs[fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
     assert runs[True] == runs[False]
+
+
+def test_tuned_int4_configs_round_trip(tmp_path, monkeypatch):
+    """decode_gemv_tune.py --configs-out picks the fastest int4 config per shape (gate_up: among the rows with
+    SiLU-mul in its epilogue, as the engine runs it), and DFLASH2_INT4_CONFIGS makes int4_config return it for one
+    row; other shapes and more rows keep the tables."""
+    import json
+
+    from benchmarks.decode_gemv_tune import engine_configs
+    from dflash2.kernels.triton import int4_gemv as ig
+
+    fast, slow = {"BLOCK_N": 8, "PERSISTENT": 4}, {"BLOCK_N": 16}
+    rows = [{"shape": "qkv", "kernel": "gemv_int4", "config": slow, "us": 6.0},
+            {"shape": "qkv", "kernel": "gemv_int4", "config": fast, "us": 5.0},
+            {"shape": "qkv", "kernel": "cublas_bf16", "config": {}, "us": 1.0},
+            {"shape": "gate_up", "kernel": "gemv_int4", "config": fast, "us": 19.0},
+            {"shape": "gate_up_silu_out", "kernel": "gemv_int4", "config": slow, "us": 21.0},
+            {"shape": "gate_up_silu_out", "kernel": "gemv_int4", "config": fast, "us": 22.0},
+            {"shape": "down_silu_mul", "kernel": "gemv_int4", "config": fast, "us": 1.0}]
+    table = engine_configs(rows)
+    assert table == {"6144x4096": fast, "28672x4096": slow}
+    path = tmp_path / "int4.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("DFLASH2_INT4_CONFIGS", str(path))
+    ig.tuned_configs.cache_clear()
+    try:
+        assert ig.int4_config(6144, 4096, 1, half2=True) == fast
+        assert ig.int4_config(28672, 4096, 1) == slow
+        assert ig.int4_config(6144, 4096, 4, half2=True) == ig.INT4_GEMV_CONFIGS[4]
+        assert ig.int4_config(4096, 4096, 1, half2=True) == ig.INT4_HALF2_M1_CONFIG
+    finally:
+        monkeypatch.delenv("DFLASH2_INT4_CONFIGS")
+        ig.tuned_configs.cache_clear()

@@ -26,6 +26,7 @@ SPLIT_K > 1 splits K over programs (gemv_parts._store_or_reduce: the last one su
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import torch
@@ -518,8 +519,23 @@ INT4_HALF2_SHAPE_CONFIGS: dict = {
 }
 
 
+@functools.cache
+def tuned_configs(path: str | None = None) -> dict:
+    """(N, K) -> config for one activation row, from the JSON file DFLASH2_INT4_CONFIGS names ({"NxK": config},
+    as `benchmarks/decode_gemv_tune.py --configs-out` writes it): a tune's winners tried in the engine without
+    editing the tables below. Empty without the variable."""
+    path = path or os.environ.get("DFLASH2_INT4_CONFIGS")
+    if not path:
+        return {}
+    with open(path) as f:
+        table = json.load(f)
+    return {tuple(int(v) for v in shape.split("x")): config for shape, config in table.items()}
+
+
 def int4_config(n: int, k: int, m: int = 1, half2: bool = False) -> dict:
     block_m = triton.next_power_of_2(max(1, m))
+    if block_m == 1 and (n, k) in tuned_configs():
+        return tuned_configs()[(n, k)]
     if half2:
         default = INT4_HALF2_M1_CONFIG if block_m == 1 else INT4_GEMV_CONFIGS[min(block_m, 4)]
         return INT4_HALF2_SHAPE_CONFIGS.get((block_m, n, k), default)
