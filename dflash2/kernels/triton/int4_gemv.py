@@ -252,7 +252,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
                       ASM: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr,
                       HALF2: tl.constexpr = False, EARLY: tl.constexpr = False, NORM: tl.constexpr = False,
-                      ADD_OUT: tl.constexpr = False):
+                      ADD_OUT: tl.constexpr = False, ONE_STEP: tl.constexpr = False):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
@@ -265,8 +265,9 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     for the previous kernel, which never writes them, so they stream in while it finishes; the launcher sets
     PREFETCH too when K takes more than one step.
     NORM: x is the residual stream, and the GEMV's input is its RMSNorm with weight nw (rms_norm's arithmetic;
-    every program computes the rows' statistics in a pass over x first). ADD_OUT: out += the result (the
-    residual add, rounded as rms_norm's residual add: the product in the output dtype first)."""
+    every program computes the rows' statistics in a pass over x first, or from the step's activations when
+    ONE_STEP: all of K in one step, SPLIT_K = 1). ADD_OUT: out += the result (the residual add, rounded as
+    rms_norm's residual add: the product in the output dtype first)."""
     if not EARLY:
         pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -291,7 +292,14 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     if EARLY:
         pdl_start(USE_PDL)
     MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
-    if NORM:
+    if NORM and ONE_STEP:  # the whole row is this step's activations: normed once, before the loop
+        c_ok1 = c4 * 32 < K
+        x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, x_cols, c_ok1 & m_ok[None, :, None, None], K,
+                                                           False, MASKED, ASM)
+        rstd = tl.rsqrt(_sum_squares(x0, x1, x2, x3, x4, x5, x6, x7) / K + eps)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr, x_cols, c_ok1,
+                                                       x_ptr.dtype.element_ty)
+    elif NORM:
         rstd = _rms_rstd(x_base, x_cols, m_ok, K, eps, STEP, ASM)
     for k0 in range(k_start, k_end, STEP):
         c_ok = k0 + c * 32 < k_end
@@ -303,11 +311,13 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
             words, sz = words_next, sz_next
         else:
             words, sz = _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
-        x_mask = c_ok4 & m_ok[None, :, None, None]
-        x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, k0 + x_cols, x_mask, K, SILU_MUL, MASKED, ASM)
-        if NORM:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr,
-                                                           k0 + x_cols, c_ok4, x_ptr.dtype.element_ty)
+        if not (NORM and ONE_STEP):
+            x_mask = c_ok4 & m_ok[None, :, None, None]
+            x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, k0 + x_cols, x_mask, K, SILU_MUL, MASKED,
+                                                               ASM)
+            if NORM:
+                x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr,
+                                                               k0 + x_cols, c_ok4, x_ptr.dtype.element_ty)
         acc += _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
     _int4_store(tl.sum(acc, axis=0), pid, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M, BLOCK_N,
                 SPLIT_K, PAIRED, SILU_OUT, ADD_OUT)
@@ -615,7 +625,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
             out = torch.empty((x.shape[0], n // 2), dtype=x.dtype, device=x.device)
     x, out = prepare_io(x, weight, out, silu_mul)
     norm_weight, eps = norm if norm is not None else (x, 0.0)  # x: any pointer, never read without NORM
-    fused = {"NORM": norm is not None, "ADD_OUT": add_out}
+    fused = {"NORM": norm is not None, "ADD_OUT": add_out}  # (the regular kernel adds ONE_STEP below)
     m = out.shape[0]
     if m == 0:
         return out
@@ -655,5 +665,5 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         BLOCK_N=block_n, CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m,
         EVEN_N=n % block_n == 0, PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired,
         SILU_OUT=silu_out, HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
-        num_stages=config["num_stages"], **fused, **pdl, **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
+        num_stages=config["num_stages"], ONE_STEP=norm is not None and split_k == 1 and k <= step, **fused, **pdl, **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
     return out
