@@ -365,10 +365,13 @@ def test_quant_linear_gate_up_applies_silu_in_its_gemv():
         torch.testing.assert_close(layer(x), plain(x), atol=0, rtol=0)
 
 
-def test_decoder_layers_fold_norms_into_int4_gemvs(tmp_path, monkeypatch):
-    """DFLASH2_FUSE_NORM: a tiny int4 llama on the Triton backend (interpreted) whose decode steps fold both
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoder_layers_fold_norms_into_int4_gemvs(arch, tmp_path, monkeypatch):
+    """DFLASH2_FUSE_NORM: a tiny int4 model on the Triton backend (interpreted) whose decode steps fold both
     RMSNorms and both residual adds of every layer into the GEMVs generates the same greedy tokens as with the
-    separate steps; prefill steps (more rows than the GEMV takes) keep them separate."""
+    separate steps (Qwen3: its q/k norms still run after qkv); prefill steps (more rows than the GEMV takes)
+    keep them separate."""
     import dflash2.engine.engine as engine_module
     from dflash2 import LLM, SamplingParams
     from dflash2.cli.main import main as dflash2_main
@@ -376,7 +379,7 @@ def test_decoder_layers_fold_norms_into_int4_gemvs(tmp_path, monkeypatch):
     from tests.tiny_models import build_tiny_model
 
     source, out = str(tmp_path / "source"), str(tmp_path / "int4")
-    build_tiny_model("llama", source)
+    build_tiny_model(arch, source)
     assert dflash2_main(["convert", "--model-path", source, "--output-path", out, "--dtype", "int4",
                          "--no-progress"]) == 0
     monkeypatch.setattr(engine_module, "load_model",
