@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One device call for issue 6's W2 (about 6-8 minutes on an H200): the int4 GPU tests, the int4 GEMV tune
-# (which writes the fastest config per shape to $OUT/int4.json), then W2 int4 with the built-in config tables,
-# with the tune's configs (DFLASH2_INT4_CONFIGS), and with those plus DFLASH2_FUSE_NORM=1, then W2 bf16 (the
-# ratio's denominator). STEPS picks a subset: any of tests tune tables tuned fused bf16 (default: all).
+# One device call for issue 6's W2 (about 7-9 minutes on an H200): the int4 GPU tests, the int4 GEMV tune
+# (the fastest config per shape to $OUT/int4.json) and the int4 prefill GEMM tune ($OUT/gemm.json), then W2
+# int4 with the built-in config tables, with the tunes' configs (DFLASH2_INT4_CONFIGS, DFLASH2_GEMM_CONFIGS),
+# and with those plus DFLASH2_FUSE_NORM=1, then W2 bf16 (the ratio's denominator).
+# STEPS picks a subset: any of tests tune prefill tables tuned fused bf16 (default: all).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-STEPS=${STEPS:-"tests tune tables tuned fused bf16"}
+STEPS=${STEPS:-"tests tune prefill tables tuned fused bf16"}
 mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 w2() {  # name, then environment assignments for the run
@@ -24,10 +25,15 @@ if has tune; then
     --configs-out "$OUT/int4.json" > "$OUT/tune.log" 2>&1
   grep "^best" "$OUT/tune.log" | cut -c1-1500
 fi
-has tables && w2 tables
-has tuned && [ -f "$OUT/int4.json" ] && w2 tuned DFLASH2_INT4_CONFIGS="$OUT/int4.json"
-if has fused; then
-  if [ -f "$OUT/int4.json" ]; then w2 fused DFLASH2_INT4_CONFIGS="$OUT/int4.json" DFLASH2_FUSE_NORM=1
-  else w2 fused DFLASH2_FUSE_NORM=1; fi
+if has prefill; then
+  timeout 200 python3 benchmarks/prefill_gemm_tune.py --output "$OUT/prefill_tune.json" \
+    --configs-out "$OUT/gemm.json" > "$OUT/prefill_tune.log" 2>&1
+  grep "^summary" "$OUT/prefill_tune.log" | cut -c1-1500
 fi
+tuned=()  # the tunes' tables, where they were written
+[ -f "$OUT/int4.json" ] && tuned+=(DFLASH2_INT4_CONFIGS="$OUT/int4.json")
+[ -f "$OUT/gemm.json" ] && tuned+=(DFLASH2_GEMM_CONFIGS="$OUT/gemm.json")
+has tables && w2 tables
+has tuned && [ ${#tuned[@]} -gt 0 ] && w2 tuned "${tuned[@]}"
+has fused && w2 fused "${tuned[@]}" DFLASH2_FUSE_NORM=1
 has bf16 && WEIGHTS=bf16 w2 bf16

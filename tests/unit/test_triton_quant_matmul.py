@@ -11,6 +11,7 @@ triton = pytest.importorskip("triton")
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight  # noqa: E402
+from dflash2.kernels.triton.gemv_parts import shape_configs  # noqa: E402
 from dflash2.kernels.triton import quant_matmul as qm  # noqa: E402
 from dflash2.quantization.formats import WeightFormat, dequantize  # noqa: E402
 from dflash2.quantization.quantize import quantize  # noqa: E402
@@ -419,7 +420,7 @@ def test_tuned_int4_configs_round_trip(tmp_path, monkeypatch):
     path = tmp_path / "int4.json"
     path.write_text(json.dumps(table))
     monkeypatch.setenv("DFLASH2_INT4_CONFIGS", str(path))
-    ig.tuned_configs.cache_clear()
+    shape_configs.cache_clear()
     try:
         assert ig.int4_config(6144, 4096, 1, half2=True) == fast
         assert ig.int4_config(28672, 4096, 1) == slow
@@ -427,4 +428,31 @@ def test_tuned_int4_configs_round_trip(tmp_path, monkeypatch):
         assert ig.int4_config(4096, 4096, 1, half2=True) == ig.INT4_HALF2_M1_CONFIG
     finally:
         monkeypatch.delenv("DFLASH2_INT4_CONFIGS")
-        ig.tuned_configs.cache_clear()
+        shape_configs.cache_clear()
+
+
+def test_prefill_gemm_tune_writes_configs_the_gemm_takes(tmp_path, monkeypatch):
+    """benchmarks/prefill_gemm_tune.py --smoke (interpreted) times its configs, checks their results, and writes
+    the best per shape; DFLASH2_GEMM_CONFIGS makes gemm() take it for more than GEMM_SMALL_M rows only."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "gemm.json"
+    done = subprocess.run([sys.executable, "benchmarks/prefill_gemm_tune.py", "--smoke", "--rows", "40",
+                           "--configs-out", str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 and all(r["rel_error"] < 1e-4 for r in rows)
+    table = json.loads(out.read_text())
+    assert list(table) == ["4:64x256"] and table["4:64x256"] in [r["config"] for r in rows]
+    monkeypatch.setenv("DFLASH2_GEMM_CONFIGS", str(out))
+    shape_configs.cache_clear()
+    try:
+        assert qm.gemm_config(4, 64, 256, 40) == table["4:64x256"]
+        assert qm.gemm_config(4, 64, 256, qm.GEMM_SMALL_M) == qm.GEMM_SMALL_M_CONFIG
+        assert qm.gemm_config(4, 64, 512, 40) == qm.GEMM_CONFIG and qm.gemm_config(8, 64, 256, 40) == qm.GEMM_CONFIG
+    finally:
+        monkeypatch.delenv("DFLASH2_GEMM_CONFIGS")
+        shape_configs.cache_clear()

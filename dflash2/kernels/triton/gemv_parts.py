@@ -3,6 +3,7 @@
     _activation     one activation row at some columns as float32, optionally silu(gate) * up of a fused
                     [gate | up] row, rounded as the unfused silu_and_mul would
     prepare_io      the launchers' input check ([M, K], or [M, 2K] with SiLU-mul) and output allocation
+    shape_configs   kernel configs per weight shape from a tune's JSON file (DFLASH2_INT4_CONFIGS, ..._GEMM_...)
     split-K         several programs share one output tile along K, in one launch:
 
 Each program parks its fp32 partial in a workspace and takes a ticket from the tile's counter; the last one
@@ -12,6 +13,9 @@ same `split_counters` (kernels on one stream never hold tickets at the same time
 """
 from __future__ import annotations
 
+import functools
+import json
+import os
 from typing import Any
 
 import torch
@@ -93,3 +97,15 @@ def prepare_io(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None
         raise ValueError(f"expected x [M, {2 * k if silu_mul else k}], got {tuple(x.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
     return x, torch.empty((x.shape[0], weight["n"]), dtype=x.dtype, device=x.device) if out is None else out
+
+
+@functools.cache
+def shape_configs(variable: str) -> dict[tuple[int, ...], dict]:
+    """The JSON file the environment variable names, {"NxK": config} or {"bits:NxK": config} as the tunes'
+    --configs-out write it, keyed by (N, K) or (bits, N, K); empty without the variable."""
+    path = os.environ.get(variable)
+    if not path:
+        return {}
+    with open(path) as f:
+        table = json.load(f)
+    return {tuple(int(v) for v in key.replace(":", "x").split("x")): config for key, config in table.items()}

@@ -14,7 +14,6 @@ persistent kernel walks several row tiles a program instead (config "PERSISTENT"
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import torch
@@ -22,7 +21,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.triton.elementwise import _silu_mul
-from dflash2.kernels.triton.gemv_parts import _k_range, _store_or_reduce, prepare_io, split_counters
+from dflash2.kernels.triton.gemv_parts import _k_range, _store_or_reduce, prepare_io, shape_configs, split_counters
 from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, SLOT_BITS, _rms_rstd, _slot_activations,
                                               _slots_normed, _step_sum, _sum_squares, repack_int4)
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
@@ -275,23 +274,11 @@ INT4_HALF2_SHAPE_CONFIGS: dict = {
 }
 
 
-@functools.cache
-def tuned_configs(path: str | None = None) -> dict:
-    """(N, K) -> config for one activation row, from the JSON file DFLASH2_INT4_CONFIGS names ({"NxK": config},
-    as `benchmarks/decode_gemv_tune.py --configs-out` writes it): a tune's winners tried in the engine without
-    editing the tables below. Empty without the variable."""
-    path = path or os.environ.get("DFLASH2_INT4_CONFIGS")
-    if not path:
-        return {}
-    with open(path) as f:
-        table = json.load(f)
-    return {tuple(int(v) for v in shape.split("x")): config for shape, config in table.items()}
-
-
 def int4_config(n: int, k: int, m: int = 1, half2: bool = False) -> dict:
     block_m = triton.next_power_of_2(max(1, m))
-    if block_m == 1 and (n, k) in tuned_configs():
-        return tuned_configs()[(n, k)]
+    tuned = shape_configs("DFLASH2_INT4_CONFIGS")  # a tune's winners (decode_gemv_tune.py --configs-out), M = 1
+    if block_m == 1 and (n, k) in tuned:
+        return tuned[(n, k)]
     if half2:
         default = INT4_HALF2_M1_CONFIG if block_m == 1 else INT4_GEMV_CONFIGS[min(block_m, 4)]
         return INT4_HALF2_SHAPE_CONFIGS.get((block_m, n, k), default)

@@ -33,7 +33,8 @@ import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
 from dflash2.kernels.triton.int4_gemv import FUSE_NORM, HALF2, int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4
-from dflash2.kernels.triton.gemv_parts import _activation, _k_range, _store_or_reduce, prepare_io, split_counters
+from dflash2.kernels.triton.gemv_parts import (_activation, _k_range, _store_or_reduce, prepare_io, shape_configs,
+                                                split_counters)
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 from dflash2.quantization.formats import WeightFormat, unpack_int6
 
@@ -62,6 +63,14 @@ INT4_REPACKED = os.environ.get("DFLASH2_INT4_GEMV", "half2") != "legacy"
 
 def gemv_config(bits: int, n: int, k: int) -> dict[str, int]:
     return GEMV_CONFIGS.get((bits, n, k), GEMV_CONFIGS[bits])
+
+
+def gemm_config(bits: int, n: int, k: int, m: int) -> dict[str, int]:
+    """GEMM_SMALL_M_CONFIG up to GEMM_SMALL_M rows; above, a tune's config for the shape where
+    DFLASH2_GEMM_CONFIGS names one (benchmarks/prefill_gemm_tune.py --configs-out), else GEMM_CONFIG."""
+    if m <= GEMM_SMALL_M:
+        return GEMM_SMALL_M_CONFIG
+    return shape_configs("DFLASH2_GEMM_CONFIGS").get((bits, n, k), GEMM_CONFIG)
 
 
 # -- device helpers --------------------------------------------------------------------------------------
@@ -259,7 +268,7 @@ def gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = Non
     m, n = out.shape
     if m == 0:
         return out
-    config = dict(config or (GEMM_SMALL_M_CONFIG if m <= GEMM_SMALL_M else GEMM_CONFIG))
+    config = dict(config or gemm_config(weight["bits"], n, weight["k"], m))
     block_m = config["BLOCK_M"]
     if triton.cdiv(m, block_m) > 4:
         config["SPLIT_K"] = 1  # enough tiles already
