@@ -23,7 +23,8 @@ import triton.language as tl
 from dflash2.kernels.triton.elementwise import _silu_mul
 from dflash2.kernels.triton.gemv_parts import _k_range, _store_or_reduce, prepare_io, shape_configs, split_counters
 from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, SLOT_BITS, _rms_rstd, _slot_activations,
-                                              _slots_normed, _step_sum, _sum_squares, repack_int4)
+                                              _slots_normed, _step_from_activations, _step_sum, _sum_squares,
+                                              repack_int4)
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -102,6 +103,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     if EARLY:
         pdl_start(USE_PDL)
     MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
+    rstd = eps  # (unused without NORM)
     if NORM and ONE_STEP:  # the whole row is this step's activations: normed once, before the loop
         c_ok1 = c4 * 32 < K
         x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, x_cols, c_ok1 & m_ok[None, :, None, None], K,
@@ -121,14 +123,11 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
             words, sz = words_next, sz_next
         else:
             words, sz = _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
-        if not (NORM and ONE_STEP):
-            x_mask = c_ok4 & m_ok[None, :, None, None]
-            x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, k0 + x_cols, x_mask, K, SILU_MUL, MASKED,
-                                                               ASM)
-            if NORM:
-                x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr,
-                                                               k0 + x_cols, c_ok4, x_ptr.dtype.element_ty)
-        acc += _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
+        if NORM and ONE_STEP:  # the activations were loaded and normed before the loop
+            acc += _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
+        else:
+            acc += _step_from_activations(words, sz, x_base, k0 + x_cols, c_ok4 & m_ok[None, :, None, None], c_ok4,
+                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM)
     _int4_store(tl.sum(acc, axis=0), pid, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M, BLOCK_N,
                 SPLIT_K, PAIRED, SILU_OUT, ADD_OUT)
 
@@ -215,6 +214,8 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                                                            c_ok4, x_ptr.dtype.element_ty)
     elif NORM:
         rstd = _rms_rstd(x_base, x_cols, m_ok, K, eps, STEP, ASM)
+    else:
+        rstd = eps  # (unused without NORM)
     acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
     for f in range(0, total):
         tile = pid + (f // STEPS) * programs
@@ -229,13 +230,8 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                         BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT)
         else:
             c_ok4 = k0 + c4 * 32 < K
-            x_mask = c_ok4 & m_ok[None, :, None, None]
-            y0, y1, y2, y3, y4, y5, y6, y7 = _slot_activations(x_base, k0 + x_cols, x_mask, K, SILU_MUL, MASKED,
-                                                               ASM)
-            if NORM:
-                y0, y1, y2, y3, y4, y5, y6, y7 = _slots_normed(y0, y1, y2, y3, y4, y5, y6, y7, rstd, nw_ptr,
-                                                               k0 + x_cols, c_ok4, x_ptr.dtype.element_ty)
-            acc += _step_sum(words, sz, y0, y1, y2, y3, y4, y5, y6, y7, HALF2, ASM)
+            acc += _step_from_activations(words, sz, x_base, k0 + x_cols, c_ok4 & m_ok[None, :, None, None], c_ok4,
+                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM)
             if k0 + STEP >= K:
                 _int4_store(tl.sum(acc, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0,
                             BLOCK_M, BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT)

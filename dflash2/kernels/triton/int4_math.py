@@ -272,3 +272,15 @@ def _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2: tl.constexpr, AS
         xs = xa + xb
         part = s * (16.0 * tl.sum(f, axis=3) - t - z * xs)
     return part
+
+
+@triton.jit
+def _step_from_activations(words, sz, x_base, cols, mask, c_ok4, K, rstd, nw_ptr, SILU_MUL: tl.constexpr,
+                           MASKED: tl.constexpr, NORM: tl.constexpr, HALF2: tl.constexpr, ASM: tl.constexpr):
+    """_step_sum with the step's activations loaded here (at cols: slot 0 of each chunk), and with NORM normed
+    (rstd, the weights at nw_ptr)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, cols, mask, K, SILU_MUL, MASKED, ASM)
+    if NORM:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr, cols, c_ok4,
+                                                       x_base.dtype.element_ty)
+    return _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
