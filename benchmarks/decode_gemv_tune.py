@@ -1,10 +1,12 @@
 """Decode matmuls (M = 1 by default) on llama-3-8b shapes: cuBLAS bf16, the Triton 16-bit GEMV, the legacy int4
 GEMV (quant_matmul._gemv_kernel) and the int4 GEMV of kernels/triton/int4_gemv.py over a few configs; prints one
 JSON line per (kernel, config, shape), the best config per kernel (least total time over the shapes) and the
-best int4 config per shape. About a minute on an H200. At M = 1 it also times the int4 GEMV with silu(gate) * up
-fused on either side (silu_variants): gate_up's epilogue, as the engine runs it, or down's input.
+best int4 config per shape. A few minutes on an H200. At M = 1 it also times the int4 GEMV with silu(gate) * up
+fused on either side (silu_variants): gate_up's epilogue, as the engine runs it, or down's input. Kernel
+"gemv_int4_half2_sum": the weights in the ONE_PLUS layout (DFLASH2_INT4_GEMV=half2-sum) at a few configs.
 
-    PYTHONPATH=$PWD python3 benchmarks/decode_gemv_tune.py [--rows 1] [--output tune.json] [--int4-only]   (GPU)
+    PYTHONPATH=$PWD python3 benchmarks/decode_gemv_tune.py [--rows 1] [--output tune.json] [--int4-only]
+                                                           [--configs-out int4.json]             (GPU)
 
 GB/s counts the bytes each kernel reads for the weight (int4: 0.5 B a weight + 4 B a group of scale and zero).
 
@@ -128,26 +130,32 @@ def main() -> None:
                                                                   config=c), dense, n * k * 2)
                            for c in GEMV16_CONFIGS[:1]]
         fmt = WeightFormat(4, 128)
-        int4, legacy = [], []
+        int4, legacy, one_plus = [], [], []
         for _ in range(copies_for(fmt.storage_bytes(n, k))):
             t = random_packed(fmt, n, k).tensors
             int4.append(prepare_int4(t["qweight"], t["scales"], t["zeros"], 128))
+            one_plus.append(prepare_int4(t["qweight"], t["scales"], t["zeros"], 128, half2=True, one_plus=True))
             legacy.append({"bits": 4, "n": n, "k": k, "group_size": 128, "w": t["qweight"],
                            "words": t["qweight"].view(torch.int32), "scales": t["scales"], "zeros": t["zeros"]})
         int4_bytes = fmt.storage_bytes(n, k)
         legacy_config = qm.gemv_config(4, n, k)
         candidates += [("legacy_gemv_int4", legacy_config, lambda w, c: qm.gemv(x, w, out=out, config=c), legacy,
                         int4_bytes)]
-        configs = INT4_CONFIGS + [c for c in [int4_config(n, k, m, int4[0]["half2"])] if c not in INT4_CONFIGS]
+        default = int4_config(n, k, m, int4[0]["half2"])
+        configs = INT4_CONFIGS + [c for c in [default] if c not in INT4_CONFIGS]
         candidates += [("gemv_int4", c, lambda w, c: int4_gemv(x, w, out=out, config=c), int4, int4_bytes)
                        for c in configs]
+        # DFLASH2_INT4_GEMV=half2-sum (no bias fix) at the shape's default and the likeliest others
+        candidates += [("gemv_int4_half2_sum", c, lambda w, c: int4_gemv(x, w, out=out, config=c), one_plus,
+                        int4_bytes) for c in [default] + [c for c in INT4_CONFIGS[:3] + PERSISTENT_CONFIGS[:4]
+                                                          if c != default]]
         for kernel, config, fn, weights, nbytes in candidates:
             row = timed_row(shape, m, kernel, config, fn, weights, nbytes)
             if row is None:
                 continue
             rows.append(row)
             totals.setdefault((kernel, json.dumps(config, sort_keys=True)), {})[shape] = row["us"]
-        del candidates, int4, legacy
+        del candidates, int4, legacy, one_plus
         torch.cuda.empty_cache()
     if m == 1:
         rows += silu_variants(INT4_CONFIGS[:3] + CAPPED_CONFIGS + PERSISTENT_CONFIGS)

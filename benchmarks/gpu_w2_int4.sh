@@ -2,12 +2,12 @@
 # One device call for issue 6's W2 (about 7-9 minutes on an H200): the int4 GPU tests, the int4 GEMV tune
 # (the fastest config per shape to $OUT/int4.json) and the int4 prefill GEMM tune ($OUT/gemm.json), then W2
 # int4 with the built-in config tables, with the tunes' configs (DFLASH2_INT4_CONFIGS, DFLASH2_GEMM_CONFIGS),
-# and with those plus DFLASH2_FUSE_NORM=1, then W2 bf16 (the ratio's denominator).
-# STEPS picks a subset: any of tests tune prefill tables tuned fused bf16 (default: all).
+# with those plus DFLASH2_FUSE_NORM=1, and with those plus DFLASH2_INT4_GEMV=half2-sum, then W2 bf16 (the ratio's
+# denominator). STEPS picks a subset: any of tests tune prefill tables tuned fused sum bf16 (default: all).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-STEPS=${STEPS:-"tests tune prefill tables tuned fused bf16"}
+STEPS=${STEPS:-"tests tune prefill tables tuned fused sum bf16"}
 mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 w2() {  # name, then environment assignments for the run
@@ -36,4 +36,5 @@ tuned=()  # the tunes' tables, where they were written
 has tables && w2 tables
 has tuned && [ ${#tuned[@]} -gt 0 ] && w2 tuned "${tuned[@]}"
 has fused && w2 fused "${tuned[@]}" DFLASH2_FUSE_NORM=1
+has sum && w2 sum "${tuned[@]}" DFLASH2_FUSE_NORM=1 DFLASH2_INT4_GEMV=half2-sum
 has bf16 && WEIGHTS=bf16 w2 bf16

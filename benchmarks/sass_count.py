@@ -129,13 +129,16 @@ def main() -> None:
                constants, elements_per_iteration=block_n * gs * t)
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
              "cnt_ptr": "*i32", "nw_ptr": "*bf16", "eps": "fp32"}
-    for half2 in (False, True):  # DFLASH2_INT4_GEMV=half2: packed fp16 products
+    # DFLASH2_INT4_GEMV=half2: packed fp16 products; =half2-sum: the same without the bias fix (ONE_PLUS)
+    for half2, one_plus in ((False, False), (True, False), (True, True)):
         for block_m, config in sorted(int4_gemv.INT4_GEMV_CONFIGS.items()):
             for block_n in sorted({config["BLOCK_N"], 2 * config["BLOCK_N"]} if block_m == 1 else {config["BLOCK_N"]}):
                 constants = {"GS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNKS": config["CHUNKS"],
                              "SPLIT_K": 1, "SILU_MUL": False, "EVEN_M": True, "EVEN_N": True, "EVEN_K": True,
-                             "PREFETCH": False, "ASM": True, "PAIRED": False, "SILU_OUT": False, "HALF2": half2}
-                report(f"int4 GEMV, repacked{', half2' if half2 else ''}, M={block_m}, BLOCK_N={block_n} (per weight)",
+                             "PREFETCH": False, "ASM": True, "PAIRED": False, "SILU_OUT": False, "HALF2": half2,
+                             "ONE_PLUS": one_plus}
+                products = ", half2-sum" if one_plus else ", half2" if half2 else ""
+                report(f"int4 GEMV, repacked{products}, M={block_m}, BLOCK_N={block_n} (per weight)",
                        int4_gemv._int4_gemv_kernel, types, constants,
                        elements_per_iteration=block_n * config["CHUNKS"] * 32, num_warps=config["num_warps"],
                        num_stages=config["num_stages"])

@@ -131,16 +131,17 @@ def test_int4_gemv_on_llama3_8b_shapes(n, k):
 
 
 @pytest.mark.parametrize("n, k", LLAMA3_8B_INT4)
-def test_int4_half2_gemv_on_llama3_8b_shapes(n, k):
-    """DFLASH2_INT4_GEMV=half2 (packed fp16 products, inline PTX) at the default configs, M = 1..4, bf16 in and
-    out, and the paired gate/up with silu_out on gate_up's shape."""
+@pytest.mark.parametrize("one_plus", [False, True])
+def test_int4_half2_gemv_on_llama3_8b_shapes(n, k, one_plus):
+    """DFLASH2_INT4_GEMV=half2 (packed fp16 products, inline PTX) and =half2-sum (one_plus) at the default
+    configs, M = 1..4, bf16 in and out, and the paired gate/up with silu_out on gate_up's shape."""
     from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up, prepare_int4
     from dflash2.quantization.formats import dequantize
 
     weight = _packed(4, 128, n, k, seed=n + k)
     t = weight.tensors
     reference = dequantize(weight.fmt, t)
-    prepared = prepare_int4(t["qweight"], t["scales"], t["zeros"], 128, half2=True)
+    prepared = prepare_int4(t["qweight"], t["scales"], t["zeros"], 128, half2=True, one_plus=one_plus)
     for rows in (1, 2, 3, 4):
         x = torch.randn(rows, k, device="cuda").bfloat16()
         want = x.float() @ reference.T
@@ -151,7 +152,8 @@ def test_int4_half2_gemv_on_llama3_8b_shapes(n, k):
             silu = torch.nn.functional.silu(want[:, :half]) * want[:, half:]
             error = _relative_error(int4_gemv(x, pair_gate_up(prepared), silu_out=True), silu)
             assert error < 1e-2, (rows, error)
-    # activations far from 1: the fp16 products are of q / 256, so sums of 16 stay in fp16's range at 1e4
+    # activations far from 1: the fp16 products are of q / 256 ((q + 16) / 256), so sums of 16 stay in fp16's
+    # range at 1e4
     for scale in (1e4, 1e-2, 1e-3):
         x = (torch.randn(1, k, device="cuda") * scale).bfloat16()
         got = int4_gemv(x, prepared)

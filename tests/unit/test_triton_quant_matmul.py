@@ -122,15 +122,17 @@ def test_dispatch_picks_triton_on_cuda_only():
     assert quant_matmul_backend("auto", "cpu").name == "torch_cpu"
 
 
-def _int4_prepared(n: int, k: int, group_size: int, seed: int = 0, half2: bool = False):
-    """A random int4 weight and its prepare_int4 tensors (the float32-product layout unless half2)."""
+def _int4_prepared(n: int, k: int, group_size: int, seed: int = 0, half2: bool = False, one_plus: bool = False):
+    """A random int4 weight and its prepare_int4 tensors (the float32-product layout unless half2; one_plus: the
+    half2 layout's ONE_PLUS variant)."""
     from dflash2.kernels.triton.int4_gemv import prepare_int4
 
     g = torch.Generator().manual_seed(seed)
     fmt = WeightFormat(4, group_size)
     weight = PackedWeight(fmt, n, k, quantize(torch.randn(n, k, generator=g) * 0.05, fmt))
     tensors = weight.tensors
-    return weight, prepare_int4(tensors["qweight"], tensors["scales"], tensors["zeros"], group_size, half2=half2)
+    return weight, prepare_int4(tensors["qweight"], tensors["scales"], tensors["zeros"], group_size,
+                                half2=half2 or one_plus, one_plus=one_plus)
 
 
 def test_int4_repack_layout():
@@ -189,7 +191,7 @@ def test_int4_gemv_early_loads(k, chunks, split_k, half2):
     torch.testing.assert_close(plain, expected(x, weight), atol=3e-3 if half2 else 2e-5, rtol=3e-3 if half2 else 1e-5)
 
 
-@pytest.mark.parametrize("half2", [False, True])
+@pytest.mark.parametrize("products", ["float", "half2", "one_plus"])
 @pytest.mark.parametrize("rows, k, chunks, programs, mode", [
     (1, 128, 4, 2, "plain"),     # one step a tile: activations loaded once; 5 tiles over 2 programs
     (3, 448, 4, 3, "plain"),     # 4 steps a tile, the last part masked (K not a multiple of the step)
@@ -197,12 +199,14 @@ def test_int4_gemv_early_loads(k, chunks, split_k, half2):
     (2, 128, 4, 4, "silu_out"),  # paired gate/up rows, silu(gate) * up stored by tile
     (1, 384, 4, 2, "silu_mul"),  # [gate | up] activations, 3 steps
 ])
-def test_int4_gemv_persistent(rows, k, chunks, programs, mode, half2):
+def test_int4_gemv_persistent(rows, k, chunks, programs, mode, products):
     """config "PERSISTENT" (fewer programs than row tiles, each walking its tiles with the next step's words
     requested ahead) computes bit for bit what one program a tile does, ragged N and K included."""
     from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up
 
-    weight, prepared = _int4_prepared(N + 3 if mode == "silu_out" else N, k, 32, seed=rows + k, half2=half2)
+    half2 = products != "float"
+    weight, prepared = _int4_prepared(N + 3 if mode == "silu_out" else N, k, 32, seed=rows + k, half2=half2,
+                                      one_plus=products == "one_plus")
     x = torch.randn(rows, 2 * k if mode == "silu_mul" else k, generator=torch.Generator().manual_seed(k))
     config = {"BLOCK_N": 8, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1}
     kwargs = {"silu_out": mode == "silu_out", "silu_mul": mode == "silu_mul"}
@@ -268,14 +272,33 @@ def test_int4_half2_layout():
         assert torch.equal(((words >> bit) & 15).reshape(5, 4, 4), codes.reshape(5, 4, 8, 4)[:, :, s, :])
 
 
+def test_int4_one_plus_layout():
+    """DFLASH2_INT4_GEMV=half2-sum: slot s at ONE_PLUS_SLOT_BITS[s] (slot 7 rotated: its low two bits at 30-31),
+    so that the word, << 4, >> 4 and rotated right by 8 hold slot pairs 0/1, 2/3, 4/5, 6/7 at bits 6 and 22."""
+    from dflash2.kernels.triton.int4_gemv import ONE_PLUS_SLOT_BITS
+    from dflash2.quantization.formats import unpack_int4
+
+    weight, prepared = _int4_prepared(5, 128, 32, one_plus=True)
+    assert prepared["half2"] and prepared["one_plus"]
+    codes = unpack_int4(weight.tensors["qweight"]).long().reshape(5, 4, 8, 4)
+    words = prepared["words"].long() & 0xFFFFFFFF
+    views = (words, (words << 4) & 0xFFFFFFFF, words >> 4, ((words >> 8) | (words << 24)) & 0xFFFFFFFF)
+    for pair, view in enumerate(views):
+        for half, bit in enumerate((6, 22)):
+            assert torch.equal(((view >> bit) & 15).reshape(5, 4, 4), codes[:, :, 2 * pair + half, :])
+    assert ONE_PLUS_SLOT_BITS == (6, 22, 2, 18, 10, 26, 14, 30)
+
+
+@pytest.mark.parametrize("one_plus", [False, True])
 @pytest.mark.parametrize("rows, group_size, k, split_k, paired", [(1, 32, 96, 1, False), (3, 64, 384, 1, False),
                                                                    (4, 128, 256, 2, False), (2, 32, 128, 1, True)])
-def test_int4_half2_gemv_matches_reference(rows, group_size, k, split_k, paired):
-    """The half2 variant (here its interpreter path: the same codes, activations rounded to fp16) against
-    dequantize() + matmul; with paired gate/up rows, silu_out too."""
+def test_int4_half2_gemv_matches_reference(rows, group_size, k, split_k, paired, one_plus):
+    """The half2 variant and its ONE_PLUS form (here their interpreter path: the same codes, activations rounded
+    to fp16) against dequantize() + matmul; with paired gate/up rows, silu_out too."""
     from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up
 
-    weight, prepared = _int4_prepared(N + 1 if paired else N, k, group_size, seed=rows, half2=True)
+    weight, prepared = _int4_prepared(N + 1 if paired else N, k, group_size, seed=rows, half2=True,
+                                      one_plus=one_plus)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
     config = {"BLOCK_N": 8, "CHUNKS": 4, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
     want = expected(x, weight)

@@ -22,14 +22,16 @@ import triton.language as tl
 
 from dflash2.kernels.triton.elementwise import _silu_mul
 from dflash2.kernels.triton.gemv_parts import _k_range, _store_or_reduce, prepare_io, shape_configs, split_counters
-from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, SLOT_BITS, _rms_rstd, _slot_activations,
-                                              _slots_normed, _step_from_activations, _step_sum, _sum_squares,
-                                              repack_int4)
+from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, ONE_PLUS_SLOT_BITS, SLOT_BITS, _rms_rstd,
+                                              _slot_activations, _slots_normed, _step_from_activations, _step_sum,
+                                              _sum_squares, repack_int4)
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# packed fp16 products for 16-bit models (int4_math.py, "half2"); DFLASH2_INT4_GEMV=float: float32 ones
-HALF2 = os.environ.get("DFLASH2_INT4_GEMV", "half2") == "half2"
+# packed fp16 products for 16-bit models (int4_math.py, "half2"); DFLASH2_INT4_GEMV=float: float32 ones;
+# =half2-sum: packed ones without the bias fix (ONE_PLUS, a candidate not yet measured on a GPU)
+HALF2 = os.environ.get("DFLASH2_INT4_GEMV", "half2") in ("half2", "half2-sum")
+ONE_PLUS = os.environ.get("DFLASH2_INT4_GEMV", "half2") == "half2-sum"
 # each program requests its first step's weights before it waits for the previous kernel (EARLY in
 # _int4_gemv_kernel; DFLASH2_INT4_EARLY=0 turns it off). W2 int4 on the H200: 475.9 / 476.5 tok/s with it,
 # 467.4 / 466.6 without (eleventh session, call 3, half2 at the configs before the tune below)
@@ -63,7 +65,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
                       ASM: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr,
                       HALF2: tl.constexpr = False, EARLY: tl.constexpr = False, NORM: tl.constexpr = False,
-                      ADD_OUT: tl.constexpr = False, ONE_STEP: tl.constexpr = False):
+                      ADD_OUT: tl.constexpr = False, ONE_STEP: tl.constexpr = False,
+                      ONE_PLUS: tl.constexpr = False):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
@@ -124,10 +127,11 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         else:
             words, sz = _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
         if NORM and ONE_STEP:  # the activations were loaded and normed before the loop
-            acc += _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
+            acc += _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM, ONE_PLUS)
         else:
             acc += _step_from_activations(words, sz, x_base, k0 + x_cols, c_ok4 & m_ok[None, :, None, None], c_ok4,
-                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM)
+                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM,
+                                          ONE_PLUS)
     _int4_store(tl.sum(acc, axis=0), pid, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M, BLOCK_N,
                 SPLIT_K, PAIRED, SILU_OUT, ADD_OUT)
 
@@ -178,7 +182,7 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                                  SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                                  PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, HALF2: tl.constexpr,
                                  USE_PDL: tl.constexpr, EARLY: tl.constexpr, NORM: tl.constexpr = False,
-                                 ADD_OUT: tl.constexpr = False):
+                                 ADD_OUT: tl.constexpr = False, ONE_PLUS: tl.constexpr = False):
     """The same GEMV with fewer programs than row tiles (int4_gemv's config "PERSISTENT"): program p takes tiles
     p, p + P, p + 2 P, ... (P programs), each in STEPS steps along K, and requests the next step's words (the
     next tile's, after a tile's last step) before it computes this one, so its loads keep streaming while it
@@ -225,13 +229,14 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                                               ((f + 1) % STEPS) * STEP, N, K, c, lanes, offs, stride_wn, stride_sn,
                                               GS, BLOCK_N)
         if STEPS == 1:
-            part = _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
+            part = _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM, ONE_PLUS)
             _int4_store(tl.sum(part, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0, BLOCK_M,
                         BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT)
         else:
             c_ok4 = k0 + c4 * 32 < K
             acc += _step_from_activations(words, sz, x_base, k0 + x_cols, c_ok4 & m_ok[None, :, None, None], c_ok4,
-                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM)
+                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM,
+                                          ONE_PLUS)
             if k0 + STEP >= K:
                 _int4_store(tl.sum(acc, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0,
                             BLOCK_M, BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT)
@@ -295,10 +300,11 @@ def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.T
 
 
 def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 half2: bool | None = None) -> dict:
-    """Device tensors for the kernel: the repacked words (half2: in the HALF2 layout; None: as
-    DFLASH2_INT4_GEMV says, half2 unless it is "float"); scales and zeros as stored."""
+                 half2: bool | None = None, one_plus: bool | None = None) -> dict:
+    """Device tensors for the kernel: the repacked words (half2: in the HALF2 layout, or with one_plus in its
+    ONE_PLUS variant; None: as DFLASH2_INT4_GEMV says); scales and zeros as stored."""
     half2 = HALF2 if half2 is None else half2
+    one_plus = half2 and (ONE_PLUS if one_plus is None else one_plus)
     if group_size % CHUNK:
         raise ValueError(f"int4 GEMV needs a group size divisible by {CHUNK}, got {group_size}")
     split_counters(qweight.device, 1 << 16)  # allocated now, not inside a graph capture
@@ -308,9 +314,10 @@ def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     if n * k // 8 >= 1 << 31:
         raise ValueError(f"int4 GEMV indexes with int32 offsets: [{n}, {k}] is too large")
     pairs = torch.stack((scales.contiguous().view(torch.int16), zeros.contiguous().view(torch.int16)), dim=-1)
-    words = repack_int4(qweight, slot_bits=HALF2_SLOT_BITS if half2 else SLOT_BITS)
+    slot_bits = ONE_PLUS_SLOT_BITS if one_plus else HALF2_SLOT_BITS if half2 else SLOT_BITS
+    words = repack_int4(qweight, slot_bits=slot_bits)
     return {"words": words, "sz": pairs.view(torch.int32).reshape(n, -1).contiguous(),
-            "group_size": group_size, "n": n, "k": k, "half2": half2}
+            "group_size": group_size, "n": n, "k": k, "half2": half2, "one_plus": one_plus}
 
 
 def pair_gate_up(weight: dict) -> dict:
@@ -354,7 +361,8 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
             out = torch.empty((x.shape[0], n // 2), dtype=x.dtype, device=x.device)
     x, out = prepare_io(x, weight, out, silu_mul)
     norm_weight, eps = norm if norm is not None else (x, 0.0)  # x: any pointer, never read without NORM
-    fused = {"NORM": norm is not None, "ADD_OUT": add_out}  # (the regular kernel adds ONE_STEP below)
+    fused = {"NORM": norm is not None, "ADD_OUT": add_out,  # (the regular kernel adds ONE_STEP below)
+             "ONE_PLUS": weight.get("one_plus", False)}
     m = out.shape[0]
     if m == 0:
         return out
