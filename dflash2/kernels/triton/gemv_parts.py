@@ -64,8 +64,8 @@ def _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om
 @triton.jit
 def _store_out(value, ptrs, mask, ADD_OUT: tl.constexpr):
     dtype = ptrs.dtype.element_ty
-    if ADD_OUT:
-        value = value.to(dtype) + tl.load(ptrs, mask=mask, other=0.0)
+    if ADD_OUT:  # as torch adds two tensors of out's dtype: in float32, rounded once
+        value = value.to(dtype).to(tl.float32) + tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(ptrs, value.to(dtype), mask=mask)
 
 
