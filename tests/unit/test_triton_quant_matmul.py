@@ -430,7 +430,8 @@ def test_tuned_int4_configs_round_trip(tmp_path, monkeypatch):
     from benchmarks.decode_gemv_tune import engine_configs
     from dflash2.kernels.triton import int4_gemv as ig
 
-    fast, slow = {"BLOCK_N": 8, "PERSISTENT": 4}, {"BLOCK_N": 16}
+    common = {"CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1}
+    fast, slow = {"BLOCK_N": 8, "PERSISTENT": 4, **common}, {"BLOCK_N": 16, **common}
     rows = [{"shape": "qkv", "kernel": "gemv_int4", "config": slow, "us": 6.0},
             {"shape": "qkv", "kernel": "gemv_int4", "config": fast, "us": 5.0},
             {"shape": "qkv", "kernel": "cublas_bf16", "config": {}, "us": 1.0},
@@ -452,6 +453,16 @@ def test_tuned_int4_configs_round_trip(tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv("DFLASH2_INT4_CONFIGS")
         shape_configs.cache_clear()
+    for text in ("not json", '{"6144by4096": {}}', '{"6144x4096": {"BLOCK_N": 8}}'):
+        path.write_text(text)
+        monkeypatch.setenv("DFLASH2_INT4_CONFIGS", str(path))
+        shape_configs.cache_clear()
+        try:
+            with pytest.raises(ValueError, match="DFLASH2_INT4_CONFIGS=.*not a table of kernel configs"):
+                ig.int4_config(6144, 4096, 1)
+        finally:
+            monkeypatch.delenv("DFLASH2_INT4_CONFIGS")
+            shape_configs.cache_clear()
 
 
 def test_prefill_gemm_tune_writes_configs_the_gemm_takes(tmp_path, monkeypatch):

@@ -106,6 +106,17 @@ def shape_configs(variable: str) -> dict[tuple[int, ...], dict]:
     path = os.environ.get(variable)
     if not path:
         return {}
-    with open(path) as f:
-        table = json.load(f)
-    return {tuple(int(v) for v in key.replace(":", "x").split("x")): config for key, config in table.items()}
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        return {tuple(int(v) for v in key.replace(":", "x").split("x")): _checked(config)
+                for key, config in table.items()}
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"{variable}={path}: not a table of kernel configs ({{\"NxK\": {{\"BLOCK_N\": ...}}}}): "
+                         f"{e}") from e
+
+
+def _checked(config: Any) -> dict:
+    if not isinstance(config, dict) or not {"BLOCK_N", "num_warps", "num_stages"} <= config.keys():
+        raise ValueError(f"a config needs BLOCK_N, num_warps and num_stages, got {config!r}")
+    return config
