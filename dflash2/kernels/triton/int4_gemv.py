@@ -80,8 +80,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     PREFETCH too when K takes more than one step.
     NORM: x is the residual stream, and the GEMV's input is its RMSNorm with weight nw (rms_norm's arithmetic;
     every program computes the rows' statistics in a pass over x first, or from the step's activations when
-    ONE_STEP: all of K in one step, SPLIT_K = 1). ADD_OUT: out += the result (the residual add, rounded as
-    rms_norm's residual add: the product in the output dtype first)."""
+    ONE_STEP: all of K in one step, SPLIT_K = 1). ADD_OUT: out += the result (the residual add: the product
+    rounded to out's dtype, then added in float32). ONE_PLUS: the words are in that layout (int4_math.py)."""
     if not EARLY:
         pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -130,8 +130,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
             acc += _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM, ONE_PLUS)
         else:
             acc += _step_from_activations(words, sz, x_base, k0 + x_cols, c_ok4 & m_ok[None, :, None, None], c_ok4,
-                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM,
-                                          ONE_PLUS)
+                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM, ONE_PLUS)
     _int4_store(tl.sum(acc, axis=0), pid, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M, BLOCK_N,
                 SPLIT_K, PAIRED, SILU_OUT, ADD_OUT)
 
