@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from dflash2.kernels.triton import attention as attn  # noqa: E402
-from dflash2.kernels.triton import int4_gemv, quant_matmul  # noqa: E402
+from dflash2.kernels.triton import int4_configs, int4_gemv, quant_matmul  # noqa: E402
 from dflash2.kernels.triton.int8_decode import int8_sub_tiles  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -131,7 +131,7 @@ def main() -> None:
              "cnt_ptr": "*i32", "nw_ptr": "*bf16", "eps": "fp32"}
     # DFLASH2_INT4_GEMV=half2: packed fp16 products; =half2-sum: the same without the bias fix (ONE_PLUS)
     for half2, one_plus in ((False, False), (True, False), (True, True)):
-        for block_m, config in sorted(int4_gemv.INT4_GEMV_CONFIGS.items()):
+        for block_m, config in sorted(int4_configs.INT4_GEMV_CONFIGS.items()):
             for block_n in sorted({config["BLOCK_N"], 2 * config["BLOCK_N"]} if block_m == 1 else {config["BLOCK_N"]}):
                 constants = {"GS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNKS": config["CHUNKS"],
                              "SPLIT_K": 1, "SILU_MUL": False, "EVEN_M": True, "EVEN_N": True, "EVEN_K": True,

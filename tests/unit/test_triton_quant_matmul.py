@@ -428,6 +428,7 @@ def test_tuned_int4_configs_round_trip(tmp_path, monkeypatch):
     import json
 
     from benchmarks.decode_gemv_tune import engine_configs
+    from dflash2.kernels.triton import int4_configs as ic
     from dflash2.kernels.triton import int4_gemv as ig
 
     common = {"CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1}
@@ -448,8 +449,8 @@ def test_tuned_int4_configs_round_trip(tmp_path, monkeypatch):
     try:
         assert ig.int4_config(6144, 4096, 1, half2=True) == fast
         assert ig.int4_config(28672, 4096, 1) == slow
-        assert ig.int4_config(6144, 4096, 4, half2=True) == ig.INT4_GEMV_CONFIGS[4]
-        assert ig.int4_config(4096, 4096, 1, half2=True) == ig.INT4_HALF2_M1_CONFIG
+        assert ig.int4_config(6144, 4096, 4, half2=True) == ic.INT4_GEMV_CONFIGS[4]
+        assert ig.int4_config(4096, 4096, 1, half2=True) == ic.INT4_HALF2_M1_CONFIG
     finally:
         monkeypatch.delenv("DFLASH2_INT4_CONFIGS")
         shape_configs.cache_clear()
