@@ -7,6 +7,9 @@ fused on either side (silu_variants): gate_up's epilogue, as the engine runs it,
 
     PYTHONPATH=$PWD python3 benchmarks/decode_gemv_tune.py [--rows 1] [--output tune.json] [--int4-only]
                                                            [--configs-out int4.json]             (GPU)
+    TRITON_INTERPRET=1 python3 benchmarks/decode_gemv_tune.py --smoke --int4-only   (CPU: runs the script)
+
+Every int4 row's result is checked against the shape's default config (1%): a fast wrong config is dropped.
 
 GB/s counts the bytes each kernel reads for the weight (int4: 0.5 B a weight + 4 B a group of scale and zero).
 
@@ -65,12 +68,13 @@ def silu_variants(configs: list[dict], shapes: dict = SHAPES, dtype: torch.dtype
             weight = prepare_int4(t["qweight"], t["scales"], t["zeros"], 128)
             weights.append(pair_gate_up(weight) if silu_out else weight)
         default = int4_config(n, k, 1, weights[0]["half2"])
+        if silu_out:
+            fn = lambda w, c: int4_gemv(x, w, out=out, config=c, silu_out=True)  # noqa: E731
+        else:
+            fn = lambda w, c: int4_gemv(x, w, out=out, config=c, silu_mul=True)  # noqa: E731
+        expected = fn(weights[0], default).float()
         for config in [default] + [c for c in configs if c != default]:
-            if silu_out:
-                fn = lambda w, c: int4_gemv(x, w, out=out, config=c, silu_out=True)  # noqa: E731
-            else:
-                fn = lambda w, c: int4_gemv(x, w, out=out, config=c, silu_mul=True)  # noqa: E731
-            row = timed_row(shape, 1, "gemv_int4", config, fn, weights, fmt.storage_bytes(n, k))
+            row = timed_row(shape, 1, "gemv_int4", config, fn, weights, fmt.storage_bytes(n, k), expected)
             if row is not None:
                 rows.append(row)
         del weights
@@ -94,16 +98,24 @@ def engine_configs(rows: list[dict], shapes: dict = SHAPES) -> dict:
     return {"x".join(map(str, shapes[shape])): row["config"] for shape, row in best.items()}
 
 
-def timed_row(shape: str, m: int, kernel: str, config: dict, fn, weights: list, nbytes: int) -> dict | None:
+def timed_row(shape: str, m: int, kernel: str, config: dict, fn, weights: list, nbytes: int,
+              expected: torch.Tensor | None = None) -> dict | None:
     """fn(weight, config) timed over L2-cold weight copies: the row, printed; None (an error line printed) for a
-    config that does not compile."""
+    config that does not compile, or whose result on weights[0] is more than 1% off `expected` (a fast wrong
+    config must not win)."""
     try:
         seconds = seconds_per_call(cycle(lambda w: fn(w, config), weights))
+        got = fn(weights[0], config).float()
     except Exception as e:  # a config that does not compile
         print(json.dumps({"shape": shape, "kernel": kernel, "config": config, "error": str(e)[:100]}))
         return None
     row = {"shape": shape, "M": m, "kernel": kernel, "config": config, "us": round(seconds * 1e6, 2),
            "GB_s": round(nbytes / seconds / 1e9, 1)}
+    if expected is not None:
+        row["rel_error"] = round(float((got - expected).norm() / expected.norm()), 5)
+        if not row["rel_error"] < 1e-2:
+            print(json.dumps({**row, "error": "wrong result"}))
+            return None
     print(json.dumps(row), flush=True)
     return row
 
@@ -116,12 +128,20 @@ def main() -> None:
     parser.add_argument("--configs-out", default=None,
                         help="write the best int4 config per shape as DFLASH2_INT4_CONFIGS reads it (M = 1; "
                              "gate_up: the best with SiLU-mul in its epilogue, as the engine runs it)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU (TRITON_INTERPRET=1, with --int4-only): tiny shapes, a few configs, float32")
     args = parser.parse_args()
     rows, totals = [], {}
     m = args.rows
-    for shape, (n, k) in SHAPES.items():
-        x = torch.randn(m, k, device="cuda").bfloat16()
-        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    shapes, int4_configs, persistent, capped, dtype = SHAPES, INT4_CONFIGS, PERSISTENT_CONFIGS, CAPPED_CONFIGS, \
+        torch.bfloat16
+    if args.smoke:
+        gemv_bench.DEVICE, gemv_bench.L2_FLUSH_BYTES, gemv_bench.MIN_CALLS, dtype = "cpu", 0, 1, torch.float32
+        shapes = {"qkv": (48, 256), "gate_up": (64, 256), "down": (32, 512)}
+        int4_configs, persistent, capped = INT4_CONFIGS[:1] + PERSISTENT_CONFIGS[:1], PERSISTENT_CONFIGS[:1], []
+    for shape, (n, k) in shapes.items():
+        x = torch.randn(m, k, device=gemv_bench.DEVICE).to(dtype)
+        out = torch.empty(m, n, device=gemv_bench.DEVICE, dtype=dtype)
         candidates = []
         if not args.int4_only:
             dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16() for _ in range(copies_for(n * k * 2))]
@@ -142,15 +162,17 @@ def main() -> None:
         candidates += [("legacy_gemv_int4", legacy_config, lambda w, c: qm.gemv(x, w, out=out, config=c), legacy,
                         int4_bytes)]
         default = int4_config(n, k, m, int4[0]["half2"])
-        configs = INT4_CONFIGS + [c for c in [default] if c not in INT4_CONFIGS]
+        configs = int4_configs + [c for c in [default] if c not in int4_configs]
         candidates += [("gemv_int4", c, lambda w, c: int4_gemv(x, w, out=out, config=c), int4, int4_bytes)
                        for c in configs]
         # DFLASH2_INT4_GEMV=half2-sum (no bias fix) at the shape's default and the likeliest others
         candidates += [("gemv_int4_half2_sum", c, lambda w, c: int4_gemv(x, w, out=out, config=c), one_plus,
-                        int4_bytes) for c in [default] + [c for c in INT4_CONFIGS[:3] + PERSISTENT_CONFIGS[:4]
+                        int4_bytes) for c in [default] + [c for c in int4_configs[:3] + persistent[:4]
                                                           if c != default]]
+        expected = int4_gemv(x, int4[0], config=default).float()  # the same codes in every int4 layout
         for kernel, config, fn, weights, nbytes in candidates:
-            row = timed_row(shape, m, kernel, config, fn, weights, nbytes)
+            check = expected if kernel.startswith("gemv_int4") else None
+            row = timed_row(shape, m, kernel, config, fn, weights, nbytes, check)
             if row is None:
                 continue
             rows.append(row)
@@ -158,10 +180,10 @@ def main() -> None:
         del candidates, int4, legacy, one_plus
         torch.cuda.empty_cache()
     if m == 1:
-        rows += silu_variants(INT4_CONFIGS[:3] + CAPPED_CONFIGS + PERSISTENT_CONFIGS)
+        rows += silu_variants(int4_configs[:3] + capped + persistent, shapes, dtype)
     best = {}
     for (kernel, config), per_shape in totals.items():
-        if len(per_shape) == len(SHAPES):
+        if len(per_shape) == len(shapes):
             total = sum(per_shape.values())
             if kernel not in best or total < best[kernel]["total_us"]:
                 best[kernel] = {"config": json.loads(config), "total_us": round(total, 1), "per_shape": per_shape}
@@ -173,11 +195,11 @@ def main() -> None:
     print("best_int4_per_shape " + json.dumps(per_shape), flush=True)
     if args.configs_out and m == 1:
         with open(args.configs_out, "w") as f:
-            json.dump(engine_configs(rows), f, indent=1)
+            json.dump(engine_configs(rows, shapes), f, indent=1)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(0), "M": m, "rows": rows, "best": best,
-                       "best_int4_per_shape": per_shape}, f, indent=1)
+            json.dump({"gpu": gemv_bench.DEVICE if args.smoke else torch.cuda.get_device_name(0), "M": m,
+                       "rows": rows, "best": best, "best_int4_per_shape": per_shape}, f, indent=1)
 
 
 if __name__ == "__main__":
