@@ -12,7 +12,8 @@
 #     annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 click==8.5.1 typing-extensions==4.16.0 \
 #     opentelemetry-api==1.45.2 uvloop==0.23.0 httptools==0.9.0 nvidia-ml-py==13.615.71   (fastapi 0.165 imports
 #     opentelemetry; nvidia-ml-py: the GPU gauges)
-# Overrides: PYTHON (default python3), W3_RUNS (default "closed poisson"), W3_INSTALL=0 (skip the install), W3_TIMEOUT (seconds per run), W3_ARGS
+# Overrides: PYTHON (default python3), W3_RUNS (default "closed poisson"; a kind named twice runs twice, its second
+# run's files named poisson_2 and so on), W3_INSTALL=0 (skip the install), W3_TIMEOUT (seconds per run), W3_ARGS
 # (appended last to both runs, so they win, e.g. W3_ARGS="--kv-cache-memory 256MiB --overload 2").
 # DFLASH2_STEP_TRACE=$OUT/steps.jsonl reaches the server through the environment: one line per engine step
 # (benchmarks/step_trace_report.py summarizes it). W3_SERVER_PREFIX runs the server under a profiler
@@ -47,8 +48,11 @@ common=(--model qwen3-0.6b --load-format dummy --device cuda --synthetic 400 --p
   --max-model-len 512 --kv-cache-memory 384MiB --swap-space 4 --max-num-seqs 32 --prefill-chunk-size 512
   --max-num-batched-tokens 2048 --max-outranked-prefill-tokens 64 --idle-requests 1000)
 status=0
-for run in ${W3_RUNS:-closed poisson}; do
-  if [ $run = closed ]; then extra=(--concurrency 128); else extra=(--synthetic 4800); fi
+declare -A seen=()  # a kind named again (W3_RUNS="poisson poisson") gets its own files: poisson_2, ...
+for kind in ${W3_RUNS:-closed poisson}; do
+  seen[$kind]=$(( ${seen[$kind]:-0} + 1 ))
+  run=$kind; [ ${seen[$kind]} -gt 1 ] && run=${kind}_${seen[$kind]}
+  if [ $kind = closed ]; then extra=(--concurrency 128); else extra=(--synthetic 4800); fi
   timeout ${W3_TIMEOUT:-240} $PYTHON benchmarks/priority.py "${common[@]}" "${extra[@]}" \
     --server-log-dir "$OUT/w3_server_$run" --output "$OUT/w3_gpu_$run.json" ${W3_ARGS:-} > "$OUT/w3_gpu_$run.log" 2>&1
   run_status=$?
