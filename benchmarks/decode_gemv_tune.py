@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks import gemv_bench  # noqa: E402
-from benchmarks.gemv_bench import SHAPES, copies_for, cycle, random_packed, seconds_per_call  # noqa: E402
+from benchmarks.gemv_bench import SHAPES, copies_for, random_packed, timed_row  # noqa: E402
 from dflash2.kernels.triton import quant_matmul as qm  # noqa: E402
 from dflash2.kernels.triton.int4_gemv import int4_config, int4_gemv, pair_gate_up, prepare_int4  # noqa: E402
 from dflash2.quantization.formats import WeightFormat  # noqa: E402
@@ -96,28 +96,6 @@ def engine_configs(rows: list[dict], shapes: dict = SHAPES) -> dict:
         if plain:
             best["gate_up"] = min(plain, key=lambda r: r["us"])
     return {"x".join(map(str, shapes[shape])): row["config"] for shape, row in best.items()}
-
-
-def timed_row(shape: str, m: int, kernel: str, config: dict, fn, weights: list, nbytes: int,
-              expected: torch.Tensor | None = None) -> dict | None:
-    """fn(weight, config) timed over L2-cold weight copies: the row, printed; None (an error line printed) for a
-    config that does not compile, or whose result on weights[0] is more than 1% off `expected` (a fast wrong
-    config must not win)."""
-    try:
-        seconds = seconds_per_call(cycle(lambda w: fn(w, config), weights))
-        got = fn(weights[0], config).float()
-    except Exception as e:  # a config that does not compile
-        print(json.dumps({"shape": shape, "kernel": kernel, "config": config, "error": str(e)[:100]}))
-        return None
-    row = {"shape": shape, "M": m, "kernel": kernel, "config": config, "us": round(seconds * 1e6, 2),
-           "GB_s": round(nbytes / seconds / 1e9, 1)}
-    if expected is not None:
-        row["rel_error"] = round(float((got - expected).norm() / expected.norm()), 5)
-        if not row["rel_error"] < 1e-2:
-            print(json.dumps({**row, "error": "wrong result"}))
-            return None
-    print(json.dumps(row), flush=True)
-    return row
 
 
 def main() -> None:

@@ -98,6 +98,27 @@ def row(shape: str, rows: int, kernel: str, seconds: float, nbytes: int, **extra
             "GB_s": round(nbytes / seconds / 1e9, 1), **extra}
 
 
+def timed_row(shape: str, rows: int, kernel: str, config: dict, fn: Callable[[Any, dict], torch.Tensor],
+              weights: list[Any], nbytes: int, expected: torch.Tensor | None = None) -> dict[str, Any] | None:
+    """The tunes' measurement: fn(weight, config) timed over L2-cold weight copies, the row printed and returned;
+    None (an error line printed) for a config that does not compile, or whose result on weights[0] is more
+    than 1% off `expected` (a fast wrong config must not win)."""
+    try:
+        seconds = seconds_per_call(cycle(lambda w: fn(w, config), weights))
+        got = fn(weights[0], config).float()
+    except Exception as e:  # a config that does not compile (registers, shared memory)
+        print(json.dumps({"shape": shape, "M": rows, "kernel": kernel, "config": config, "error": str(e)[:100]}))
+        return None
+    result = row(shape, rows, kernel, seconds, nbytes, config=config)
+    if expected is not None:
+        result["rel_error"] = round(float((got - expected).norm() / expected.norm()), 5)
+        if not result["rel_error"] < 1e-2:
+            print(json.dumps({**result, "error": "wrong result"}))
+            return None
+    print(json.dumps(result), flush=True)
+    return result
+
+
 # -- the table: every kernel at its current defaults ---------------------------------------------------------
 def table() -> list[dict[str, Any]]:
     results = []

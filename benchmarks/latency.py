@@ -101,7 +101,8 @@ def main() -> None:
                         help="0: the prompt's prefill runs eagerly (decode-only graphs)")
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--profile", action="store_true",
-                        help="print the top kernels of 20 decode steps, totals and exposed (decode_profile.py has more)")
+                        help="print the top kernels of 20 decode steps, totals and exposed "
+                             "(decode_profile.py has more)")
     parser.add_argument("--blas", default=None, help="torch.backends.cuda.preferred_blas_library: cublas or cublaslt")
     parser.add_argument("--weights", default="bf16", choices=WEIGHT_CHOICES,
                         help="dummy weights quantized to this width (all linear layers and lm_head; embedding bf16)")

@@ -1,7 +1,8 @@
 """Time the paged decode kernel on W1/W2-like shapes per KV dtype and page layout, for several tile configs.
 
     PYTHONPATH=$PWD python3 benchmarks/tune_decode.py [--kinds bf16,int8,int4,fp8] [--layouts head_major,token_major]
-                                                      [--int8-paths imma_t,imma,legacy] [--cases w1,w2,w3] [--length 800]
+                                                      [--int8-paths imma_t,imma,legacy] [--cases w1,w2,w3]
+                                                      [--length 800]
                                                       [--w2-splits 4,8,16] [--w3-splits 1,2,4]
                                                       [--grid "64,2,2 64,2,3"]
                                                       [--w1-data .bench/w1_throughput.jsonl --decoded 256]

@@ -58,8 +58,8 @@ class QuantLinear(nn.Module):
         return getattr(self.runtime, "fuses_silu_out", False) and self.bias is None
 
     def fuses_norm(self, rows: int) -> bool:
-        """Whether forward(norm=, add_to=) folds the RMSNorm and the residual add into the matmul's own kernel
-        for `rows` activation rows (the int4 GEMV with DFLASH2_FUSE_NORM=1), rather than running them apart."""
+        """Whether forward(norm=, add_to=) can fold the RMSNorm and the residual add into the matmul's own kernel
+        for `rows` activation rows (the int4 GEMV with DFLASH2_FUSE_NORM=1)."""
         return self.bias is None and getattr(self.runtime, "fuses_norm", lambda rows: False)(rows)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -69,14 +69,11 @@ class QuantLinear(nn.Module):
                 add_to: torch.Tensor | None = None) -> torch.Tensor:
         """y = x W^T (+ bias); with `silu_mul`, x is a fused [gate | up] and silu(gate) * up goes in; with
         `silu_out` (a gate_up layer, no bias), y is [gate | up] and silu(gate) * up comes out. `norm` (an
-        RMSNorm): y is of norm(x); `add_to`: y is added into that tensor (in place), which is returned; both in
-        the matmul's kernel where fuses_norm, else as separate steps."""
+        RMSNorm): y is of norm(x); `add_to`: y is added into that tensor (in place), which is returned; both only
+        where fuses_norm (the caller asks it: LlamaDecoderLayer.fuses_norms), in the matmul's own kernel."""
         if norm is not None or add_to is not None:
-            if self.fuses_norm(x.shape[0]) and (not silu_out or self.fuses_silu_out):
-                return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=silu_out, add_to=add_to,
-                                           norm=None if norm is None else (norm.weight, norm.eps))
-            y = self.forward(x if norm is None else norm(x), silu_mul, silu_out)
-            return y if add_to is None else add_to.add_(y)
+            return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=silu_out, add_to=add_to,
+                                       norm=None if norm is None else (norm.weight, norm.eps))
         if silu_out:
             if self.fuses_silu_out:
                 return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=True)

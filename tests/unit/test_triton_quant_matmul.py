@@ -466,20 +466,26 @@ def test_tuned_int4_configs_round_trip(tmp_path, monkeypatch):
             shape_configs.cache_clear()
 
 
+def _smoke_tune(script: str, *args: str) -> list[dict]:
+    """A tune script's --smoke run under the interpreter (it must succeed): the JSON rows it printed."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, f"benchmarks/{script}", "--smoke", *args], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
 def test_decode_gemv_tune_smoke(tmp_path):
     """benchmarks/decode_gemv_tune.py --smoke (interpreted): every int4 variant it times (the tables' configs,
     persistent, half2-sum, SiLU-mul on either side) is checked against the shape's default config, and the
     table it writes names one config per shape."""
     import json
-    import subprocess
-    import sys
 
     out = tmp_path / "int4.json"
-    done = subprocess.run([sys.executable, "benchmarks/decode_gemv_tune.py", "--smoke", "--int4-only",
-                           "--configs-out", str(out)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = _smoke_tune("decode_gemv_tune.py", "--int4-only", "--configs-out", str(out))
     int4 = [r for r in rows if r.get("kernel", "").startswith("gemv_int4")]
     assert {r["kernel"] for r in int4} == {"gemv_int4", "gemv_int4_half2_sum"}
     assert {r["shape"] for r in int4} == {"qkv", "gate_up", "down", "gate_up_silu_out", "down_silu_mul"}
@@ -491,15 +497,9 @@ def test_prefill_gemm_tune_writes_configs_the_gemm_takes(tmp_path, monkeypatch):
     """benchmarks/prefill_gemm_tune.py --smoke (interpreted) times its configs, checks their results, and writes
     the best per shape; DFLASH2_GEMM_CONFIGS makes gemm() take it for more than GEMM_SMALL_M rows only."""
     import json
-    import subprocess
-    import sys
 
     out = tmp_path / "gemm.json"
-    done = subprocess.run([sys.executable, "benchmarks/prefill_gemm_tune.py", "--smoke", "--rows", "40",
-                           "--configs-out", str(out)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = _smoke_tune("prefill_gemm_tune.py", "--rows", "40", "--configs-out", str(out))
     assert len(rows) == 2 and all(r["rel_error"] < 1e-4 for r in rows)
     table = json.loads(out.read_text())
     assert list(table) == ["4:64x256"] and table["4:64x256"] in [r["config"] for r in rows]

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
-from dflash2.kernels.triton.gemv_parts import split_counters
+from dflash2.kernels.triton.gemv_parts import multiprocessors, split_counters
 from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_imma_tiles, _int8_tile,
                                                 int8_path, int8_sub_tiles)
 from dflash2.kernels.triton.kv_write import rotary_write_kv, scale_args, write_kv
@@ -356,7 +356,7 @@ class TritonAttention:
 
     def __init__(self, num_sms: int | None = None) -> None:
         if num_sms is None and torch.cuda.is_available():
-            num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+            num_sms = multiprocessors(torch.device("cuda", 0))
         self.num_sms = num_sms or 132
         self.graph_num_splits: int | None = None  # fixed while capturing a graph
 

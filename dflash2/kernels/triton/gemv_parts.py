@@ -4,6 +4,7 @@
                     [gate | up] row, rounded as the unfused silu_and_mul would
     prepare_io      the launchers' input check ([M, K], or [M, 2K] with SiLU-mul) and output allocation
     shape_configs   kernel configs per weight shape from a tune's JSON file (DFLASH2_INT4_CONFIGS, ..._GEMM_...)
+    multiprocessors a CUDA device's SM count (grid sizes)
     split-K         several programs share one output tile along K, in one launch:
 
 Each program parks its fp32 partial in a workspace and takes a ticket from the tile's counter; the last one
@@ -97,6 +98,13 @@ def prepare_io(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None
         raise ValueError(f"expected x [M, {2 * k if silu_mul else k}], got {tuple(x.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
     return x, torch.empty((x.shape[0], weight["n"]), dtype=x.dtype, device=x.device) if out is None else out
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device (the persistent int4 GEMV's grid unit, the decode attention's split count); 2
+    elsewhere (the interpreter), so that tests see programs taking several tiles."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 @functools.cache

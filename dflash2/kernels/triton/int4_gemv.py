@@ -13,7 +13,6 @@ persistent kernel walks several row tiles a program instead (config "PERSISTENT"
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -21,7 +20,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.triton.elementwise import _silu_mul
-from dflash2.kernels.triton.gemv_parts import _k_range, _store_or_reduce, prepare_io, split_counters
+from dflash2.kernels.triton.gemv_parts import _k_range, _store_or_reduce, multiprocessors, prepare_io, split_counters
 from dflash2.kernels.triton.int4_configs import int4_config
 from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, ONE_PLUS_SLOT_BITS, SLOT_BITS, _rms_rstd,
                                               _slot_activations, _slots_normed, _step_from_activations, _step_sum,
@@ -243,13 +242,6 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                 acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """SMs of a CUDA device (the persistent grid's unit); 2 elsewhere (the interpreter), so that tests see
-    programs taking several tiles."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-
-
 def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
     """Whether prepare_int4 takes this weight (whole 32-column chunks in every group, fp16 scales and zeros)."""
     return (group_size % CHUNK == 0 and k % group_size == 0 and scales.dtype == torch.float16
@@ -338,7 +330,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     # config["EARLY"] overrides the switch (tests and the tune; under the interpreter it only reorders the loads)
     early = bool(config.get("EARLY", EARLY_LOADS)) and (pdl["USE_PDL"] or _INTERPRETED)
     if config.get("PERSISTENT"):
-        programs = min(tiles, config.get("PROGRAMS") or config["PERSISTENT"] * _multiprocessors(x.device))
+        programs = min(tiles, config.get("PROGRAMS") or config["PERSISTENT"] * multiprocessors(x.device))
         _int4_gemv_persistent_kernel[(programs,)](
             x, weight["words"], weight["sz"], out, m, n, k, x.stride(0), weight["words"].stride(0),
             weight["sz"].stride(0), out.stride(0), norm_weight, eps, GS=weight["group_size"], BLOCK_M=block_m,
@@ -359,5 +351,6 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         BLOCK_N=block_n, CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m,
         EVEN_N=n % block_n == 0, PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired,
         SILU_OUT=silu_out, HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
-        num_stages=config["num_stages"], ONE_STEP=norm is not None and split_k == 1 and k <= step, **fused, **pdl, **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
+        num_stages=config["num_stages"], ONE_STEP=norm is not None and split_k == 1 and k <= step, **fused, **pdl,
+        **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
     return out

@@ -124,6 +124,14 @@ def _half2_pack(lo, hi):
                                      dtype=tl.int32, is_pure=True, pack=1)
 
 
+# The end of _half2_word's and _one_plus_word's PTX: acc += the four fp16 pairs a..d times the activation pairs.
+_PACKED_PRODUCTS = tl.constexpr("""fma.rn.f16x2 $0, a, $2, $6;
+        fma.rn.f16x2 $0, b, $3, $0;
+        fma.rn.f16x2 $0, c, $4, $0;
+        fma.rn.f16x2 $0, d, $5, $0;
+        }""")
+
+
 @triton.jit
 def _half2_word(w, p01, p23, p45, p67, acc):
     """acc (two fp16 sums) + the word's 8 codes times their activations (packed pairs of slots 0/1, 2/3, 4/5,
@@ -144,12 +152,8 @@ def _half2_word(w, p01, p23, p45, p67, acc):
         fma.rn.f16x2 c, c, ka, kb;
         fma.rn.f16x2 b, b, kc, kd;
         fma.rn.f16x2 d, d, kc, kd;
-        fma.rn.f16x2 $0, a, $2, $6;
-        fma.rn.f16x2 $0, b, $3, $0;
-        fma.rn.f16x2 $0, c, $4, $0;
-        fma.rn.f16x2 $0, d, $5, $0;
-        }""",
-        "=r,r,r,r,r,r,r", [w, p01, p23, p45, p67, acc], dtype=tl.int32, is_pure=True, pack=1)
+        """ + _PACKED_PRODUCTS, "=r,r,r,r,r,r,r", [w, p01, p23, p45, p67, acc], dtype=tl.int32, is_pure=True,
+        pack=1)
 
 
 @triton.jit
@@ -165,12 +169,8 @@ def _one_plus_word(w, p01, p23, p45, p67, acc):
         lop3.b32 b, t1, 0x03C003C0, 0x2C002C00, 0xEA;
         lop3.b32 c, t2, 0x03C003C0, 0x2C002C00, 0xEA;
         lop3.b32 d, t3, 0x03C003C0, 0x2C002C00, 0xEA;
-        fma.rn.f16x2 $0, a, $2, $6;
-        fma.rn.f16x2 $0, b, $3, $0;
-        fma.rn.f16x2 $0, c, $4, $0;
-        fma.rn.f16x2 $0, d, $5, $0;
-        }""",
-        "=r,r,r,r,r,r,r", [w, p01, p23, p45, p67, acc], dtype=tl.int32, is_pure=True, pack=1)
+        """ + _PACKED_PRODUCTS, "=r,r,r,r,r,r,r", [w, p01, p23, p45, p67, acc], dtype=tl.int32, is_pure=True,
+        pack=1)
 
 
 @triton.jit

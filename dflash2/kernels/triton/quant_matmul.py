@@ -55,9 +55,10 @@ GEMM_SMALL_M = 32  # up to this many rows the GEMM takes GEMM_SMALL_M_CONFIG (sp
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # int4 decode (M <= GEMV_MAX_M) through kernels/triton/int4_gemv.py: a second, repacked copy of each weight,
-# ~2.5 (16-bit models) to ~3.2 sm_90 instructions a weight against ~8.6 for _gemv_kernel (benchmarks/sass_count.py), no shared memory in
-# its K loop. DFLASH2_INT4_GEMV=legacy keeps int4 decode on _gemv_kernel (and skips the repacked copy);
-# =float keeps the repacked kernel's float32 products instead of its default packed fp16 ones (int4_gemv.HALF2).
+# ~2.2-2.5 (16-bit models) to ~3.2 sm_90 instructions a weight against ~8.6 for _gemv_kernel
+# (benchmarks/sass_count.py), no shared memory in its K loop. DFLASH2_INT4_GEMV=legacy keeps int4 decode on
+# _gemv_kernel (and skips the repacked copy); =float keeps the repacked kernel's float32 products instead of its
+# default packed fp16 ones (int4_gemv.HALF2); =half2-sum takes those without the bias fix (int4_gemv.ONE_PLUS).
 INT4_REPACKED = os.environ.get("DFLASH2_INT4_GEMV", "half2") != "legacy"
 
 
@@ -356,7 +357,8 @@ class TritonWeight:
         input RMSNorm(x); add_to: the product is added into that tensor, which is returned."""
         if norm is not None or add_to is not None:
             if not self.fuses_norm(x.shape[0]) or (silu_out and not self.fuses_silu_out):
-                raise ValueError(f"this weight does not fuse a norm or residual add ({self.kernel}, {x.shape[0]} rows)")
+                raise ValueError(f"this weight does not fuse a norm or residual add ({self.kernel}, "
+                                 f"{x.shape[0]} rows)")
             if silu_out:
                 return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul, silu_out=True, norm=norm)
             return int4_gemv(x, self.weight["int4"], out=add_to, silu_mul=silu_mul, norm=norm,
