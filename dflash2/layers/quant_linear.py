@@ -69,8 +69,9 @@ class QuantLinear(nn.Module):
                 add_to: torch.Tensor | None = None) -> torch.Tensor:
         """y = x W^T (+ bias); with `silu_mul`, x is a fused [gate | up] and silu(gate) * up goes in; with
         `silu_out` (a gate_up layer, no bias), y is [gate | up] and silu(gate) * up comes out. `norm` (an
-        RMSNorm): y is of norm(x); `add_to`: y is added into that tensor (in place), which is returned; both only
-        where fuses_norm (the caller asks it: LlamaDecoderLayer.fuses_norms), in the matmul's own kernel."""
+        RMSNorm): y is of norm(x); `add_to`: y is added into that tensor (in place), which is returned, and which
+        neither of the two kernels before this one may write (TritonWeight.matmul); both only where fuses_norm
+        (the caller asks it: LlamaDecoderLayer.fuses_norms), in the matmul's own kernel."""
         if norm is not None or add_to is not None:
             return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=silu_out, add_to=add_to,
                                        norm=None if norm is None else (norm.weight, norm.eps))

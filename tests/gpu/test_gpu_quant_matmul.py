@@ -263,9 +263,11 @@ def test_int4_gemv_norm_and_residual_add(n, k):
             plain = int4_gemv(rms_norm(residual, norm_weight, 1e-5), prepared, config=config)
             fused = int4_gemv(residual, prepared, config=config, norm=(norm_weight, 1e-5))
             assert _relative_error(fused, plain.float()) < 2e-3, (config, rows)
-            stream = torch.randn(rows, n, device="cuda").bfloat16()
-            want = stream + int4_gemv(residual, prepared, config=config)
-            assert torch.equal(int4_gemv(residual, prepared, out=stream, config=config, add_out=True), want)
+            for settled in (False, True):  # out_settled: read before the PDL wait (the regular kernel)
+                stream = torch.randn(rows, n, device="cuda").bfloat16()
+                want = stream + int4_gemv(residual, prepared, config=config)
+                added = int4_gemv(residual, prepared, out=stream, config=config, add_out=True, out_settled=settled)
+                assert torch.equal(added, want), (config, rows, settled)
 
 
 def test_int4_engine_folds_norms(tiny_int4, monkeypatch):

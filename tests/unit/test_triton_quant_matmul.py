@@ -247,10 +247,12 @@ def test_int4_gemv_norm_and_residual_add(k, config, half2):
         assert torch.equal(residual, kept)
         torch.testing.assert_close(fused, int4_gemv(norm(residual), prepared, config=config), atol=1e-5, rtol=1e-5)
         x = torch.randn(rows, k, generator=g)
-        stream = torch.randn(rows, N, generator=g)
-        want = stream + int4_gemv(x, prepared, config=config)
-        assert int4_gemv(x, prepared, out=stream, config=config, add_out=True).data_ptr() == stream.data_ptr()
-        torch.testing.assert_close(stream, want, atol=1e-6, rtol=1e-6)
+        for settled in (False, True):  # out_settled: the regular kernel reads out before its loop
+            stream = torch.randn(rows, N, generator=g)
+            want = stream + int4_gemv(x, prepared, config=config)
+            added = int4_gemv(x, prepared, out=stream, config=config, add_out=True, out_settled=settled)
+            assert added.data_ptr() == stream.data_ptr()
+            torch.testing.assert_close(stream, want, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="norm weight"):
         int4_gemv(residual, prepared, norm=(norm.weight[:-1], 1e-5))
     with pytest.raises(ValueError, match="add_out"):
@@ -450,7 +452,7 @@ def test_tuned_int4_configs_round_trip(tmp_path, monkeypatch):
         assert ig.int4_config(6144, 4096, 1, half2=True) == fast
         assert ig.int4_config(28672, 4096, 1) == slow
         assert ig.int4_config(6144, 4096, 4, half2=True) == ic.INT4_GEMV_CONFIGS[4]
-        assert ig.int4_config(4096, 4096, 1, half2=True) == ic.INT4_HALF2_M1_CONFIG
+        assert ig.int4_config(4096, 14336, 1, half2=True) == ic.INT4_HALF2_M1_CONFIG
     finally:
         monkeypatch.delenv("DFLASH2_INT4_CONFIGS")
         shape_configs.cache_clear()

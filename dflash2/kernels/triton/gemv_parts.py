@@ -64,10 +64,16 @@ def _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om
 
 @triton.jit
 def _store_out(value, ptrs, mask, ADD_OUT: tl.constexpr):
-    dtype = ptrs.dtype.element_ty
-    if ADD_OUT:  # as torch adds two tensors of out's dtype: in float32, rounded once
-        value = value.to(dtype).to(tl.float32) + tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, value.to(dtype), mask=mask)
+    if ADD_OUT:
+        value = _added(value, tl.load(ptrs, mask=mask, other=0.0), ptrs.dtype.element_ty)
+    tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _added(value, prior, DTYPE: tl.constexpr):
+    """The residual add as torch adds two tensors of out's dtype: value rounded to it, then in float32, rounded
+    once (as float32: the caller stores it)."""
+    return value.to(DTYPE).to(tl.float32) + prior.to(tl.float32)
 
 
 @triton.jit

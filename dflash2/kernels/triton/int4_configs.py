@@ -28,13 +28,19 @@ INT4_GEMV_SHAPE_CONFIGS: dict = {
     (1, 28672, 4096): _ONE_WARP,
     (1, 128256, 4096): _ONE_WARP,
 }
-# The half2 kernel with early loads, M = 1 (decode_gemv_tune.py, results/s11/call3_tune_half2_early.json, us):
-# 16 rows a program is best on every layer shape (qkv 6.19, o_proj 4.23, gate_up 20.35, down 10.55; the half2
-# tune without early loads had picked one-warp and 8-row configs, at 6.15 / 5.33 / 20.88 / 12.28), and one warp
-# of 16 rows on lm_head (73.31 against 76.24 at _ONE_WARP)
+# The half2 kernel with early loads, M = 1: 16 rows a program by default (decode_gemv_tune.py,
+# results/s11/call3_tune_half2_early.json: best on every layer shape then). Per shape, the fourteenth session's
+# tune with the persistent kernel (results/s14/call1_tune.log, us, against the 16-row default): gate_up as the
+# engine runs it (silu_out) 19.13 at 8 rows, 4 programs an SM, against 20.94; lm_head 66.57 at 8 rows, 5 an SM,
+# against 73.31 (the one-warp config before); qkv 6.03 and o_proj 4.18 capped at 168 registers, against 6.21 and
+# 4.32. W2 int4 with these and the prefill GEMM table below: 527.4 / 528.5 tok/s against 497.5 (calls 1-2).
+_CAPPED = {**_SIXTEEN_ROWS, "PREFETCH": 0, "maxnreg": 168}
 INT4_HALF2_M1_CONFIG = _SIXTEEN_ROWS
 INT4_HALF2_SHAPE_CONFIGS: dict = {
-    (1, 128256, 4096): {**_ONE_WARP, "BLOCK_N": 16},
+    (1, 6144, 4096): _CAPPED,
+    (1, 4096, 4096): _CAPPED,
+    (1, 28672, 4096): {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1, "PERSISTENT": 4},
+    (1, 128256, 4096): {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1, "PERSISTENT": 5},
 }
 
 

@@ -20,11 +20,13 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.triton.elementwise import _silu_mul
-from dflash2.kernels.triton.gemv_parts import _k_range, _store_or_reduce, multiprocessors, prepare_io, split_counters
+from dflash2.kernels.triton.gemv_parts import (_added, _k_range, _store_or_reduce, multiprocessors, prepare_io,
+                                               split_counters)
 from dflash2.kernels.triton.int4_configs import int4_config
-from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, ONE_PLUS_SLOT_BITS, SLOT_BITS, _rms_rstd,
-                                              _slot_activations, _slots_normed, _step_from_activations, _step_sum,
-                                              _sum_squares, repack_int4)
+from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, ONE_PLUS_SLOT_BITS, SLOT_BITS,
+                                              _norm_weight_slots, _rms_rstd, _slot_activations, _slots_normed,
+                                              _slots_normed_by, _step_from_activations, _step_sum, _sum_squares,
+                                              repack_int4)
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -66,7 +68,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                       ASM: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr,
                       HALF2: tl.constexpr = False, EARLY: tl.constexpr = False, NORM: tl.constexpr = False,
                       ADD_OUT: tl.constexpr = False, ONE_STEP: tl.constexpr = False,
-                      ONE_PLUS: tl.constexpr = False):
+                      ONE_PLUS: tl.constexpr = False, ADD_EARLY: tl.constexpr = False):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
@@ -81,7 +83,10 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     NORM: x is the residual stream, and the GEMV's input is its RMSNorm with weight nw (rms_norm's arithmetic;
     every program computes the rows' statistics in a pass over x first, or from the step's activations when
     ONE_STEP: all of K in one step, SPLIT_K = 1). ADD_OUT: out += the result (the residual add: the product
-    rounded to out's dtype, then added in float32). ONE_PLUS: the words are in that layout (int4_math.py)."""
+    rounded to out's dtype, then added in float32). ADD_EARLY (ADD_OUT, SPLIT_K = 1, not PAIRED): out was last
+    written two or more launches back (pdl.py's rule), so its tile is read before the wait, with the first
+    weights, not after the K loop; with ONE_STEP the norm weights are read there too (constants).
+    ONE_PLUS: the words are in that layout (int4_math.py)."""
     if not EARLY:
         pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -103,17 +108,24 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
     if PREFETCH or EARLY:
         words_next, sz_next = _load_step(w_base, sz_base, k_start, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
+    if NORM and ONE_STEP:
+        c_ok1 = c4 * 32 < K
+        w0, w1, w2, w3, w4, w5, w6, w7 = _norm_weight_slots(nw_ptr, x_cols, c_ok1)
+    prior = eps  # (unused without ADD_EARLY)
+    if ADD_EARLY:
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        prior = tl.load(out_ptr + m_idx[:, None] * stride_om + cols[None, :],
+                        mask=m_ok[:, None] & (cols < N)[None, :], other=0.0)
     if EARLY:
         pdl_start(USE_PDL)
     MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
     rstd = eps  # (unused without NORM)
     if NORM and ONE_STEP:  # the whole row is this step's activations: normed once, before the loop
-        c_ok1 = c4 * 32 < K
         x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, x_cols, c_ok1 & m_ok[None, :, None, None], K,
                                                            False, MASKED, ASM)
         rstd = tl.rsqrt(_sum_squares(x0, x1, x2, x3, x4, x5, x6, x7) / K + eps)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr, x_cols, c_ok1,
-                                                       x_ptr.dtype.element_ty)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed_by(x0, x1, x2, x3, x4, x5, x6, x7, rstd, w0, w1, w2, w3, w4,
+                                                          w5, w6, w7, x_ptr.dtype.element_ty)
     elif NORM:
         rstd = _rms_rstd(x_base, x_cols, m_ok, K, eps, STEP, ASM)
     for k0 in range(k_start, k_end, STEP):
@@ -132,16 +144,23 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
             acc += _step_from_activations(words, sz, x_base, k0 + x_cols, c_ok4 & m_ok[None, :, None, None], c_ok4,
                                           K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM, ONE_PLUS)
     _int4_store(tl.sum(acc, axis=0), pid, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M, BLOCK_N,
-                SPLIT_K, PAIRED, SILU_OUT, ADD_OUT)
+                SPLIT_K, PAIRED, SILU_OUT, ADD_OUT, prior, ADD_EARLY)
 
 
 @triton.jit
 def _int4_store(result, tile, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr,
-                ADD_OUT: tl.constexpr = False):
+                ADD_OUT: tl.constexpr = False, prior=0.0, ADD_EARLY: tl.constexpr = False):
     """Store tile `tile`'s [BM, BN] result (or its split-K partial): PAIRED rows back in [gate | up] order, or
-    with SILU_OUT silu(gate) * up of its BLOCK_N / 2 pairs; ADD_OUT: added to what out holds."""
-    if SILU_OUT:
+    with SILU_OUT silu(gate) * up of its BLOCK_N / 2 pairs; ADD_OUT: added to what out holds (ADD_EARLY: to
+    `prior`, the tile of out read before the loop)."""
+    if ADD_EARLY:
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (m_idx < M)[:, None] & (cols < N)[None, :]
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptr + m_idx[:, None] * stride_om + cols[None, :], _added(result, prior, dtype).to(dtype),
+                 mask=mask)
+    elif SILU_OUT:
         dtype = out_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(result, [BLOCK_M, BLOCK_N // 2, 2]))
         pairs = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -186,8 +205,8 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
     p, p + P, p + 2 P, ... (P programs), each in STEPS steps along K, and requests the next step's words (the
     next tile's, after a tile's last step) before it computes this one, so its loads keep streaming while it
     computes, and no wave of programs ends half-empty. With one step a tile (K <= 32 CHUNKS) the activations
-    are loaded once, before the loop (and with NORM normed once). EARLY: the first words are requested before
-    the PDL wait. NORM, ADD_OUT: as in _int4_gemv_kernel."""
+    are loaded once, before the loop (and with NORM normed once, the norm weights requested with the first
+    words). EARLY: the first words are requested before the PDL wait. NORM, ADD_OUT: as in _int4_gemv_kernel."""
     if not EARLY:
         pdl_start(USE_PDL)
     pid, programs = tl.program_id(0), tl.num_programs(0)
@@ -205,6 +224,8 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
     x_cols = c4 * 32 + j4  # [C, 1, 1, 4]; + 4 p for slot p
     words_next, sz_next = _tile_step_load(w_ptr, sz_ptr, pid, 0, N, K, c, lanes, offs, stride_wn, stride_sn, GS,
                                           BLOCK_N)
+    if NORM and STEPS == 1:  # the norm weights are constants: requested with the first words
+        w0, w1, w2, w3, w4, w5, w6, w7 = _norm_weight_slots(nw_ptr, x_cols, c4 * 32 < K)
     if EARLY:
         pdl_start(USE_PDL)
     if STEPS == 1:
@@ -213,8 +234,8 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
         x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, x_cols, x_mask, K, SILU_MUL, MASKED, ASM)
         if NORM:
             rstd = tl.rsqrt(_sum_squares(x0, x1, x2, x3, x4, x5, x6, x7) / K + eps)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr, x_cols,
-                                                           c_ok4, x_ptr.dtype.element_ty)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed_by(x0, x1, x2, x3, x4, x5, x6, x7, rstd, w0, w1, w2, w3,
+                                                              w4, w5, w6, w7, x_ptr.dtype.element_ty)
     elif NORM:
         rstd = _rms_rstd(x_base, x_cols, m_ok, K, eps, STEP, ASM)
     else:
@@ -284,11 +305,13 @@ def pair_gate_up(weight: dict) -> dict:
 
 def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, silu_mul: bool = False,
               config: dict | None = None, silu_out: bool = False,
-              norm: tuple[torch.Tensor, float] | None = None, add_out: bool = False) -> torch.Tensor:
+              norm: tuple[torch.Tensor, float] | None = None, add_out: bool = False,
+              out_settled: bool = False) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with silu_mul; M small) @ W^T for a weight from prepare_int4; with silu_out (a
     pair_gate_up weight) silu(gate) * up of that product, [M, N / 2]. norm = (weight [K], eps): the input is
     RMSNorm(x) as rms_norm computes it (x: the residual stream, not changed). add_out: out += the product (the
-    residual add; out is required)."""
+    residual add; out is required); out_settled: no kernel of the last two launches before this one writes out
+    (pdl.py's rule), so the regular kernel reads it before its PDL wait (ADD_EARLY) rather than after its loop."""
     paired = weight.get("paired", False)
     if silu_out and not paired:
         raise ValueError("int4 GEMV silu_out needs a pair_gate_up weight")
@@ -351,6 +374,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         BLOCK_N=block_n, CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m,
         EVEN_N=n % block_n == 0, PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired,
         SILU_OUT=silu_out, HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
-        num_stages=config["num_stages"], ONE_STEP=norm is not None and split_k == 1 and k <= step, **fused, **pdl,
+        num_stages=config["num_stages"], ONE_STEP=norm is not None and split_k == 1 and k <= step,
+        ADD_EARLY=add_out and out_settled and split_k == 1 and not paired, **fused, **pdl,
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
     return out

@@ -271,17 +271,33 @@ def _rms_rstd(x_base, x_cols, m_ok, K, eps, STEP: tl.constexpr, ASM: tl.constexp
 
 
 @triton.jit
-def _normed(x, rstd, nw_ptr, cols, mask, DTYPE: tl.constexpr):
-    """rms_norm's output at `cols` as float32: (x rstd) rounded to the activations' dtype, times the weight."""
-    return (tl.load(nw_ptr + cols, mask=mask, other=0.0) * (x * rstd).to(DTYPE)).to(tl.float32)
+def _normed(x, rstd, nw, DTYPE: tl.constexpr):
+    """rms_norm's output as float32: (x rstd) rounded to the activations' dtype, times the weight nw."""
+    return (nw * (x * rstd).to(DTYPE)).to(tl.float32)
+
+
+@triton.jit
+def _norm_weight_slots(nw_ptr, cols, mask):
+    """The RMSNorm weight at a step's 8 slots (slot p at cols + 4 p), as stored: constant, so a kernel may
+    request them before its PDL wait."""
+    return (tl.load(nw_ptr + cols, mask=mask, other=0.0), tl.load(nw_ptr + cols + 4, mask=mask, other=0.0),
+            tl.load(nw_ptr + cols + 8, mask=mask, other=0.0), tl.load(nw_ptr + cols + 12, mask=mask, other=0.0),
+            tl.load(nw_ptr + cols + 16, mask=mask, other=0.0), tl.load(nw_ptr + cols + 20, mask=mask, other=0.0),
+            tl.load(nw_ptr + cols + 24, mask=mask, other=0.0), tl.load(nw_ptr + cols + 28, mask=mask, other=0.0))
+
+
+@triton.jit
+def _slots_normed_by(x0, x1, x2, x3, x4, x5, x6, x7, rstd, w0, w1, w2, w3, w4, w5, w6, w7, DTYPE: tl.constexpr):
+    """The 8 slots' activations normed with the weights _norm_weight_slots loaded."""
+    return (_normed(x0, rstd, w0, DTYPE), _normed(x1, rstd, w1, DTYPE), _normed(x2, rstd, w2, DTYPE),
+            _normed(x3, rstd, w3, DTYPE), _normed(x4, rstd, w4, DTYPE), _normed(x5, rstd, w5, DTYPE),
+            _normed(x6, rstd, w6, DTYPE), _normed(x7, rstd, w7, DTYPE))
 
 
 @triton.jit
 def _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr, cols, mask, DTYPE: tl.constexpr):
-    return (_normed(x0, rstd, nw_ptr, cols, mask, DTYPE), _normed(x1, rstd, nw_ptr, cols + 4, mask, DTYPE),
-            _normed(x2, rstd, nw_ptr, cols + 8, mask, DTYPE), _normed(x3, rstd, nw_ptr, cols + 12, mask, DTYPE),
-            _normed(x4, rstd, nw_ptr, cols + 16, mask, DTYPE), _normed(x5, rstd, nw_ptr, cols + 20, mask, DTYPE),
-            _normed(x6, rstd, nw_ptr, cols + 24, mask, DTYPE), _normed(x7, rstd, nw_ptr, cols + 28, mask, DTYPE))
+    w0, w1, w2, w3, w4, w5, w6, w7 = _norm_weight_slots(nw_ptr, cols, mask)
+    return _slots_normed_by(x0, x1, x2, x3, x4, x5, x6, x7, rstd, w0, w1, w2, w3, w4, w5, w6, w7, DTYPE)
 
 
 @triton.jit

@@ -52,6 +52,15 @@ GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "num_
 GEMM_SMALL_M_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3,
                        "WORDS": 1}
 GEMM_SMALL_M = 32  # up to this many rows the GEMM takes GEMM_SMALL_M_CONFIG (split along K for occupancy)
+# (bits, N, K) -> the best of benchmarks/prefill_gemm_tune.py at 128 rows on the H200 for the llama-3-8b int4
+# shapes (fourteenth session, results/s14/call1_prefill_tune.log, us against GEMM_CONFIG): qkv 33.51 / 49.28,
+# o_proj 28.10 / 43.02, gate_up 121.56 / 142.31, down 94.20 / 161.58
+GEMM_SHAPE_CONFIGS: dict[tuple[int, int, int], dict[str, int]] = {
+    (4, 6144, 4096): {**GEMM_CONFIG, "BLOCK_M": 128, "num_warps": 8, "num_stages": 4},
+    (4, 4096, 4096): {**GEMM_CONFIG, "num_warps": 8, "num_stages": 4},
+    (4, 28672, 4096): {**GEMM_CONFIG, "BLOCK_M": 128, "BLOCK_N": 128, "num_stages": 4},
+    (4, 4096, 14336): {**GEMM_CONFIG, "BLOCK_K": 256, "num_warps": 8, "num_stages": 4},
+}
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # int4 decode (M <= GEMV_MAX_M) through kernels/triton/int4_gemv.py: a second, repacked copy of each weight,
@@ -68,10 +77,12 @@ def gemv_config(bits: int, n: int, k: int) -> dict[str, int]:
 
 def gemm_config(bits: int, n: int, k: int, m: int) -> dict[str, int]:
     """GEMM_SMALL_M_CONFIG up to GEMM_SMALL_M rows; above, a tune's config for the shape where
-    DFLASH2_GEMM_CONFIGS names one (benchmarks/prefill_gemm_tune.py --configs-out), else GEMM_CONFIG."""
+    DFLASH2_GEMM_CONFIGS names one (benchmarks/prefill_gemm_tune.py --configs-out), else GEMM_SHAPE_CONFIGS's
+    or GEMM_CONFIG."""
     if m <= GEMM_SMALL_M:
         return GEMM_SMALL_M_CONFIG
-    return shape_configs("DFLASH2_GEMM_CONFIGS").get((bits, n, k), GEMM_CONFIG)
+    tuned = shape_configs("DFLASH2_GEMM_CONFIGS").get((bits, n, k))
+    return tuned or GEMM_SHAPE_CONFIGS.get((bits, n, k), GEMM_CONFIG)
 
 
 # -- device helpers --------------------------------------------------------------------------------------
@@ -354,7 +365,9 @@ class TritonWeight:
                norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T; silu_mul: x is [gate | up] and silu(gate) * up goes in; silu_out (after pair_gate_up): the
         output is [gate | up] and silu(gate) * up comes out. Where fuses_norm: norm = (weight, eps) makes the
-        input RMSNorm(x); add_to: the product is added into that tensor, which is returned."""
+        input RMSNorm(x); add_to: the product is added into that tensor, which is returned (the decoder layer's
+        residual stream, which neither of the two kernels launched before this one writes: the GEMV reads it
+        before its PDL wait, int4_gemv's out_settled)."""
         if norm is not None or add_to is not None:
             if not self.fuses_norm(x.shape[0]) or (silu_out and not self.fuses_silu_out):
                 raise ValueError(f"this weight does not fuse a norm or residual add ({self.kernel}, "
@@ -362,7 +375,7 @@ class TritonWeight:
             if silu_out:
                 return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul, silu_out=True, norm=norm)
             return int4_gemv(x, self.weight["int4"], out=add_to, silu_mul=silu_mul, norm=norm,
-                             add_out=add_to is not None)
+                             add_out=add_to is not None, out_settled=True)
         if silu_out:
             if x.shape[0] <= GEMV_MAX_M and self.fuses_silu_out:
                 return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul, silu_out=True)
