@@ -49,3 +49,17 @@ def pdl_start(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """pdl_start's wait alone, for a kernel that lets the next one launch later (pdl_release)."""
+    if USE_PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_release(USE_PDL: tl.constexpr):
+    """Let the next kernel launch (after pdl_wait, later than pdl_start would)."""
+    if USE_PDL:
+        gdc_launch_dependents()

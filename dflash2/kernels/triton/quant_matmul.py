@@ -358,7 +358,7 @@ class TritonWeight:
 
     def fuses_norm(self, rows: int) -> bool:
         """Whether matmul(norm=, add_to=) runs the RMSNorm and the residual add inside the GEMV for `rows`
-        activation rows (the int4 GEMV, with DFLASH2_FUSE_NORM=1)."""
+        activation rows (the int4 GEMV, unless DFLASH2_FUSE_NORM=0)."""
         return FUSE_NORM and "int4" in self.weight and rows <= GEMV_MAX_M
 
     def matmul(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False,
