@@ -46,6 +46,17 @@ logger = logging.getLogger("dflash2")
 MIN_PREFILL_BUCKET = 16
 
 
+def resolve_placeholders(token_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
+    """token_ids with each placeholder -(i + 1) replaced by the token the previous step left in future slot i
+    (one Triton launch on CUDA with DFLASH2_STEP_EDGES=1: kernels/triton/step_edges.py)."""
+    if token_ids.is_cuda:
+        from dflash2.kernels.triton import step_edges
+
+        if step_edges.STEP_EDGES:
+            return step_edges.resolve_tokens(token_ids, future_tokens)
+    return torch.where(token_ids < 0, future_tokens[(-token_ids - 1).clamp(min=0)], token_ids)
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Decode-only buckets: 1, 2, 4, 8, then every 8 up to 64, then every 16, up to max_num_seqs."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
@@ -249,8 +260,7 @@ class StepGraphs:
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             ids = v["ids"]
-            resolved = torch.where(ids < 0, runner.future_tokens[(-ids - 1).clamp(min=0)], ids)
-            hidden = module(resolved, context)
+            hidden = module(resolve_placeholders(ids, runner.future_tokens), context)
             if not shape.prefill_tokens:
                 logits = module.compute_logits(hidden)
                 return logits, greedy_argmax(logits)

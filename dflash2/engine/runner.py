@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash2.engine.graphs import StepGraphs
+from dflash2.engine.graphs import StepGraphs, resolve_placeholders
 from dflash2.engine.kv.layout import KVLayout
 from dflash2.engine.plan import ScheduledChunk, StepPlan
 from dflash2.engine.sampler import Logprob, Sampler, SamplingRow, prompt_logprobs, sampled_logprobs
@@ -235,8 +235,7 @@ class ModelRunner:
         """Replace placeholder ids (-(i + 1)) by the tokens the previous step left in future slot i."""
         if not has_placeholders:
             return token_ids
-        future = self.future_tokens[(-token_ids - 1).clamp(min=0)]
-        return torch.where(token_ids < 0, future, token_ids)
+        return resolve_placeholders(token_ids, self.future_tokens)
 
     def _metadata(self, host: "_HostBatch", num_decodes: int) -> AttentionMetadata:
         device = self.device

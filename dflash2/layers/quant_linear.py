@@ -59,7 +59,7 @@ class QuantLinear(nn.Module):
 
     def fuses_norm(self, rows: int) -> bool:
         """Whether forward(norm=, add_to=) can fold the RMSNorm and the residual add into the matmul's own kernel
-        for `rows` activation rows (the int4 GEMV with DFLASH2_FUSE_NORM=1)."""
+        for `rows` activation rows (the int4 GEMV, unless DFLASH2_FUSE_NORM=0)."""
         return self.bias is None and getattr(self.runtime, "fuses_norm", lambda rows: False)(rows)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -107,10 +107,12 @@ def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama):
     assert runs["eager"] == [hf_greedy(hf_model, p, q.max_tokens) for p, q in zip(prompts, params)]
 
 
-def test_graph_greedy_tokens_match_eager_sampling(tiny_llama):
+def test_graph_greedy_tokens_match_eager_sampling(tiny_llama, monkeypatch):
     """Without min_tokens or penalties a graph step's tokens are the graph's own argmax (nothing launched after
-    the replay to sample): the same tokens as eager steps, whose sampler takes the argmax after the forward."""
+    the replay to sample): the same tokens as eager steps, whose sampler takes the argmax after the forward;
+    also with the step's edges as single Triton launches (DFLASH2_STEP_EDGES: placeholders, argmax)."""
     from dflash2 import LLM, SamplingParams
+    from dflash2.kernels.triton import step_edges
 
     _, directory = tiny_llama
     rng = random.Random(5)
@@ -119,12 +121,14 @@ def test_graph_greedy_tokens_match_eager_sampling(tiny_llama):
     common = dict(device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128, kv_cache_memory="64MiB",
                   page_bytes=4096, prefill_chunk_size=16, max_num_batched_tokens=32)
     runs = {}
-    for name, options in {"graphs": {}, "eager": dict(enforce_eager=True)}.items():
+    for name, options in {"graphs": {}, "eager": dict(enforce_eager=True), "graphs+edges": {},
+                          "eager+edges": dict(enforce_eager=True)}.items():
+        monkeypatch.setattr(step_edges, "STEP_EDGES", name.endswith("+edges"))
         llm = LLM(directory, **common, **options)
         runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        if name == "graphs":
+        if name.startswith("graphs"):
             assert sum(llm.engine.runner.graphs.replays.values()) > 0
-    assert runs["graphs"] == runs["eager"]
+    assert runs["graphs"] == runs["eager"] == runs["graphs+edges"] == runs["eager+edges"]
     assert [len(t) for t in runs["eager"]] == list(range(6, 16))
 
 
@@ -231,11 +235,24 @@ def test_device_sampling_is_seeded_and_respects_top_k(tiny_llama):
     assert first[0].outputs[0].token_ids == first[2].outputs[0].token_ids == second[0].outputs[0].token_ids
 
 
-def test_greedy_argmax_matches_torch_including_ties():
+@pytest.mark.parametrize("edges", [False, True])
+def test_greedy_argmax_matches_torch_including_ties(edges, monkeypatch):
+    """edges: the one-launch argmax of kernels/triton/step_edges.py (DFLASH2_STEP_EDGES=1)."""
     from dflash2.engine.sampler import greedy_argmax
+    from dflash2.kernels.triton import step_edges
 
-    logits = torch.randn(5, 151936, device="cuda")
-    logits[1, 70000] = logits[1, 90000] = 100.0  # a tie across chunks: the first index wins
-    logits[2, 5] = logits[2, 6] = 100.0  # a tie inside one chunk
-    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
-    assert greedy_argmax(logits)[1].item() == 70000 and greedy_argmax(logits)[2].item() == 5
+    monkeypatch.setattr(step_edges, "STEP_EDGES", edges)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(5, 151936, device="cuda").to(dtype)
+        logits[1, 70000] = logits[1, 90000] = 100.0  # a tie across chunks: the first index wins
+        logits[2, 5] = logits[2, 6] = 100.0  # a tie inside one chunk
+        assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+        assert greedy_argmax(logits)[1].item() == 70000 and greedy_argmax(logits)[2].item() == 5
+
+
+def test_resolve_tokens_on_the_gpu():
+    from dflash2.kernels.triton import step_edges
+
+    future = torch.arange(100, 164, device="cuda")
+    ids = torch.tensor([3, -1, -64, 0, -7, 12], device="cuda")
+    assert step_edges.resolve_tokens(ids, future).tolist() == [3, 100, 163, 0, 106, 12]

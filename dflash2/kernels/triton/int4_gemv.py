@@ -31,7 +31,7 @@ from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # packed fp16 products for 16-bit models (int4_math.py, "half2"); DFLASH2_INT4_GEMV=float: float32 ones;
-# =half2-sum: packed ones without the bias fix (ONE_PLUS, a candidate not yet measured on a GPU)
+# =half2-sum: packed ones without the bias fix (ONE_PLUS; W2 int4 512.1 against 528.5 tok/s, fourteenth session)
 HALF2 = os.environ.get("DFLASH2_INT4_GEMV", "half2") in ("half2", "half2-sum")
 ONE_PLUS = os.environ.get("DFLASH2_INT4_GEMV", "half2") == "half2-sum"
 # each program requests its first step's weights before it waits for the previous kernel (EARLY in

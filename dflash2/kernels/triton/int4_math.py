@@ -107,7 +107,7 @@ def _bf16_pairs_to_float(v):
 # rounded to fp16 (saturating); each 32-column chunk's 16 products a lane add up in fp16, then in float32. With
 # q / 256 those sums stay within 16 * 15 / 256 < 1 times the largest activation: they cannot overflow fp16.
 HALF2_SLOT_BITS = (0, 16, 4, 20, 8, 24, 12, 28)
-# ONE_PLUS (DFLASH2_INT4_GEMV=half2-sum; a candidate, not yet measured on a GPU): no bias fix. Slot s sits at bit
+# ONE_PLUS (DFLASH2_INT4_GEMV=half2-sum; measured slower in W2, fourteenth session): no bias fix. Slot s sits at bit
 # ONE_PLUS_SLOT_BITS[s] (slot 7 wraps around: rotated), so that the word itself, << 4, >> 4 and rotated right by
 # 8 each put a pair of codes in the top mantissa bits of two fp16 values, and one LOP3 with 0x2C002C00 makes
 # them (1 + q / 16) / 16 exactly: per word 3 shifts, 4 LOP3 and 4 HFMA2 (11 instructions for 8 weights). The

@@ -15,8 +15,11 @@ Letting the next kernel launch before the wait instead of after measured slower 
 tok/s, tenth session; the switch is gone). What may come before the wait is a read of memory that no kernel of
 the step writes, or that only a kernel two or more launches back writes (the wait comes before the trigger, so
 a kernel starts only once the one before its predecessor has completed): the int4 GEMV requests its first
-weights there (int4_gemv.EARLY_LOADS), and the KV-write kernels read their host-written indices and the rotary
-tables (kv_write.py).
+weights there (int4_gemv.EARLY_LOADS), the fused residual add its tile of the residual stream (int4_gemv's
+out_settled), the KV-write kernels their host-written indices and the rotary tables (kv_write.py), and decode
+attention its lengths and slots. A kernel may let the next one launch later than right after its wait
+(pdl_wait, then pdl_release): decode attention does, after its partial is stored (attention.DECODE_RELEASE), so
+that the next GEMV's early weight loads do not queue ahead of its own few latency-bound ones.
 """
 from __future__ import annotations
 

@@ -1,0 +1,87 @@
+"""The kernels at a decode step's two ends, each one launch instead of several torch ops (CUDA; DFLASH2_STEP_EDGES=1,
+off until measured on a GPU).
+
+    resolve_tokens   token ids with the placeholders -(i + 1) replaced by future slot i's token (the previous
+                     step's sample): torch's where / neg / clamp / index are six launches
+    greedy_argmax    the argmax of each logits row (first index among equal maxima, as torch.argmax): every
+                     program takes a chunk of a row and parks its best, and the row's last program to finish
+                     (a ticket) picks the best chunk; torch's chunked max and argmax are five launches
+
+W2 int4 on the H200 spent ~23 us of a 1.79 ms step before its first GEMV and ~28 after lm_head, in thirteen small
+kernels (fourteenth session, results/s14/call6_tl_int4_final.jsonl). NaN logits are not ordered as torch orders
+them (torch's argmax picks a NaN; here it depends on the chunk).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash2.kernels.triton.gemv_parts import split_counters
+from dflash2.kernels.triton.pdl import pdl_args, pdl_start
+
+STEP_EDGES = os.environ.get("DFLASH2_STEP_EDGES", "0") == "1"
+ARGMAX_BLOCK = 4096  # logits a program reduces: 32 programs a row for a 128k vocabulary
+ARGMAX_MAX_CHUNKS = 64  # what the last program merges in one tile (vocabularies up to 256k)
+
+
+@triton.jit
+def _resolve_kernel(ids_ptr, future_ptr, out_ptr, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    placeholder = ids < 0
+    future = tl.load(future_ptr + tl.where(placeholder, -ids - 1, 0), mask=mask & placeholder, other=0)
+    tl.store(out_ptr + offs, tl.where(placeholder, future, ids).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def resolve_tokens(token_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
+    """token_ids [T] with each -(i + 1) replaced by future_tokens[i], in future_tokens' dtype."""
+    out = torch.empty(token_ids.shape, dtype=future_tokens.dtype, device=token_ids.device)
+    n = token_ids.numel()
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _resolve_kernel[(triton.cdiv(n, block),)](token_ids, future_tokens, out, n, BLOCK=block, **pdl_args())
+    return out
+
+
+@triton.jit
+def _argmax_kernel(x_ptr, stride_x, vocab, best_v_ptr, best_i_ptr, cnt_ptr, out_ptr, CHUNKS: tl.constexpr,
+                   CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
+    chunk = tl.program_id(0)
+    row = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    value, index = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(best_v_ptr + row * CHUNKS + chunk, value)
+    tl.store(best_i_ptr + row * CHUNKS + chunk, chunk * BLOCK + index)
+    tl.debug_barrier()  # the chunk's best is written before the ticket (release) is taken
+    if tl.atomic_add(cnt_ptr + row, 1) == CHUNKS - 1:  # the row's last chunk picks the best one
+        c = tl.arange(0, CHUNKS_PAD)
+        values = tl.load(best_v_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"), cache_modifier=".cg")
+        indices = tl.load(best_i_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=0, cache_modifier=".cg")
+        winner = tl.argmax(values, 0, tie_break_left=True)  # the first chunk among equal maxima
+        tl.store(out_ptr + row, tl.sum(tl.where(c == winner, indices, 0)).to(tl.int64))
+        tl.atomic_xchg(cnt_ptr + row, 0)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] (unit last stride; R at most 64, V at most ARGMAX_MAX_CHUNKS * ARGMAX_BLOCK) -> int64 [R]."""
+    rows, vocab = logits.shape
+    chunks = triton.cdiv(vocab, ARGMAX_BLOCK)
+    if logits.stride(1) != 1 or chunks > ARGMAX_MAX_CHUNKS or rows > 64:
+        raise ValueError(f"greedy_argmax takes at most 64 rows of at most {ARGMAX_MAX_CHUNKS * ARGMAX_BLOCK} "
+                         f"contiguous logits, got {tuple(logits.shape)} with strides {logits.stride()}")
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if rows == 0:
+        return out
+    best_values = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
+    best_indices = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
+    _argmax_kernel[(chunks, rows)](logits, logits.stride(0), vocab, best_values, best_indices,
+                                   split_counters(logits.device, rows), out, CHUNKS=chunks,
+                                   CHUNKS_PAD=triton.next_power_of_2(chunks), BLOCK=ARGMAX_BLOCK, **pdl_args())
+    return out
