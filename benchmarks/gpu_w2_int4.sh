@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call for issue 6's W2 (about 5-7 minutes on an H200): the int4 GPU tests, the int4 GEMV tune
 # (the fastest config per shape to $OUT/int4.json) and the int4 prefill GEMM tune ($OUT/gemm.json), then W2
-# int4 at the built-in defaults, with the tunes' configs (DFLASH2_INT4_CONFIGS, DFLASH2_GEMM_CONFIGS), and with
-# the step's edge kernels (DFLASH2_STEP_EDGES=1), then W2 bf16 both ways (the ratio's denominator). STEPS picks a
-# subset: any of tests tune prefill default tuned edges bf16 bf16_edges (default: all).
+# int4 at the built-in defaults, with the tunes' configs (DFLASH2_INT4_CONFIGS, DFLASH2_GEMM_CONFIGS), with the
+# step's edge kernels (DFLASH2_STEP_EDGES=1), with the rotary in the qkv GEMV (DFLASH2_QKV_ROTARY=1), and with
+# both, then W2 bf16 with and without the edge kernels (the ratio's denominator). STEPS picks a subset: any of
+# tests tune prefill default tuned edges rotary both bf16 bf16_edges (default: all).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-STEPS=${STEPS:-"tests tune prefill default tuned edges bf16 bf16_edges"}
+STEPS=${STEPS:-"tests tune prefill default tuned edges rotary both bf16 bf16_edges"}
 mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 w2() {  # name, then environment assignments for the run
@@ -18,7 +19,7 @@ w2() {  # name, then environment assignments for the run
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if has tests; then
   timeout 280 python3 -m pytest tests/gpu/test_gpu_quant_matmul.py tests/gpu/test_gpu.py -q -x -p no:cacheprovider \
-    -k "int4 or argmax or resolve or greedy" 2>&1 \
+    -k "int4 or argmax or resolve or greedy or rotary" 2>&1 \
     | tail -15 | tee "$OUT/gpu_tests.log"
 fi
 if has tune; then
@@ -37,5 +38,7 @@ tuned=()  # the tunes' tables, where they were written
 has default && w2 default
 has tuned && [ ${#tuned[@]} -gt 0 ] && w2 tuned "${tuned[@]}"
 has edges && w2 edges DFLASH2_STEP_EDGES=1
+has rotary && w2 rotary DFLASH2_QKV_ROTARY=1
+has both && w2 both DFLASH2_STEP_EDGES=1 DFLASH2_QKV_ROTARY=1
 has bf16 && WEIGHTS=bf16 w2 bf16
 has bf16_edges && WEIGHTS=bf16 w2 bf16_edges DFLASH2_STEP_EDGES=1

@@ -434,6 +434,10 @@ class TritonAttention:
         rotary_write_kv(q, k, v, cache, cos, sin, meta, qk_norm)
         return self._attend(q, cache, meta, scale)
 
+    def attend_written(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """forward() for rotated q whose step's k and v are already in the cache (the qkv GEMV wrote them)."""
+        return self._attend(q, cache, meta, scale)
+
     def _attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
