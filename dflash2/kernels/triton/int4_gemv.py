@@ -25,9 +25,8 @@ from dflash2.kernels.triton.gemv_parts import (_added, _k_range, _store_or_reduc
                                                split_counters)
 from dflash2.kernels.triton.int4_configs import int4_config
 from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, ONE_PLUS_SLOT_BITS, SLOT_BITS,
-                                              _norm_weight_slots, _rms_rstd, _slot_activations, _slots_normed,
-                                              _slots_normed_by, _step_from_activations, _step_sum, _sum_squares,
-                                              repack_int4)
+                                              _norm_weight_slots, _rms_rstd, _slot_activations, _slots_normed_by,
+                                              _step_from_activations, _step_sum, _sum_squares, repack_int4)
 from dflash2.kernels.triton.int4_rotary import _rotary_rows, _rotary_store, _unpermuted_cols, rotary_launch_args
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
