@@ -83,8 +83,7 @@ class QuantLinear(nn.Module):
         where fuses_rotary): q comes out rotated, k and v go into the cache (the output's k and v are unwritten)."""
         if norm is not None or add_to is not None or rotary is not None:
             return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=silu_out, add_to=add_to,
-                                       norm=None if norm is None else (norm.weight, norm.eps),
-                                       **({"rotary": rotary} if rotary is not None else {}))
+                                       norm=None if norm is None else (norm.weight, norm.eps), rotary=rotary)
         if silu_out:
             if self.fuses_silu_out:
                 return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=True)

@@ -62,11 +62,20 @@ class LlamaAttention(nn.Module):
         backend = ctx.attention_backend
         if self._rotates_in_qkv(num_tokens, cache, backend):  # q rotated, k and v in the cache: no rotary launch
             write = RotaryWrite(rotary.cos, rotary.sin, ctx.attention, cache, self.num_heads, self.num_kv_heads)
-            qkv = self.qkv_proj(x, norm=norm, rotary=write)
-            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-            out = backend.attend_written(q, cache, ctx.attention, self.scale).reshape(num_tokens, self.q_size)
-            return self.o_proj(out) if add_to is None else self.o_proj(out, add_to=add_to)
-        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm=norm)
+            q = self.qkv_proj(x, norm=norm, rotary=write)[:, : self.q_size]
+            out = backend.attend_written(q.view(num_tokens, self.num_heads, self.head_dim), cache, ctx.attention,
+                                         self.scale)
+        else:
+            qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm=norm)
+            out = self._rotate_and_attend(qkv, rotary, ctx, cache, backend)
+        out = out.reshape(num_tokens, self.q_size)
+        return self.o_proj(out) if add_to is None else self.o_proj(out, add_to=add_to)
+
+    def _rotate_and_attend(self, qkv: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext, cache,
+                           backend) -> torch.Tensor:
+        """Attention of the qkv output: Qwen3's q/k norms and the rotary applied (by the backend while it writes
+        the cache where it can), k and v written, q attending."""
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -83,12 +92,9 @@ class LlamaAttention(nn.Module):
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
         if fused:
-            out = backend.forward_rotary(q, k, v, cache, ctx.attention, self.scale, rotary.cos, rotary.sin, qk_norm)
-        else:
-            q, k = rotary(ctx.positions, q, k)
-            out = backend.forward(q, k, v, cache, ctx.attention, self.scale)
-        out = out.reshape(num_tokens, self.q_size)
-        return self.o_proj(out) if add_to is None else self.o_proj(out, add_to=add_to)
+            return backend.forward_rotary(q, k, v, cache, ctx.attention, self.scale, rotary.cos, rotary.sin, qk_norm)
+        q, k = rotary(ctx.positions, q, k)
+        return backend.forward(q, k, v, cache, ctx.attention, self.scale)
 
     def _rotates_in_qkv(self, num_tokens: int, cache, backend) -> bool:
         """Whether the qkv GEMV rotates q and k and writes k and v into this float cache itself

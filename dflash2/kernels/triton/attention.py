@@ -96,16 +96,10 @@ def _tile_scores(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, toke
         k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
         stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
         stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-    return _scores(q, k, k_scale, scale, KIND, PRECISION), v, v_scale
-
-
-@triton.jit
-def _scores(q, k, k_scale, scale, KIND: tl.constexpr, PRECISION: tl.constexpr):
-    """q K^T * scale for a loaded tile, its K scales folded in."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     if KIND != 0:
         s = s * k_scale[None, :]
-    return s * scale
+    return s * scale, v, v_scale
 
 
 @triton.jit
@@ -139,37 +133,24 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          SPLITS_PAD: tl.constexpr,
                          PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_LOOP: tl.constexpr,
-                         INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, RELEASE: tl.constexpr = 0,
-                         EARLY: tl.constexpr = False):
-    """RELEASE (DECODE_RELEASE): when the next kernel may launch: 0 after the wait, 1 after the KV loop, 2 after
-    the partial is stored (a later launch keeps the next kernel's early weight loads off this one's
-    latency-bound loads). EARLY (EARLY_TILE): the first KV tile is requested before the wait, but for the
-    newest token, which the kernel before this one writes: it is loaded after the wait and swapped in."""
+                         INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, LATE_RELEASE: tl.constexpr = False):
+    """LATE_RELEASE (DECODE_LATE_RELEASE): the next kernel may launch once the partial is stored, not right after
+    the wait, so that its early weight loads stay off this kernel's latency-bound loads."""
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
     # batch ordered longest-first (the runner's order) starts its longest programs first
     kv_head = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
-    # lengths, slots and the page table come from the host before the step's first kernel, and every cached
-    # token but the newest was written by earlier steps: all of that may be read before the wait (pdl.py)
+    # lengths and slots come from the host before the step's first kernel: read before the wait (pdl.py)
     length = tl.load(lengths + b)
     slot = tl.load(slots + b).to(tl.int64)
     per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, length)
-    EARLY_FIRST: tl.constexpr = EARLY and KIND != 1  # the int8 loops load their own tiles
-    if EARLY_FIRST:
-        tokens0 = start + tl.arange(0, BLOCK_N)
-        in_split0 = tokens0 < end
-        newest0 = tokens0 == length - 1
-        k0, v0, k_scale0, v_scale0 = _load_kv_tile(
-            k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens0, in_split0 & ~newest0, kv_head,
-            stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
-            stride_scale_token, stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-    if RELEASE == 0:
-        pdl_start(USE_PDL)
-    else:
+    if LATE_RELEASE:
         pdl_wait(USE_PDL)
+    else:
+        pdl_start(USE_PDL)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -195,21 +176,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
             stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION)
     else:
-        first = start
-        if EARLY_FIRST:  # the early tile, with the newest token (where it falls in it) loaded now
-            k1, v1, k_scale1, v_scale1 = _load_kv_tile(
-                k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens0, in_split0 & newest0, kv_head,
-                stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
-                stride_scale_token, stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-            k0 = tl.where(newest0[:, None], k1, k0)
-            v0 = tl.where(newest0[:, None], v1, v0)
-            s = _scores(q, k0, tl.where(newest0, k_scale1, k_scale0), scale, KIND, PRECISION)
-            s = tl.where(in_split0[None, :], s, float("-inf"))
-            # an empty split's tile is all -inf: the update must not subtract that max
-            m_i, l_i, acc = _softmax_update(s, v0, tl.where(newest0, v_scale1, v_scale0), m_i, l_i, acc, q, KIND,
-                                            PRECISION, True)
-            first = start + BLOCK_N
-        for n0 in range(first, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             tokens = n0 + tl.arange(0, BLOCK_N)
             token_mask = tokens < end
             s, v, v_scale = _tile_scores(
@@ -218,14 +185,12 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                 stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
             s = tl.where(token_mask[None, :], s, float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, False)
-    if RELEASE == 1:
-        pdl_release(USE_PDL)
     empty = start >= length
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(l_i))
     out_offs = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-    if RELEASE == 2:
+    if LATE_RELEASE:
         pdl_release(USE_PDL)
     if NUM_SPLITS > 1:  # one split: out_ptr is the final output and nothing is merged
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
@@ -328,19 +293,14 @@ def _precision(q: torch.Tensor) -> str:
 # which balance batches of mixed lengths better but add a merge (in the last split's program). W1 (256 rows x
 # 8 KV heads) runs one split at any value up to 8.
 DECODE_WAVES = int(os.environ.get("DFLASH2_DECODE_WAVES", "2"))
-# When decode attention lets the next kernel launch (_decode_split_kernel's RELEASE, DFLASH2_DECODE_RELEASE): 0
-# right after its wait, as every kernel does; 1 after its KV loop; 2 after its partial is stored. The next
-# kernel (at batch 1 the int4 o_proj GEMV) requests its weights as it starts, megabytes that queue ahead of the
-# attention's few latency-bound loads. W2 int4 (fused norms) on the H200: 542.0 / 547.0 / 549.2 tok/s at 0 / 1 /
-# 2; bf16 234.6 / 234.4 / 234.9 (fourteenth session, call 4). Later than 0 matters only where the next kernel
-# is launched with PDL (the Triton GEMVs, <= 4 rows); cuBLAS GEMMs launch after this kernel completes anyway.
-DECODE_RELEASE = int(os.environ.get("DFLASH2_DECODE_RELEASE", "2"))
-# Each decode program requests its first KV tile before its PDL wait (_decode_split_kernel's EARLY; 16-bit, int4
-# and fp8 caches), and the newest token after it; DFLASH2_DECODE_EARLY=1 turns it on. Measured neutral in the
-# twelfth session (W2 int4 499.5 / 499.6 against 498.2 tok/s), when the next kernel's weight loads started with
-# the wait; a candidate again with DECODE_RELEASE. Off without PDL (the interpreter only reorders the loads).
-EARLY_TILE = os.environ.get("DFLASH2_DECODE_EARLY", "0") == "1"
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Decode attention lets the next kernel launch only once its partial is stored (_decode_split_kernel's
+# LATE_RELEASE; DFLASH2_DECODE_RELEASE=0: right after its wait, as every other kernel does). The next kernel (at
+# batch 1 the int4 o_proj GEMV) requests its weights as it starts, megabytes that queue ahead of the attention's
+# few latency-bound loads. W2 int4 (fused norms) on the H200: 542.0 tok/s releasing after the wait, 547.0 after
+# the KV loop, 549.2 after the store; bf16 234.6 / 234.4 / 234.9 (fourteenth session, call 4). It matters only
+# where the next kernel is launched with PDL (the Triton GEMVs, <= 4 rows); cuBLAS launches after completion.
+# (An early first KV tile, requested before the wait, measured slower with it: 541.1 against 548.7, call 5.)
+DECODE_LATE_RELEASE = os.environ.get("DFLASH2_DECODE_RELEASE", "1") != "0"
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: int = 1) -> int:
@@ -359,7 +319,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """q [B, H, D] over each request's first lengths[b] cached positions -> [B, H, D]. `config` overrides
-    DECODE_CONFIG (benchmarks/tune_decode.py); config["EARLY"] overrides EARLY_TILE."""
+    DECODE_CONFIG (benchmarks/tune_decode.py)."""
     batch, num_heads, dim = q.shape
     config = default_decode_config(q, k_cache) if config is None else config
     kind, k_scales, v_scales, *scale_strides = scale_args(k_cache, k_scale, v_scale)
@@ -373,7 +333,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     counters = split_counters(q.device, batch * num_kv_heads)  # a dict lookup; read only with splits
     block_n = config["BLOCK_N"] if dim <= 128 else 32
-    pdl = pdl_args()
     loop = int8_path(q, config) if kind == 1 else ""
     # imma_t: heads as the mma's N side (no 16-row padding), one token sub-tile a warp
     group_pad = triton.next_power_of_2(group) if loop == "imma_t" else max(16, triton.next_power_of_2(group))
@@ -385,8 +344,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, GROUP_PAD=group_pad, GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
-        EARLY=bool(config.get("EARLY", EARLY_TILE)) and (pdl["USE_PDL"] or _INTERPRETED),
-        num_warps=config["num_warps"], num_stages=config["num_stages"], RELEASE=DECODE_RELEASE, **pdl)
+        num_warps=config["num_warps"], num_stages=config["num_stages"], LATE_RELEASE=DECODE_LATE_RELEASE,
+        **pdl_args())
     return out
 
 

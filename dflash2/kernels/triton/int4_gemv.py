@@ -89,7 +89,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     NORM: x is the residual stream, and the GEMV's input is its RMSNorm with weight nw (rms_norm's arithmetic;
     every program computes the rows' statistics in a pass over x first, or from the step's activations when
     ONE_STEP: all of K in one step, SPLIT_K = 1). ADD_OUT: out += the result (the residual add: the product
-    rounded to out's dtype, then added in float32). ADD_EARLY (ADD_OUT, SPLIT_K = 1, not PAIRED): out was last
+    rounded to out's dtype, then added in float32). ADD_EARLY (ADD_OUT, SPLIT_K = 1): out was last
     written two or more launches back (pdl.py's rule), so its tile is read before the wait, with the first
     weights, not after the K loop; with ONE_STEP the norm weights are read there too (constants).
     ONE_PLUS: the words are in that layout (int4_math.py). ROT_PAIRS: the head size of a pair_rotary_rows
@@ -121,7 +121,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         w0, w1, w2, w3, w4, w5, w6, w7 = _norm_weight_slots(nw_ptr, x_cols, c_ok1)
     prior = eps  # (unused without ADD_EARLY)
     if ADD_EARLY:
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = _out_cols(pid, N, BLOCK_N, PAIRED, ROT_PAIRS)
         prior = tl.load(out_ptr + m_idx[:, None] * stride_om + cols[None, :],
                         mask=m_ok[:, None] & (cols < N)[None, :], other=0.0)
     if ROTARY:
@@ -172,13 +172,7 @@ def _int4_store(result, tile, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, 
     """Store tile `tile`'s [BM, BN] result (or its split-K partial): PAIRED rows back in [gate | up] order, or
     with SILU_OUT silu(gate) * up of its BLOCK_N / 2 pairs; ADD_OUT: added to what out holds (ADD_EARLY: to
     `prior`, the tile of out read before the loop); ROT_PAIRS: rotary-paired rows back in their columns."""
-    if ADD_EARLY:
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (m_idx < M)[:, None] & (cols < N)[None, :]
-        dtype = out_ptr.dtype.element_ty
-        tl.store(out_ptr + m_idx[:, None] * stride_om + cols[None, :], _added(result, prior, dtype).to(dtype),
-                 mask=mask)
-    elif SILU_OUT:
+    if SILU_OUT:
         dtype = out_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(result, [BLOCK_M, BLOCK_N // 2, 2]))
         pairs = tile * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -186,14 +180,26 @@ def _int4_store(result, tile, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, 
         # the outputs rounded as the unfused GEMV would have stored them, then silu_and_mul's rounding
         tl.store(out_ptr + m_idx[:, None] * stride_om + pairs[None, :], _silu_mul(gate.to(dtype), up.to(dtype)),
                  mask=mask)
+    elif ADD_EARLY:  # SPLIT_K = 1
+        cols = _out_cols(tile, N, BLOCK_N, PAIRED, ROT_PAIRS)
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptr + m_idx[:, None] * stride_om + cols[None, :], _added(result, prior, dtype).to(dtype),
+                 mask=(m_idx < M)[:, None] & (cols < N)[None, :])
     else:
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PAIRED:  # interleaved row r -> its [gate | up] column (rows past N stay past N, masked)
-            cols = tl.where(cols < N, (cols % 2) * (N // 2) + cols // 2, cols)
-        if ROT_PAIRS:
-            cols = _unpermuted_cols(cols, N, ROT_PAIRS)
-        _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, cols, M, N, stride_om, tile, pid_k, SPLIT_K,
-                         ADD_OUT)
+        _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, _out_cols(tile, N, BLOCK_N, PAIRED, ROT_PAIRS), M,
+                         N, stride_om, tile, pid_k, SPLIT_K, ADD_OUT)
+
+
+@triton.jit
+def _out_cols(tile, N, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr, ROT_PAIRS: tl.constexpr):
+    """The output columns of tile `tile`'s rows: PAIRED (interleaved gate i, up i) back in [gate | up] order,
+    ROT_PAIRS (int4_rotary) back in their usual columns; rows past N stay past N (masked)."""
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PAIRED:
+        cols = tl.where(cols < N, (cols % 2) * (N // 2) + cols // 2, cols)
+    if ROT_PAIRS:
+        cols = _unpermuted_cols(cols, N, ROT_PAIRS)
+    return cols
 
 
 @triton.jit
@@ -338,10 +344,8 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     are left unwritten."""
     paired = weight.get("paired", False)
     rot_pairs = weight.get("rotary_pairs", 0)
-    if rotary is not None and not rotary_fits(weight, config or int4_config(weight["n"], weight["k"], x.shape[0],
-                                                                            weight.get("half2", False))):
-        raise ValueError("int4 GEMV rotary needs a pair_rotary_rows weight and a regular config whose rows divide "
-                         "the head (SPLIT_K 1)")
+    if rotary is not None and (silu_out or add_out):
+        raise ValueError("int4 GEMV rotary stores q, k and v itself: no silu_out or add_out")
     if silu_out and not paired:
         raise ValueError("int4 GEMV silu_out needs a pair_gate_up weight")
     if norm is not None and silu_mul:
@@ -368,6 +372,9 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     if m == 0:
         return out
     config = config or int4_config(n, k, m, weight.get("half2", False))
+    if rotary is not None and not rotary_fits(weight, config):
+        raise ValueError("int4 GEMV rotary needs a pair_rotary_rows weight and a regular config whose rows divide "
+                         "the head (SPLIT_K 1)")
     block_n, chunks = config["BLOCK_N"], config["CHUNKS"]
     block_m = triton.next_power_of_2(m)
     if not _INTERPRETED and chunks != CHUNK * config["num_warps"]:
@@ -404,7 +411,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         EVEN_N=n % block_n == 0, PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired,
         SILU_OUT=silu_out, HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
         num_stages=config["num_stages"], ONE_STEP=norm is not None and split_k == 1 and k <= step,
-        ADD_EARLY=add_out and out_settled and split_k == 1 and not paired, ROT_PAIRS=rot_pairs,
+        ADD_EARLY=add_out and out_settled and split_k == 1, ROT_PAIRS=rot_pairs,
         ROTARY=rotary is not None, **rotary_launch_args(rotary, out), **fused, **pdl,
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
     return out

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.attention_metadata import RotaryWrite
+from dflash2.kernels.triton.kv_write import _rotated_halves, _token_rows
 
 # DFLASH2_QKV_ROTARY=1: qkv weights that can take it are paired for the epilogue (TritonWeight.pair_rotary)
 QKV_ROTARY = os.environ.get("DFLASH2_QKV_ROTARY", "0") == "1"
@@ -46,18 +47,16 @@ def _rotary_rows(tile, m_idx, M, cos_ptr, sin_ptr, stride_cos, positions, token_
                  stride_cache_page, stride_cache_token, stride_cache_head, tokens_per_page, num_heads,
                  num_kv_heads, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Tile `tile`'s head (q heads, then k, then v), its pairs' first columns d [P] within the head, cos and sin
-    [BM, P] at each row's position, and each row's offset in the cache for this head's KV head [BM]. Reads only
-    what the host writes before the step and the tables, so it may come before the PDL wait."""
+    [BM, P] at each row's position, and each row's offset in the cache for this head's KV head [BM]
+    (kv_write._token_rows; rows past M read row M - 1's). Reads only what the host writes before the step and
+    the tables, so it may come before the PDL wait."""
     head = (tile * BLOCK_N) // HEAD_DIM
     d = ((tile * BLOCK_N) % HEAD_DIM) // 2 + tl.arange(0, BLOCK_N // 2)
-    m_ok = m_idx < M
-    pos = tl.load(positions + m_idx, mask=m_ok, other=0).to(tl.int64)
-    cos = tl.load(cos_ptr + pos[:, None] * stride_cos + d[None, :], mask=m_ok[:, None], other=0.0)
-    sin = tl.load(sin_ptr + pos[:, None] * stride_cos + d[None, :], mask=m_ok[:, None], other=0.0)
-    slot = tl.load(token_slots + m_idx, mask=m_ok, other=0).to(tl.int64)
-    page = tl.load(page_table + slot * stride_pt + pos // tokens_per_page, mask=m_ok, other=0).to(tl.int64)
     kv_head = tl.maximum(head - num_heads, 0) % num_kv_heads
-    offs = page * stride_cache_page + (pos % tokens_per_page) * stride_cache_token + kv_head * stride_cache_head
+    pos, offs, _ = _token_rows(page_table, token_slots, positions, tl.minimum(m_idx, M - 1), kv_head, stride_pt,
+                               tokens_per_page, stride_cache_page, stride_cache_token, stride_cache_head, 0, 0, 0)
+    cos = tl.load(cos_ptr + pos[:, None] * stride_cos + d[None, :])
+    sin = tl.load(sin_ptr + pos[:, None] * stride_cos + d[None, :])
     return head, d, cos, sin, offs
 
 
@@ -69,8 +68,7 @@ def _rotary_store(result, head, d, cos, sin, cache_offs, out_ptr, k_cache, v_cac
     HALF: tl.constexpr = HEAD_DIM // 2
     x1, x2 = tl.split(tl.reshape(result.to(dtype), [BLOCK_M, BLOCK_N // 2, 2]))  # columns d and d + HALF
     mask = (m_idx < M)[:, None]
-    c, s = cos.to(dtype), sin.to(dtype)
-    r1, r2 = (x1 * c - x2 * s).to(dtype), (x2 * c + x1 * s).to(dtype)  # rotary_write_kv's roundings
+    r1, r2 = _rotated_halves(x1, x2, cos.to(dtype), sin.to(dtype))  # rotary_write_kv's roundings
     if head < num_heads:
         q_ptrs = out_ptr + m_idx[:, None] * stride_om + head * HEAD_DIM + d[None, :]
         tl.store(q_ptrs, r1, mask=mask)

@@ -131,6 +131,13 @@ def _rms_norm_halves(x1, x2, weight_ptr, eps, HALF: tl.constexpr):
 
 
 @triton.jit
+def _rotated_halves(x1, x2, c, s):
+    """Rotate-half rotary of rows given as halves, c and s in their dtype, each result rounded to it (as a
+    separate rotary kernel would store it)."""
+    return (x1 * c - x2 * s).to(x1.dtype), (x2 * c + x1 * s).to(x1.dtype)
+
+
+@triton.jit
 def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, cos_ptr, sin_ptr,
                             page_table, token_slots, positions, q_norm_w, k_norm_w, norm_eps,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -159,14 +166,15 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
     if QK_NORM:
         q1, q2 = _rms_norm_halves(q1, q2, q_norm_w, norm_eps, HALF)
     c, s = cos.to(q1.dtype), sin.to(q1.dtype)
-    tl.store(q_ptr + q_offs, q1 * c - q2 * s, mask=q_mask)
-    tl.store(q_ptr + q_offs + HALF, q2 * c + q1 * s, mask=q_mask)
+    q1, q2 = _rotated_halves(q1, q2, c, s)
+    tl.store(q_ptr + q_offs, q1, mask=q_mask)
+    tl.store(q_ptr + q_offs + HALF, q2, mask=q_mask)
     k_offs = t * stride_kt + hk[:, None] * stride_kh + d[None, :]
     k1 = tl.load(k_ptr + k_offs, mask=kv_mask[:, None], other=0.0)
     k2 = tl.load(k_ptr + k_offs + HALF, mask=kv_mask[:, None], other=0.0)
     if QK_NORM:
         k1, k2 = _rms_norm_halves(k1, k2, k_norm_w, norm_eps, HALF)
-    k1, k2 = (k1 * c - k2 * s).to(k1.dtype), (k2 * c + k1 * s).to(k1.dtype)  # rounded as a separate rotary would
+    k1, k2 = _rotated_halves(k1, k2, c, s)
     v_offs = t * stride_vt + hk[:, None] * stride_vh + d[None, :]
     v1 = tl.load(v_ptr + v_offs, mask=kv_mask[:, None], other=0.0)
     v2 = tl.load(v_ptr + v_offs + HALF, mask=kv_mask[:, None], other=0.0)

@@ -350,6 +350,7 @@ class TritonWeight:
         # at 8 and 4 bits recomputing silu in every row block costs more than the separate kernel
         self.fuses_silu_mul = fmt.bits == 16
         self.fuses_silu_out = False
+        self.rotary_rows: frozenset[int] = frozenset()  # activation rows matmul(rotary=...) takes (pair_rotary)
 
     def pair_gate_up(self) -> None:
         """This weight's rows are [gate | up]. The int4 GEMV's repacked rows are interleaved (int4_gemv.
@@ -367,13 +368,14 @@ class TritonWeight:
         cache as it stores; other launches store the rows in their usual columns."""
         weight = self.weight.get("int4")
         if QKV_ROTARY and weight is not None and head_dim % 2 == 0 and weight["n"] % head_dim == 0:
-            self.weight["int4"] = pair_rotary_rows(weight, head_dim)
+            weight = self.weight["int4"] = pair_rotary_rows(weight, head_dim)
+            self.rotary_rows = frozenset(
+                rows for rows in range(1, GEMV_MAX_M + 1)
+                if rotary_fits(weight, int4_config(weight["n"], weight["k"], rows, weight["half2"])))
 
     def fuses_rotary(self, rows: int) -> bool:
         """Whether matmul(rotary=...) takes `rows` activation rows (after pair_rotary, at its config)."""
-        weight = self.weight.get("int4")
-        return (weight is not None and rows <= GEMV_MAX_M
-                and rotary_fits(weight, int4_config(weight["n"], weight["k"], rows, weight.get("half2", False))))
+        return rows in self.rotary_rows
 
     def fuses_norm(self, rows: int) -> bool:
         """Whether matmul(norm=, add_to=) runs the RMSNorm and the residual add inside the GEMV for `rows`
@@ -389,11 +391,9 @@ class TritonWeight:
         residual stream, which neither of the two kernels launched before this one writes: the GEMV reads it
         before its PDL wait, int4_gemv's out_settled). Where fuses_rotary: `rotary` rotates q into the output and
         writes k and v into its cache (int4_rotary.py; the output's k and v columns are left unwritten)."""
-        if rotary is not None:
-            if not self.fuses_rotary(x.shape[0]) or (norm is not None and not self.fuses_norm(x.shape[0])) \
-                    or silu_mul or silu_out or add_to is not None:
-                raise ValueError(f"this weight does not rotate into the cache ({self.kernel}, {x.shape[0]} rows)")
-            return int4_gemv(x, self.weight["int4"], norm=norm, rotary=rotary)
+        if rotary is not None:  # int4_gemv says what it cannot take
+            return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul, silu_out=silu_out, norm=norm,
+                             out=add_to, add_out=add_to is not None, rotary=rotary)
         if norm is not None or add_to is not None:
             if not self.fuses_norm(x.shape[0]) or (silu_out and not self.fuses_silu_out):
                 raise ValueError(f"this weight does not fuse a norm or residual add ({self.kernel}, "
