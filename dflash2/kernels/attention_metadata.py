@@ -71,16 +71,3 @@ KV_KINDS = {torch.int8: "int8", torch.uint8: "int4", torch.float8_e4m3fn: "fp8"}
 def kv_kind(dtype: torch.dtype) -> str:
     """"float" for a plain floating-point cache, else the quantized format its storage dtype stands for."""
     return KV_KINDS.get(dtype, "float")
-
-
-@dataclass(frozen=True)
-class RotaryWrite:
-    """What a qkv projection needs to rotate q and k and write k and v into the cache itself (the int4 GEMV's
-    epilogue, kernels/triton/int4_rotary.py): the rotary tables, the step's metadata (positions, slots, page
-    table), one layer's float cache, and the head counts."""
-    cos: torch.Tensor
-    sin: torch.Tensor
-    meta: AttentionMetadata
-    cache: KVCache
-    num_heads: int
-    num_kv_heads: int

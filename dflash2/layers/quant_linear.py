@@ -26,7 +26,6 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.runtime: RuntimeWeight | None = None
         self.gate_up = False  # rows [gate | up]: forward(silu_out=True) may fuse silu(gate) * up (see prepare)
-        self.rotary_head_dim = 0  # rows [q | k | v] in heads of this size, no q/k norms: see fuses_rotary
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -51,13 +50,6 @@ class QuantLinear(nn.Module):
         self.runtime = backend.prepare(self.packed(), dtype)
         if self.gate_up and hasattr(self.runtime, "pair_gate_up"):
             self.runtime.pair_gate_up()
-        if self.rotary_head_dim and hasattr(self.runtime, "pair_rotary"):
-            self.runtime.pair_rotary(self.rotary_head_dim)
-
-    def fuses_rotary(self, rows: int) -> bool:
-        """Whether forward(rotary=...) rotates q and k and writes k and v into the cache in the matmul's own kernel
-        for `rows` activation rows (the int4 GEMV, with DFLASH2_QKV_ROTARY=1)."""
-        return self.bias is None and getattr(self.runtime, "fuses_rotary", lambda rows: False)(rows)
 
     @property
     def fuses_silu_out(self) -> bool:
@@ -74,16 +66,15 @@ class QuantLinear(nn.Module):
         return dequantize(self.fmt, self.packed().tensors, dtype)
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False, norm: nn.Module | None = None,
-                add_to: torch.Tensor | None = None, rotary: Any = None) -> torch.Tensor:
+                add_to: torch.Tensor | None = None) -> torch.Tensor:
         """y = x W^T (+ bias); with `silu_mul`, x is a fused [gate | up] and silu(gate) * up goes in; with
         `silu_out` (a gate_up layer, no bias), y is [gate | up] and silu(gate) * up comes out. `norm` (an
         RMSNorm): y is of norm(x); `add_to`: y is added into that tensor (in place), which is returned, and which
         neither of the two kernels before this one may write (TritonWeight.matmul); both only where fuses_norm
-        (the caller asks it: LlamaDecoderLayer.fuses_norms), in the matmul's own kernel. `rotary` (a RotaryWrite,
-        where fuses_rotary): q comes out rotated, k and v go into the cache (the output's k and v are unwritten)."""
-        if norm is not None or add_to is not None or rotary is not None:
+        (the caller asks it: LlamaDecoderLayer.fuses_norms), in the matmul's own kernel."""
+        if norm is not None or add_to is not None:
             return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=silu_out, add_to=add_to,
-                                       norm=None if norm is None else (norm.weight, norm.eps), rotary=rotary)
+                                       norm=None if norm is None else (norm.weight, norm.eps))
         if silu_out:
             if self.fuses_silu_out:
                 return self.runtime.matmul(x, silu_mul=silu_mul, silu_out=True)

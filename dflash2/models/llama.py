@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dflash2.config import ModelArchConfig
-from dflash2.kernels.attention_metadata import AttentionMetadata, RotaryWrite
+from dflash2.kernels.attention_metadata import AttentionMetadata
 from dflash2.layers.embedding import make_embedding
 from dflash2.layers.linear import make_linear
 from dflash2.layers.norm import RMSNorm
@@ -50,32 +50,21 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
-        if isinstance(self.qkv_proj, QuantLinear) and not arch.qk_norm:  # may rotate into the cache (prepare)
-            self.qkv_proj.rotary_head_dim = self.head_dim
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext, norm: RMSNorm | None = None,
                 add_to: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of x; with `norm`, of norm(x), and with `add_to`, added into that tensor (both folded into
         the qkv and o_proj GEMVs: LlamaDecoderLayer.fuses_norms)."""
-        num_tokens = x.shape[0]
-        cache = ctx.kv_caches[self.layer_index]
-        backend = ctx.attention_backend
-        if self._rotates_in_qkv(num_tokens, cache, backend):  # q rotated, k and v in the cache: no rotary launch
-            write = RotaryWrite(rotary.cos, rotary.sin, ctx.attention, cache, self.num_heads, self.num_kv_heads)
-            q = self.qkv_proj(x, norm=norm, rotary=write)[:, : self.q_size]
-            out = backend.attend_written(q.view(num_tokens, self.num_heads, self.head_dim), cache, ctx.attention,
-                                         self.scale)
-        else:
-            qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm=norm)
-            out = self._rotate_and_attend(qkv, rotary, ctx, cache, backend)
-        out = out.reshape(num_tokens, self.q_size)
+        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm=norm)
+        out = self._rotate_and_attend(qkv, rotary, ctx).reshape(x.shape[0], self.q_size)
         return self.o_proj(out) if add_to is None else self.o_proj(out, add_to=add_to)
 
-    def _rotate_and_attend(self, qkv: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext, cache,
-                           backend) -> torch.Tensor:
+    def _rotate_and_attend(self, qkv: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         """Attention of the qkv output: Qwen3's q/k norms and the rotary applied (by the backend while it writes
         the cache where it can), k and v written, q attending."""
         num_tokens = qkv.shape[0]
+        cache = ctx.kv_caches[self.layer_index]
+        backend = ctx.attention_backend
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -95,12 +84,6 @@ class LlamaAttention(nn.Module):
             return backend.forward_rotary(q, k, v, cache, ctx.attention, self.scale, rotary.cos, rotary.sin, qk_norm)
         q, k = rotary(ctx.positions, q, k)
         return backend.forward(q, k, v, cache, ctx.attention, self.scale)
-
-    def _rotates_in_qkv(self, num_tokens: int, cache, backend) -> bool:
-        """Whether the qkv GEMV rotates q and k and writes k and v into this float cache itself
-        (QuantLinear.fuses_rotary: the int4 GEMV under DFLASH2_QKV_ROTARY=1, no q/k norms)."""
-        return (self.q_norm is None and hasattr(backend, "attend_written") and cache.k_scale is None
-                and isinstance(self.qkv_proj, QuantLinear) and self.qkv_proj.fuses_rotary(num_tokens))
 
     @property
     def qkv_weight(self) -> torch.Tensor:  # the fused float weight of a plain checkpoint (tests read it)

@@ -270,18 +270,15 @@ def test_int4_gemv_norm_and_residual_add(n, k):
                 assert torch.equal(added, want), (config, rows, settled)
 
 
-@pytest.mark.parametrize("rotary", [False, True])
-def test_int4_engine_folds_norms(tiny_int4, monkeypatch, rotary):
+def test_int4_engine_folds_norms(tiny_int4, monkeypatch):
     """DFLASH2_FUSE_NORM on the GPU: the tiny int4 model's greedy tokens with each layer's norms and residual
-    adds folded into its GEMVs (decode steps, CUDA graphs) equal the "torch" backend's; rotary: with
-    DFLASH2_QKV_ROTARY too (the qkv GEMV rotates q and k and writes k and v into the cache)."""
+    adds folded into its GEMVs (decode steps, CUDA graphs) equal the "torch" backend's."""
     import dflash2.engine.engine as engine_module
     from dflash2 import LLM, SamplingParams
     from dflash2.kernels.triton import quant_matmul as qm
     from dflash2.loading.model_loader import load_model
 
     monkeypatch.setattr(qm, "FUSE_NORM", True)
-    monkeypatch.setattr(qm, "QKV_ROTARY", rotary)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(4)]
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
@@ -291,45 +288,7 @@ def test_int4_engine_folds_norms(tiny_int4, monkeypatch, rotary):
                             lambda *args, backend=backend, **kw: load_model(*args, quant_backend=backend, **kw))
         llm = LLM(tiny_int4, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128,
                   kv_cache_memory="64MiB", page_bytes=4096)
-        layer = llm.engine.model.module.layers[0]
-        assert layer.fuses_norms(1) == (backend == "triton")
-        assert layer.self_attn._rotates_in_qkv(1, llm.engine.runner.kv_caches[0], llm.engine.runner.attention) \
-            == (rotary and backend == "triton")
+        assert llm.engine.model.module.layers[0].fuses_norms(1) == (backend == "triton")
         runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
     assert runs["triton"] == runs["torch"]
-
-
-def test_int4_qkv_rotary_epilogue_is_exact_in_bf16():
-    """DFLASH2_QKV_ROTARY's epilogue on llama-3-8b's qkv shape at its default config, bf16, 1 and 4 rows: q, and k
-    and v in the cache, bit for bit as the GEMV followed by rotary_write_kv; without rotary the paired weight gives
-    the plain GEMV's output."""
-    from dflash2.config import RopeConfig
-    from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, RotaryWrite
-    from dflash2.kernels.triton.int4_gemv import int4_gemv
-    from dflash2.kernels.triton.int4_rotary import pair_rotary_rows
-    from dflash2.kernels.triton.kv_write import rotary_write_kv
-    from dflash2.layers.rotary import RotaryEmbedding
-    from tests.paging import random_page_table
-
-    heads, kv_heads, dim, tokens_per_page = 32, 8, 128, 16
-    _, prepared = _int4_prepared(6144, 4096, seed=7)
-    paired = pair_rotary_rows(prepared, dim)
-    rotary = RotaryEmbedding(RopeConfig(theta=500000.0), dim, 1024).cuda()
-    cos, sin = rotary.cos.bfloat16(), rotary.sin.bfloat16()
-    table = random_page_table([700, 300, 513, 64], tokens_per_page, 128, 3, device="cuda")
-    for positions, slots in (([699], [0]), ([699, 299, 512, 63], [0, 1, 2, 3])):
-        x = torch.randn(len(positions), 4096, device="cuda").bfloat16()
-        plain = int4_gemv(x, prepared)
-        assert torch.equal(int4_gemv(x, paired), plain)
-        meta = AttentionMetadata(page_table=table, token_slots=torch.tensor(slots, dtype=torch.int32, device="cuda"),
-                                 positions=torch.tensor(positions, device="cuda"))
-        shape = (128, tokens_per_page, kv_heads, dim)
-        want, got = [KVCache(torch.zeros(shape, device="cuda").bfloat16(), torch.zeros(shape, device="cuda").bfloat16())
-                     for _ in range(2)]
-        q, k, v = plain.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        q = q.reshape(-1, heads, dim)
-        rotary_write_kv(q, k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim), want, cos, sin, meta)
-        out = int4_gemv(x, paired, rotary=RotaryWrite(cos, sin, meta, got, heads, kv_heads))
-        assert torch.equal(out[:, : heads * dim].reshape(-1, heads, dim), q)
-        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)

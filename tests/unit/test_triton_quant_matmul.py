@@ -413,20 +413,14 @@ def test_decoder_layers_fold_norms_into_int4_gemvs(arch, tmp_path, monkeypatch):
     prompts = [[5, 17, 99, 3, 250, 8], [40, 41, 42]]
     params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0)
     runs = {}
-    # llama also with DFLASH2_QKV_ROTARY: its qkv GEMV rotates q and k and writes k and v into the cache (qwen3's
-    # q/k norms keep the separate rotary write)
-    for fused, rotary in [(False, False), (True, False)] + [(True, True)] * (arch == "llama"):
+    for fused in (False, True):
         monkeypatch.setattr(qm, "FUSE_NORM", fused)
-        monkeypatch.setattr(qm, "QKV_ROTARY", rotary)
-        # the rotary run takes the Triton attention backend, which attends on what the GEMV wrote
-        llm = LLM(out, kv_cache_memory="4MiB", max_num_seqs=2, attention_backend="triton" if rotary else "auto")
+        llm = LLM(out, kv_cache_memory="4MiB", max_num_seqs=2)
         layer = llm.engine.model.module.layers[0]
         assert layer.fuses_norms(1) == (fused and qm.INT4_REPACKED) and not layer.fuses_norms(qm.GEMV_MAX_M + 1)
-        assert layer.self_attn._rotates_in_qkv(1, llm.engine.runner.kv_caches[0], llm.engine.runner.attention) \
-            == rotary
-        runs[fused, rotary] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        runs[fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
-    assert all(tokens == runs[False, False] for tokens in runs.values())
+    assert runs[True] == runs[False]
 
 
 def test_tuned_int4_configs_round_trip(tmp_path, monkeypatch):
@@ -520,53 +514,3 @@ def test_prefill_gemm_tune_writes_configs_the_gemm_takes(tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv("DFLASH2_GEMM_CONFIGS")
         shape_configs.cache_clear()
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The stored bit patterns (exact comparison, NaN included)."""
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_gemv_rotary_epilogue_matches_rotary_write_kv(dtype):
-    """int4_gemv(rotary=...) on a pair_rotary_rows qkv weight: q rotated into the output's q columns and k, v in
-    the cache, bit for bit as the plain GEMV followed by rotary_write_kv; the same weight without rotary gives the
-    plain GEMV's output in the usual columns (also at a persistent config). The interpreter gets this bf16
-    arithmetic wrong in both kernels alike (its rotated values are not torch's), so bf16 compares bit patterns
-    here and real values only on the GPU (tests/gpu); float32 checks the real values."""
-    from dflash2.config import RopeConfig
-    from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, RotaryWrite
-    from dflash2.kernels.triton.int4_gemv import int4_gemv
-    from dflash2.kernels.triton.int4_rotary import pair_rotary_rows
-    from dflash2.kernels.triton.kv_write import rotary_write_kv
-    from dflash2.layers.rotary import RotaryEmbedding
-    from tests.paging import random_page_table
-
-    heads, kv_heads, dim, k, tokens_per_page = 4, 2, 16, 128, 5
-    n = (heads + 2 * kv_heads) * dim
-    _, prepared = _int4_prepared(n, k, 32, seed=3, half2=dtype != torch.float32)
-    paired = pair_rotary_rows(prepared, dim)
-    config = {"BLOCK_N": 8, "CHUNKS": 4, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1}
-    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), dim, 64)
-    cos, sin = rotary.cos.to(dtype), rotary.sin.to(dtype)
-    table = random_page_table([12, 9], tokens_per_page, 12, 2)
-    g = torch.Generator().manual_seed(4)
-    for positions, slots in (([11], [0]), ([11, 8, 3], [0, 1, 1])):
-        x = torch.randn(len(positions), k, generator=g).to(dtype)
-        plain = int4_gemv(x, prepared, config=config)
-        assert torch.equal(int4_gemv(x, paired, config=config), plain)
-        assert torch.equal(int4_gemv(x, paired, config={**config, "PERSISTENT": 1, "PROGRAMS": 3}), plain)
-        meta = AttentionMetadata(page_table=table, token_slots=torch.tensor(slots, dtype=torch.int32),
-                                 positions=torch.tensor(positions))
-        shape = (12, tokens_per_page, kv_heads, dim)
-        want, got = [KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(2)]
-        q, kk, v = plain.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        q = q.reshape(-1, heads, dim)
-        rotary_write_kv(q, kk.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim), want, cos, sin, meta)
-        out = int4_gemv(x, paired, config=config, rotary=RotaryWrite(cos, sin, meta, got, heads, kv_heads))
-        assert _bits(out[:, : heads * dim].reshape(-1, heads, dim)).equal(_bits(q))
-        assert _bits(got.k).equal(_bits(want.k)) and _bits(got.v).equal(_bits(want.v))
-    with pytest.raises(ValueError, match="rotary"):
-        int4_gemv(x, prepared, config=config, rotary=RotaryWrite(cos, sin, meta, got, heads, kv_heads))
-    with pytest.raises(ValueError, match="rotary"):
-        int4_gemv(x, paired, config={**config, "SPLIT_K": 2}, rotary=RotaryWrite(cos, sin, meta, got, heads, kv_heads))

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash2.kernels.attention_metadata import RotaryWrite
 from dflash2.kernels.triton.elementwise import _silu_mul
 from dflash2.kernels.triton.gemv_parts import (_added, _k_range, _store_or_reduce, multiprocessors, prepare_io,
                                                split_counters)
@@ -27,7 +26,6 @@ from dflash2.kernels.triton.int4_configs import int4_config
 from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, ONE_PLUS_SLOT_BITS, SLOT_BITS,
                                               _norm_weight_slots, _rms_rstd, _slot_activations, _slots_normed_by,
                                               _step_from_activations, _step_sum, _sum_squares, repack_int4)
-from dflash2.kernels.triton.int4_rotary import _rotary_rows, _rotary_store, _unpermuted_cols, rotary_launch_args
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -70,11 +68,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                       ASM: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr,
                       HALF2: tl.constexpr = False, EARLY: tl.constexpr = False, NORM: tl.constexpr = False,
                       ADD_OUT: tl.constexpr = False, ONE_STEP: tl.constexpr = False,
-                      ONE_PLUS: tl.constexpr = False, ADD_EARLY: tl.constexpr = False, ROT_PAIRS: tl.constexpr = 0,
-                      ROTARY: tl.constexpr = False, cos_ptr=None, sin_ptr=None, stride_cos=0, positions=None,
-                      token_slots=None, page_table=None, stride_pt=0, k_cache=None, v_cache=None,
-                      stride_cache_page=0, stride_cache_token=0, stride_cache_head=0, tokens_per_page=1,
-                      num_heads=0, num_kv_heads=1):
+                      ONE_PLUS: tl.constexpr = False, ADD_EARLY: tl.constexpr = False):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
@@ -92,9 +86,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     rounded to out's dtype, then added in float32). ADD_EARLY (ADD_OUT, SPLIT_K = 1): out was last
     written two or more launches back (pdl.py's rule), so its tile is read before the wait, with the first
     weights, not after the K loop; with ONE_STEP the norm weights are read there too (constants).
-    ONE_PLUS: the words are in that layout (int4_math.py). ROT_PAIRS: the head size of a pair_rotary_rows
-    weight (its rows go back to their usual columns), and with ROTARY (SPLIT_K = 1) the epilogue rotates q into
-    out and writes k and v into the cache instead (int4_rotary.py; the indices are read before the wait)."""
+    ONE_PLUS: the words are in that layout (int4_math.py)."""
     if not EARLY:
         pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -121,14 +113,9 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         w0, w1, w2, w3, w4, w5, w6, w7 = _norm_weight_slots(nw_ptr, x_cols, c_ok1)
     prior = eps  # (unused without ADD_EARLY)
     if ADD_EARLY:
-        cols = _out_cols(pid, N, BLOCK_N, PAIRED, ROT_PAIRS)
+        cols = _out_cols(pid, N, BLOCK_N, PAIRED)
         prior = tl.load(out_ptr + m_idx[:, None] * stride_om + cols[None, :],
                         mask=m_ok[:, None] & (cols < N)[None, :], other=0.0)
-    if ROTARY:
-        head, rot_d, cos, sin, cache_offs = _rotary_rows(
-            pid, m_idx, M, cos_ptr, sin_ptr, stride_cos, positions, token_slots, page_table, stride_pt,
-            stride_cache_page, stride_cache_token, stride_cache_head, tokens_per_page, num_heads, num_kv_heads,
-            BLOCK_N, ROT_PAIRS)
     if EARLY:
         pdl_start(USE_PDL)
     MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
@@ -156,22 +143,17 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         else:
             acc += _step_from_activations(words, sz, x_base, k0 + x_cols, c_ok4 & m_ok[None, :, None, None], c_ok4,
                                           K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM, ONE_PLUS)
-    if ROTARY:
-        _rotary_store(tl.sum(acc, axis=0), head, rot_d, cos, sin, cache_offs, out_ptr, k_cache, v_cache, m_idx, M,
-                      stride_om, num_heads, num_kv_heads, BLOCK_M, BLOCK_N, ROT_PAIRS)
-    else:
-        _int4_store(tl.sum(acc, axis=0), pid, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M,
-                    BLOCK_N, SPLIT_K, PAIRED, SILU_OUT, ADD_OUT, prior, ADD_EARLY, ROT_PAIRS)
+    _int4_store(tl.sum(acc, axis=0), pid, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M, BLOCK_N,
+                SPLIT_K, PAIRED, SILU_OUT, ADD_OUT, prior, ADD_EARLY)
 
 
 @triton.jit
 def _int4_store(result, tile, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr,
-                ADD_OUT: tl.constexpr = False, prior=0.0, ADD_EARLY: tl.constexpr = False,
-                ROT_PAIRS: tl.constexpr = 0):
+                ADD_OUT: tl.constexpr = False, prior=0.0, ADD_EARLY: tl.constexpr = False):
     """Store tile `tile`'s [BM, BN] result (or its split-K partial): PAIRED rows back in [gate | up] order, or
     with SILU_OUT silu(gate) * up of its BLOCK_N / 2 pairs; ADD_OUT: added to what out holds (ADD_EARLY: to
-    `prior`, the tile of out read before the loop); ROT_PAIRS: rotary-paired rows back in their columns."""
+    `prior`, the tile of out read before the loop)."""
     if SILU_OUT:
         dtype = out_ptr.dtype.element_ty
         gate, up = tl.split(tl.reshape(result, [BLOCK_M, BLOCK_N // 2, 2]))
@@ -181,24 +163,22 @@ def _int4_store(result, tile, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, 
         tl.store(out_ptr + m_idx[:, None] * stride_om + pairs[None, :], _silu_mul(gate.to(dtype), up.to(dtype)),
                  mask=mask)
     elif ADD_EARLY:  # SPLIT_K = 1
-        cols = _out_cols(tile, N, BLOCK_N, PAIRED, ROT_PAIRS)
+        cols = _out_cols(tile, N, BLOCK_N, PAIRED)
         dtype = out_ptr.dtype.element_ty
         tl.store(out_ptr + m_idx[:, None] * stride_om + cols[None, :], _added(result, prior, dtype).to(dtype),
                  mask=(m_idx < M)[:, None] & (cols < N)[None, :])
     else:
-        _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, _out_cols(tile, N, BLOCK_N, PAIRED, ROT_PAIRS), M,
-                         N, stride_om, tile, pid_k, SPLIT_K, ADD_OUT)
+        _store_or_reduce(result, out_ptr, ws_ptr, cnt_ptr, m_idx, _out_cols(tile, N, BLOCK_N, PAIRED), M, N,
+                         stride_om, tile, pid_k, SPLIT_K, ADD_OUT)
 
 
 @triton.jit
-def _out_cols(tile, N, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr, ROT_PAIRS: tl.constexpr):
-    """The output columns of tile `tile`'s rows: PAIRED (interleaved gate i, up i) back in [gate | up] order,
-    ROT_PAIRS (int4_rotary) back in their usual columns; rows past N stay past N (masked)."""
+def _out_cols(tile, N, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr):
+    """The output columns of tile `tile`'s rows: PAIRED (interleaved gate i, up i) back in [gate | up] order;
+    rows past N stay past N (masked)."""
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     if PAIRED:
         cols = tl.where(cols < N, (cols % 2) * (N // 2) + cols // 2, cols)
-    if ROT_PAIRS:
-        cols = _unpermuted_cols(cols, N, ROT_PAIRS)
     return cols
 
 
@@ -226,8 +206,7 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                                  SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                                  PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, HALF2: tl.constexpr,
                                  USE_PDL: tl.constexpr, EARLY: tl.constexpr, NORM: tl.constexpr = False,
-                                 ADD_OUT: tl.constexpr = False, ONE_PLUS: tl.constexpr = False,
-                                 ROT_PAIRS: tl.constexpr = 0):
+                                 ADD_OUT: tl.constexpr = False, ONE_PLUS: tl.constexpr = False):
     """The same GEMV with fewer programs than row tiles (int4_gemv's config "PERSISTENT"): program p takes tiles
     p, p + P, p + 2 P, ... (P programs), each in STEPS steps along K, and requests the next step's words (the
     next tile's, after a tile's last step) before it computes this one, so its loads keep streaming while it
@@ -278,7 +257,7 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
         if STEPS == 1:
             part = _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM, ONE_PLUS)
             _int4_store(tl.sum(part, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0, BLOCK_M,
-                        BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT, ROT_PAIRS=ROT_PAIRS)
+                        BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT)
         else:
             c_ok4 = k0 + c4 * 32 < K
             acc += _step_from_activations(words, sz, x_base, k0 + x_cols, c_ok4 & m_ok[None, :, None, None], c_ok4,
@@ -286,7 +265,7 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                                           ONE_PLUS)
             if k0 + STEP >= K:
                 _int4_store(tl.sum(acc, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0,
-                            BLOCK_M, BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT, ROT_PAIRS=ROT_PAIRS)
+                            BLOCK_M, BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT)
                 acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
 
 
@@ -333,19 +312,13 @@ def pair_gate_up(weight: dict) -> dict:
 def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, silu_mul: bool = False,
               config: dict | None = None, silu_out: bool = False,
               norm: tuple[torch.Tensor, float] | None = None, add_out: bool = False,
-              out_settled: bool = False, rotary: RotaryWrite | None = None) -> torch.Tensor:
+              out_settled: bool = False) -> torch.Tensor:
     """x [M, K] (or [M, 2K] with silu_mul; M small) @ W^T for a weight from prepare_int4; with silu_out (a
     pair_gate_up weight) silu(gate) * up of that product, [M, N / 2]. norm = (weight [K], eps): the input is
     RMSNorm(x) as rms_norm computes it (x: the residual stream, not changed). add_out: out += the product (the
     residual add; out is required); out_settled: no kernel of the last two launches before this one writes out
-    (pdl.py's rule), so the regular kernel reads it before its PDL wait (ADD_EARLY) rather than after its loop.
-    rotary (a pair_rotary_rows weight of a [q | k | v] projection; rotary_fits says which configs take it): q is
-    rotated into out's q columns, k rotated and v written into the cache (int4_rotary.py); out's k and v columns
-    are left unwritten."""
+    (pdl.py's rule), so the regular kernel reads it before its PDL wait (ADD_EARLY) rather than after its loop."""
     paired = weight.get("paired", False)
-    rot_pairs = weight.get("rotary_pairs", 0)
-    if rotary is not None and (silu_out or add_out):
-        raise ValueError("int4 GEMV rotary stores q, k and v itself: no silu_out or add_out")
     if silu_out and not paired:
         raise ValueError("int4 GEMV silu_out needs a pair_gate_up weight")
     if norm is not None and silu_mul:
@@ -372,9 +345,6 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     if m == 0:
         return out
     config = config or int4_config(n, k, m, weight.get("half2", False))
-    if rotary is not None and not rotary_fits(weight, config):
-        raise ValueError("int4 GEMV rotary needs a pair_rotary_rows weight and a regular config whose rows divide "
-                         "the head (SPLIT_K 1)")
     block_n, chunks = config["BLOCK_N"], config["CHUNKS"]
     block_m = triton.next_power_of_2(m)
     if not _INTERPRETED and chunks != CHUNK * config["num_warps"]:
@@ -396,7 +366,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
             BLOCK_N=block_n, CHUNKS=chunks, STEPS=triton.cdiv(k, step), SILU_MUL=silu_mul, EVEN_M=m == block_m,
             EVEN_K=k % step == 0, ASM=not _INTERPRETED, PAIRED=paired, SILU_OUT=silu_out,
             HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
-            num_stages=config["num_stages"], ROT_PAIRS=rot_pairs, **fused, **pdl,
+            num_stages=config["num_stages"], **fused, **pdl,
             **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
         return out
     split_k = max(1, min(config.get("SPLIT_K", 1), triton.cdiv(k, step)))
@@ -411,16 +381,6 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         EVEN_N=n % block_n == 0, PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired,
         SILU_OUT=silu_out, HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
         num_stages=config["num_stages"], ONE_STEP=norm is not None and split_k == 1 and k <= step,
-        ADD_EARLY=add_out and out_settled and split_k == 1, ROT_PAIRS=rot_pairs,
-        ROTARY=rotary is not None, **rotary_launch_args(rotary, out), **fused, **pdl,
+        ADD_EARLY=add_out and out_settled and split_k == 1, **fused, **pdl,
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
     return out
-
-
-def rotary_fits(weight: dict, config: dict) -> bool:
-    """Whether int4_gemv(rotary=...) runs this weight at this config: rotary-paired rows, the regular kernel
-    along all of K in one program (SPLIT_K 1), BLOCK_N even and dividing the head."""
-    head_dim = weight.get("rotary_pairs", 0)
-    block_n = config["BLOCK_N"]
-    return bool(head_dim) and not config.get("PERSISTENT") and config.get("SPLIT_K", 1) == 1 and block_n % 2 == 0 \
-        and head_dim % block_n == 0 and not weight.get("paired", False)

@@ -31,14 +31,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dflash2.kernels.attention_metadata import RotaryWrite
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
 from dflash2.kernels.triton.gemv_parts import (_activation, _k_range, _store_or_reduce, prepare_io, shape_configs,
                                                 split_counters)
-from dflash2.kernels.triton.int4_configs import int4_config
-from dflash2.kernels.triton.int4_gemv import (FUSE_NORM, HALF2, int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4,
-                                              rotary_fits)
-from dflash2.kernels.triton.int4_rotary import QKV_ROTARY, pair_rotary_rows
+from dflash2.kernels.triton.int4_gemv import FUSE_NORM, HALF2, int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 from dflash2.quantization.formats import WeightFormat, unpack_int6
 
@@ -350,7 +346,6 @@ class TritonWeight:
         # at 8 and 4 bits recomputing silu in every row block costs more than the separate kernel
         self.fuses_silu_mul = fmt.bits == 16
         self.fuses_silu_out = False
-        self.rotary_rows: frozenset[int] = frozenset()  # activation rows matmul(rotary=...) takes (pair_rotary)
 
     def pair_gate_up(self) -> None:
         """This weight's rows are [gate | up]. The int4 GEMV's repacked rows are interleaved (int4_gemv.
@@ -361,39 +356,18 @@ class TritonWeight:
             self.weight["int4"] = pair_gate_up(self.weight["int4"])
             self.fuses_silu_out = True
 
-    def pair_rotary(self, head_dim: int) -> None:
-        """This weight is a [q | k | v] projection of heads of head_dim rows (and its model has no q/k norms):
-        with DFLASH2_QKV_ROTARY=1 the int4 GEMV's repacked rows are permuted within each head
-        (int4_rotary.pair_rotary_rows), so that matmul(rotary=...) rotates q and k and writes k and v into the
-        cache as it stores; other launches store the rows in their usual columns."""
-        weight = self.weight.get("int4")
-        if QKV_ROTARY and weight is not None and head_dim % 2 == 0 and weight["n"] % head_dim == 0:
-            weight = self.weight["int4"] = pair_rotary_rows(weight, head_dim)
-            self.rotary_rows = frozenset(
-                rows for rows in range(1, GEMV_MAX_M + 1)
-                if rotary_fits(weight, int4_config(weight["n"], weight["k"], rows, weight["half2"])))
-
-    def fuses_rotary(self, rows: int) -> bool:
-        """Whether matmul(rotary=...) takes `rows` activation rows (after pair_rotary, at its config)."""
-        return rows in self.rotary_rows
-
     def fuses_norm(self, rows: int) -> bool:
         """Whether matmul(norm=, add_to=) runs the RMSNorm and the residual add inside the GEMV for `rows`
         activation rows (the int4 GEMV, unless DFLASH2_FUSE_NORM=0)."""
         return FUSE_NORM and "int4" in self.weight and rows <= GEMV_MAX_M
 
     def matmul(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False,
-               norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None,
-               rotary: RotaryWrite | None = None) -> torch.Tensor:
+               norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T; silu_mul: x is [gate | up] and silu(gate) * up goes in; silu_out (after pair_gate_up): the
         output is [gate | up] and silu(gate) * up comes out. Where fuses_norm: norm = (weight, eps) makes the
         input RMSNorm(x); add_to: the product is added into that tensor, which is returned (the decoder layer's
         residual stream, which neither of the two kernels launched before this one writes: the GEMV reads it
-        before its PDL wait, int4_gemv's out_settled). Where fuses_rotary: `rotary` rotates q into the output and
-        writes k and v into its cache (int4_rotary.py; the output's k and v columns are left unwritten)."""
-        if rotary is not None:  # int4_gemv says what it cannot take
-            return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul, silu_out=silu_out, norm=norm,
-                             out=add_to, add_out=add_to is not None, rotary=rotary)
+        before its PDL wait, int4_gemv's out_settled)."""
         if norm is not None or add_to is not None:
             if not self.fuses_norm(x.shape[0]) or (silu_out and not self.fuses_silu_out):
                 raise ValueError(f"this weight does not fuse a norm or residual add ({self.kernel}, "
