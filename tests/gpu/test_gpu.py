@@ -70,6 +70,45 @@ def test_mixed_batch_kernels_match_reference(group):
     assert error < 1e-2, error
 
 
+@pytest.mark.parametrize("pages_early", [False, True])
+def test_decode_rotary_matches_the_rotary_kernel_in_bf16(pages_early, monkeypatch):
+    """DFLASH2_DECODE_ROTARY on llama-3-8b's attention shape (32 heads over 8 KV heads of 128, 16-token pages):
+    decode rows of lengths 1..4099 at one row (16 splits) and 32 (2 splits), plus prefill chunks: the caches bit
+    for bit and the output as the rotary kernel then attention give it."""
+    from dflash2.config import RopeConfig
+    from dflash2.kernels.attention_metadata import KVCache
+    from dflash2.kernels.triton import attention as tri
+    from dflash2.layers.rotary import RotaryEmbedding
+
+    monkeypatch.setattr(tri, "DECODE_PAGES_EARLY", pages_early)
+    dim, heads, kv_heads, tokens_per_page = 128, 32, 8, 16
+    rotary = RotaryEmbedding(RopeConfig(theta=500000.0), dim, 8192).to("cuda")
+    rng = random.Random(7)
+    for decodes in ([300], [1, 2, 17, 32, 33, 300, 1025, 4099] + [rng.randrange(1, 3000) for _ in range(24)]):
+        shapes = [(n, 1) for n in decodes] + [(700, 64), (90, 90)]
+        lengths = [c for c, _ in shapes]
+        num_pages = sum(-(-n // tokens_per_page) for n in lengths) + 2
+        k_cache, v_cache = _cache(num_pages, tokens_per_page, kv_heads, dim, seed=len(decodes))
+        table = _table(lengths, tokens_per_page, num_pages, seed=5)
+        total = sum(q for _, q in shapes)
+        qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, device="cuda").bfloat16()
+        meta = mixed_batch_metadata(shapes, table, tri.PREFILL_BLOCK_M)
+        runs = []
+        for fused in (False, True):
+            monkeypatch.setattr(tri, "DECODE_ROTARY", fused)
+            q, k, v = qkv.clone().split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+            cache = KVCache(k_cache.clone(), v_cache.clone())
+            out = tri.TritonAttention().forward_rotary(q.view(total, heads, dim), k.view(total, kv_heads, dim),
+                                                       v.reshape(total, kv_heads, dim), cache, meta, dim ** -0.5,
+                                                       rotary.cos, rotary.sin)
+            runs.append((out.float(), cache))
+        (expected, expected_cache), (got, cache) = runs
+        assert torch.equal(cache.k.view(torch.int16), expected_cache.k.view(torch.int16))
+        assert torch.equal(cache.v.view(torch.int16), expected_cache.v.view(torch.int16))
+        error = (got - expected).norm() / expected.norm()
+        assert error < 2e-3, (len(decodes), error)  # the new token's score summed in another order
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     from tests.tiny_models import build_tiny_model
@@ -78,11 +117,18 @@ def tiny_llama(tmp_path_factory):
     return build_tiny_model("llama", directory), directory
 
 
-def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama):
+@pytest.mark.parametrize("decode_rotary", [False, True])
+def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama, decode_rotary, monkeypatch):
     """Whole-step graphs (decode-only and mixed decode + prefill chunks), decode-only graphs, and eager give
-    transformers' greedy tokens; requests of different lengths on 4 slots make steps that mix both."""
+    transformers' greedy tokens; requests of different lengths on 4 slots make steps that mix both.
+    decode_rotary: decode attention rotates and writes the decode rows' k and v itself (DFLASH2_DECODE_ROTARY,
+    with the first tile's pages before the wait, DFLASH2_DECODE_PAGES_EARLY)."""
     from dflash2 import LLM, SamplingParams
+    from dflash2.kernels.triton import attention
     from tests.tiny_models import hf_greedy
+
+    monkeypatch.setattr(attention, "DECODE_ROTARY", decode_rotary)
+    monkeypatch.setattr(attention, "DECODE_PAGES_EARLY", decode_rotary)
 
     hf_model, directory = tiny_llama
     rng = random.Random(0)

@@ -123,6 +123,51 @@ def test_fused_rotary_write_matches_rotary_then_write():
     assert torch.equal(v_cache, v_ref)
 
 
+@pytest.mark.parametrize("pages_early", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_sms", [4, 132])
+def test_decode_rotary_matches_the_rotary_kernel_then_attention(monkeypatch, pages_early, dtype, num_sms):
+    """DFLASH2_DECODE_ROTARY: decode rows rotated and written by decode attention itself (prefill rows by the
+    rotary kernel) against rotary_write_kv then attention, in a mixed batch whose decode lengths put the step's
+    token first, inside and last in its split (num_sms sets the splits: 1 or many); the caches bit for bit."""
+    from dflash2.config import RopeConfig
+    from dflash2.layers.rotary import RotaryEmbedding
+
+    monkeypatch.setattr(tri, "DECODE_PAGES_EARLY", pages_early)
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), HEAD_DIM, 128)
+    group = 3
+    shapes = [(1, 1), (17, 1), (33, 1), (64, 1), (101, 1), (33, 9), (20, 20)]
+    lengths = [c for c, _ in shapes]
+    k_cache, v_cache = (c.to(dtype) for c in make_cache(96, seed=11))
+    table = page_table_for(lengths, 96, seed=4)
+    num_tokens = sum(qlen for _, qlen in shapes)
+    g = torch.Generator().manual_seed(12)
+    width = (NUM_KV_HEADS * group + 2 * NUM_KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(num_tokens, width, generator=g).to(dtype)
+    meta = mixed_batch_metadata(shapes, table, tri.PREFILL_BLOCK_M)
+
+    def run(fused: bool):
+        monkeypatch.setattr(tri, "DECODE_ROTARY", fused)
+        x = qkv.clone()
+        q, k, v = x.split([NUM_KV_HEADS * group * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], -1)
+        cache = KVCache(k_cache.clone(), v_cache.clone())
+        out = tri.TritonAttention(num_sms=num_sms).forward_rotary(
+            q.view(num_tokens, -1, HEAD_DIM), k.view(num_tokens, -1, HEAD_DIM), v.reshape(num_tokens, -1, HEAD_DIM),
+            cache, meta, 0.3, rotary.cos, rotary.sin)
+        return out, cache
+
+    expected, expected_cache = run(False)
+    got, cache = run(True)
+    as_bits = (lambda t: t.view(torch.int16)) if dtype == torch.bfloat16 else (lambda t: t)
+    assert torch.equal(as_bits(cache.k), as_bits(expected_cache.k))
+    assert torch.equal(as_bits(cache.v), as_bits(expected_cache.v))
+    assert not torch.equal(cache.k, k_cache)  # the step's tokens were written
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    else:  # the interpreter's bf16 rotary values are not numbers to compare (their bits are the same above)
+        assert torch.equal(as_bits(got[5:]), as_bits(expected[5:]))  # prefill rows: the same kernels
+
+
 def test_fused_qk_norm_rotary_write_matches_the_norm_kernel_then_rotary_write(dtype=torch.float32):
     """Qwen3's q/k norms inside the rotary KV write give what qk_rms_norm_ and then the rotary write give
     (float32 here: the interpreter's bf16 arithmetic yields NaNs in either kernel; tests/gpu checks bf16)."""

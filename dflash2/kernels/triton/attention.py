@@ -30,7 +30,7 @@ from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_ki
 from dflash2.kernels.triton.gemv_parts import multiprocessors, split_counters
 from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_imma_tiles, _int8_tile,
                                                 int8_path, int8_sub_tiles)
-from dflash2.kernels.triton.kv_write import rotary_write_kv, scale_args, write_kv
+from dflash2.kernels.triton.kv_write import _rotated_rows, rotary_write_kv, scale_args, write_kv
 from dflash2.kernels.triton.pdl import pdl_args, pdl_release, pdl_start, pdl_wait
 
 PREFILL_BLOCK_M = 64
@@ -62,7 +62,24 @@ def _load_kv_tile(k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens
     their row scales [len(tokens)] (ones for a float cache). Quantized tiles hold the stored integers / fp8
     values: the scales are applied by the caller to the scores and probabilities (they are per token, so
     they factor out of both dot products)."""
-    page = tl.load(page_table + slot * stride_pt + tokens // tokens_per_page, mask=token_mask, other=0).to(tl.int64)
+    return _load_kv_tile_at(_tile_pages(page_table, slot, tokens, token_mask, stride_pt, tokens_per_page),
+                            k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
+                            stride_cache_page, stride_cache_token, stride_cache_head,
+                            stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+
+
+@triton.jit
+def _tile_pages(page_table, slot, tokens, token_mask, stride_pt, tokens_per_page):
+    """The page of each of `tokens` (0 where masked), from the request's page-table row."""
+    return tl.load(page_table + slot * stride_pt + tokens // tokens_per_page, mask=token_mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_kv_tile_at(page, k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
+                     stride_cache_page, stride_cache_token, stride_cache_head,
+                     stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page,
+                     HEAD_DIM: tl.constexpr, KIND: tl.constexpr):
+    """_load_kv_tile with the tokens' pages already looked up (_tile_pages)."""
     in_page = tokens % tokens_per_page
     offs = page * stride_cache_page + in_page * stride_cache_token + kv_head * stride_cache_head
     if KIND == 2:
@@ -96,6 +113,11 @@ def _tile_scores(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, toke
         k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
         stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
         stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+    return _scores_of(q, k, v, k_scale, v_scale, scale, KIND, PRECISION)
+
+
+@triton.jit
+def _scores_of(q, k, v, k_scale, v_scale, scale, KIND: tl.constexpr, PRECISION: tl.constexpr):
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     if KIND != 0:
         s = s * k_scale[None, :]
@@ -124,18 +146,26 @@ def _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND: tl.constexpr, PRECISI
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, out_ptr, lse_ptr,
-                         final_ptr, cnt_ptr,
+                         final_ptr, cnt_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr,
                          stride_qt, stride_qh, stride_cache_page, stride_cache_token, stride_cache_head,
                          stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
+                         stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
                          scale, tokens_per_page,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          SPLITS_PAD: tl.constexpr,
                          PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_LOOP: tl.constexpr,
-                         INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, LATE_RELEASE: tl.constexpr = False):
+                         INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
+                         ROTARY: tl.constexpr = False, PAGES_EARLY: tl.constexpr = False):
     """LATE_RELEASE (DECODE_LATE_RELEASE): the next kernel may launch once the partial is stored, not right after
-    the wait, so that its early weight loads stay off this kernel's latency-bound loads."""
+    the wait, so that its early weight loads stay off this kernel's latency-bound loads.
+    ROTARY (a float cache; decode_attention's `rotary`): q and the step's k and v come un-rotated and unwritten
+    (the qkv output); each program rotates its q heads, and the split holding the step's position (length - 1)
+    rotates k, writes k and v into the cache and adds that one token to its softmax from registers, so its KV
+    loop, like every other split's, reads only positions earlier steps wrote.
+    PAGES_EARLY (not int8): the first KV tile's page-table entries are read before the wait (the host writes
+    the page table before the step's first kernel)."""
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
     # batch ordered longest-first (the runner's order) starts its longest programs first
     kv_head = tl.program_id(0)
@@ -147,16 +177,40 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, length)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pos = tl.maximum(length - 1, 0)  # the step's token
+    holds_new = (start <= pos) & (pos < end)  # this split adds it (ROTARY)
+    loop_end = tl.minimum(end, pos) if ROTARY else end
+    if ROTARY:  # the rotary tables and the new token's page: constant or host-written, read before the wait
+        cos = tl.load(cos_ptr + pos * stride_cos + d % HALF)
+        sin = tl.load(sin_ptr + pos * stride_cos + d % HALF)
+        new_page = tl.load(page_table + slot * stride_pt + pos // tokens_per_page).to(tl.int64)
+        new_offs = (new_page * stride_cache_page + (pos % tokens_per_page) * stride_cache_token
+                    + kv_head * stride_cache_head + d)
+    if PAGES_EARLY:
+        first_tokens = start + tl.arange(0, BLOCK_N)
+        pages = _tile_pages(page_table, slot, first_tokens, first_tokens < loop_end, stride_pt, tokens_per_page)
     if LATE_RELEASE:
         pdl_wait(USE_PDL)
     else:
         pdl_start(USE_PDL)
 
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
     head_mask = g < GROUP
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=head_mask[:, None], other=0.0)
+    q_offs = b * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_ptr + q_offs + d[None, :], mask=head_mask[:, None], other=0.0)
+    if ROTARY:
+        first_half = d < HALF
+        q = _rotated_rows(q, tl.load(q_ptr + q_offs + ((d + HALF) % HEAD_DIM)[None, :], mask=head_mask[:, None],
+                                     other=0.0), cos[None, :], sin[None, :], first_half[None, :])
+        k_offs = b * stride_knt + kv_head * stride_knh
+        k_new = tl.load(k_new_ptr + k_offs + d, mask=holds_new & (d < HEAD_DIM), other=0.0)
+        k_new_swapped = tl.load(k_new_ptr + k_offs + (d + HALF) % HEAD_DIM, mask=holds_new & (d < HEAD_DIM),
+                                other=0.0)
+        v_new = tl.load(v_new_ptr + b * stride_vnt + kv_head * stride_vnh + d, mask=holds_new & (d < HEAD_DIM),
+                        other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -175,16 +229,41 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
             q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
             stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION)
-    else:
-        for n0 in range(start, end, BLOCK_N):
+    elif PAGES_EARLY:  # each tile's pages looked up one tile ahead, the first ones before the wait
+        for n0 in range(start, loop_end, BLOCK_N):
             tokens = n0 + tl.arange(0, BLOCK_N)
-            token_mask = tokens < end
+            token_mask = tokens < loop_end
+            k, v, k_scale, v_scale = _load_kv_tile_at(
+                pages, k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
+                stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+                stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+            pages = _tile_pages(page_table, slot, tokens + BLOCK_N, tokens + BLOCK_N < loop_end, stride_pt,
+                                tokens_per_page)
+            s, v, v_scale = _scores_of(q, k, v, k_scale, v_scale, scale, KIND, PRECISION)
+            s = tl.where(token_mask[None, :], s, float("-inf"))
+            m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, False)
+    else:
+        for n0 in range(start, loop_end, BLOCK_N):
+            tokens = n0 + tl.arange(0, BLOCK_N)
+            token_mask = tokens < loop_end
             s, v, v_scale = _tile_scores(
                 q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
                 stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
                 stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
             s = tl.where(token_mask[None, :], s, float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, False)
+    if ROTARY:
+        if holds_new:  # the step's token, from registers: rotated k and v into the cache, one softmax column
+            k_new = _rotated_rows(k_new, k_new_swapped, cos, sin, first_half)
+            tl.store(k_cache + new_offs, k_new)
+            tl.store(v_cache + new_offs, v_new)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+            m_new = tl.maximum(m_i, s_new)
+            p_new = tl.exp(s_new - m_new)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new.to(q.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
     empty = start >= length
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(l_i))
@@ -301,6 +380,12 @@ DECODE_WAVES = int(os.environ.get("DFLASH2_DECODE_WAVES", "2"))
 # where the next kernel is launched with PDL (the Triton GEMVs, <= 4 rows); cuBLAS launches after completion.
 # (An early first KV tile, requested before the wait, measured slower with it: 541.1 against 548.7, call 5.)
 DECODE_LATE_RELEASE = os.environ.get("DFLASH2_DECODE_RELEASE", "1") != "0"
+# DFLASH2_DECODE_ROTARY=1: on a float cache, decode rows skip the rotary + KV-write kernel; decode attention
+# rotates q and the step's k and writes k and v itself (_decode_split_kernel's ROTARY), prefill rows keep it.
+# Not measured yet (fifteenth session).
+DECODE_ROTARY = os.environ.get("DFLASH2_DECODE_ROTARY", "0") == "1"
+# DFLASH2_DECODE_PAGES_EARLY=1: the first KV tile's page-table entries before the PDL wait (PAGES_EARLY).
+DECODE_PAGES_EARLY = os.environ.get("DFLASH2_DECODE_PAGES_EARLY", "0") == "1"
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: int = 1) -> int:
@@ -308,7 +393,12 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: 
     32, and at most MERGE_TILE / group (the last split merges [group, splits, head_dim] in registers). Each
     value is a separately compiled kernel, so only six exist; graph capture compiles them all."""
     wanted = triton.cdiv(DECODE_WAVES * num_sms, max(1, batch * num_kv_heads))
+    if DECODE_SPLITS:
+        wanted = DECODE_SPLITS
     return min(32, max(1, MERGE_TILE // triton.next_power_of_2(group)), triton.next_power_of_2(wanted))
+
+
+DECODE_SPLITS = int(os.environ.get("DFLASH2_DECODE_SPLITS", "0"))  # a fixed split count, for measuring (0: waves)
 
 
 MERGE_TILE = 64  # heads x splits the merging program holds at once (x head_dim fp32 values over its threads)
@@ -317,12 +407,18 @@ MERGE_TILE = 64  # heads x splits the merging program holds at once (x head_dim 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, config: dict | None = None,
+                     rotary: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """q [B, H, D] over each request's first lengths[b] cached positions -> [B, H, D]. `config` overrides
-    DECODE_CONFIG (benchmarks/tune_decode.py)."""
+    DECODE_CONFIG (benchmarks/tune_decode.py). With `rotary` = (k [B, KV heads, D], v, cos, sin) on a float
+    cache, q and k are un-rotated and the step's position (lengths[b] - 1) is not in the cache yet: the kernel
+    rotates q and k (rotate-half, the tables' rows by position) and writes k and v there."""
     batch, num_heads, dim = q.shape
     config = default_decode_config(q, k_cache) if config is None else config
     kind, k_scales, v_scales, *scale_strides = scale_args(k_cache, k_scale, v_scale)
+    if rotary is not None and kind != 0:
+        raise ValueError("decode_attention's rotary takes a float cache")
+    k_new, v_new, cos, sin = rotary if rotary is not None else (q, q, q, q)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
@@ -338,14 +434,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group_pad = triton.next_power_of_2(group) if loop == "imma_t" else max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, partial, lse, out, counters,
+        k_new, v_new, cos, sin,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *scale_strides, page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), scale, k_cache.shape[1],
+        out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        cos.stride(0), scale, k_cache.shape[1],
         GROUP=group, GROUP_PAD=group_pad, GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
         num_warps=config["num_warps"], num_stages=config["num_stages"], LATE_RELEASE=DECODE_LATE_RELEASE,
-        **pdl_args())
+        ROTARY=rotary is not None, PAGES_EARLY=DECODE_PAGES_EARLY and kind != 1, **pdl_args())
     return out
 
 
@@ -389,15 +487,18 @@ class TritonAttention:
                        meta: AttentionMetadata, scale: float, cos: torch.Tensor, sin: torch.Tensor,
                        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """forward() for un-rotated q and k: the rotary embedding (and Qwen3's q/k norms, `qk_norm`) is
-        applied while writing the cache."""
-        rotary_write_kv(q, k, v, cache, cos, sin, meta, qk_norm)
-        return self._attend(q, cache, meta, scale)
+        applied while writing the cache; under DECODE_ROTARY (a float cache, no q/k norms) decode attention
+        does it for the decode rows."""
+        nd = meta.num_decode_tokens
+        if not (DECODE_ROTARY and nd and qk_norm is None and cache.k_scale is None):
+            rotary_write_kv(q, k, v, cache, cos, sin, meta, qk_norm)
+            return self._attend(q, cache, meta, scale)
+        rotary_write_kv(q, k, v, cache, cos, sin, meta, first_row=nd)  # the prefill rows
+        return self._attend(q, cache, meta, scale, rotary=(k[:nd], v[:nd], cos, sin))
 
-    def attend_written(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """forward() for rotated q whose step's k and v are already in the cache (the qkv GEMV wrote them)."""
-        return self._attend(q, cache, meta, scale)
-
-    def _attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+                rotary: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """Decode rows, then prefill rows; `rotary`: decode_attention's, for the decode rows."""
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
@@ -405,7 +506,8 @@ class TritonAttention:
             splits = self.graph_num_splits or decode_num_splits(nd, num_kv_heads, self.num_sms,
                                                                 q.shape[1] // num_kv_heads)
             decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots, meta.decode_lengths,
-                             scale, splits, out=out[:nd], k_scale=cache.k_scale, v_scale=cache.v_scale)
+                             scale, splits, out=out[:nd], k_scale=cache.k_scale, v_scale=cache.v_scale,
+                             rotary=rotary)
         if meta.prefill_block_segments is not None:  # set whenever the step has prefill chunks
             prefill_attention(q, cache, meta, scale, out, row_offset=nd)
         return out

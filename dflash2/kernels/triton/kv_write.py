@@ -138,6 +138,14 @@ def _rotated_halves(x1, x2, c, s):
 
 
 @triton.jit
+def _rotated_rows(x, x_swapped, c, s, first_half):
+    """_rotated_halves on whole rows: x_swapped is x with its halves exchanged, c and s the tables repeated
+    over both halves, first_half marks the first half's columns; the same operations, so the same roundings."""
+    c, s = c.to(x.dtype), s.to(x.dtype)
+    return tl.where(first_half, x * c - x_swapped * s, x * c + x_swapped * s).to(x.dtype)
+
+
+@triton.jit
 def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, cos_ptr, sin_ptr,
                             page_table, token_slots, positions, q_norm_w, k_norm_w, norm_eps,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -209,9 +217,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, first_row: int = 0) -> None:
     """Rotate q in place and write rotated k and v into the pages (one launch instead of two); with
-    `qk_norm` = (q weight, k weight, eps), q and k are RMS-normed per head first (Qwen3)."""
+    `qk_norm` = (q weight, k weight, eps), q and k are RMS-normed per head first (Qwen3). Rows from
+    `first_row` on only (the decode rows before it are left to decode attention: attention.DECODE_ROTARY)."""
+    q, k, v = q[first_row:], k[first_row:], v[first_row:]
+    token_slots, positions = meta.token_slots[first_row:], meta.positions[first_row:]
     tokens, num_heads, dim = q.shape
     if tokens == 0:
         return
@@ -219,7 +230,7 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     kind, k_scales, v_scales, *scale_strides = scale_args(cache.k, cache.k_scale, cache.v_scale)
     q_norm_w, k_norm_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     _rotary_write_kv_kernel[(tokens,)](
-        q, k, v, cache.k, cache.v, k_scales, v_scales, cos, sin, meta.page_table, meta.token_slots, meta.positions,
+        q, k, v, cache.k, cache.v, k_scales, v_scales, cos, sin, meta.page_table, token_slots, positions,
         q_norm_w, k_norm_w, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache.k.stride()[:3], *scale_strides, meta.page_table.stride(0), cos.stride(0),
