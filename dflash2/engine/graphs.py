@@ -48,7 +48,7 @@ MIN_PREFILL_BUCKET = 16
 
 def resolve_placeholders(token_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
     """token_ids with each placeholder -(i + 1) replaced by the token the previous step left in future slot i
-    (one Triton launch on CUDA with DFLASH2_STEP_EDGES=1: kernels/triton/step_edges.py)."""
+    (one Triton launch on CUDA unless DFLASH2_STEP_EDGES=0: kernels/triton/step_edges.py)."""
     if token_ids.is_cuda:
         from dflash2.kernels.triton import step_edges
 

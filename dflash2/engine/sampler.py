@@ -132,7 +132,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
         from dflash2.kernels.triton import step_edges
 
         if step_edges.STEP_EDGES and vocab <= step_edges.ARGMAX_MAX_CHUNKS * step_edges.ARGMAX_BLOCK:
-            return step_edges.greedy_argmax(logits)  # one launch (DFLASH2_STEP_EDGES=1)
+            return step_edges.greedy_argmax(logits)  # one launch (DFLASH2_STEP_EDGES=0: the two reductions)
     chunk = 1024
     while chunk > 1 and vocab % chunk:
         chunk //= 2

@@ -123,19 +123,18 @@ def test_fused_rotary_write_matches_rotary_then_write():
     assert torch.equal(v_cache, v_ref)
 
 
-@pytest.mark.parametrize("early", ["", "pages", "pages+kv"])
+@pytest.mark.parametrize("pages_early", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_sms", [4, 132])
-def test_decode_rotary_matches_the_rotary_kernel_then_attention(monkeypatch, early, dtype, num_sms):
+def test_decode_rotary_matches_the_rotary_kernel_then_attention(monkeypatch, pages_early, dtype, num_sms):
     """DFLASH2_DECODE_ROTARY: decode rows rotated and written by decode attention itself (prefill rows by the
     rotary kernel) against rotary_write_kv then attention, in a mixed batch whose decode lengths put the step's
     token first, inside and last in its split (num_sms sets the splits: 1 or many); the caches bit for bit.
-    early: the first tile's pages (DFLASH2_DECODE_PAGES_EARLY) and KV (DFLASH2_DECODE_KV_EARLY) before the wait."""
+    pages_early: the first tile's pages before the PDL wait (DFLASH2_DECODE_PAGES_EARLY)."""
     from dflash2.config import RopeConfig
     from dflash2.layers.rotary import RotaryEmbedding
 
-    monkeypatch.setattr(tri, "DECODE_PAGES_EARLY", "pages" in early)
-    monkeypatch.setattr(tri, "DECODE_KV_EARLY", "kv" in early)
+    monkeypatch.setattr(tri, "DECODE_PAGES_EARLY", pages_early)
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0), HEAD_DIM, 128)
     group = 3
     shapes = [(1, 1), (17, 1), (33, 1), (64, 1), (101, 1), (33, 9), (20, 20)]

@@ -157,8 +157,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          SPLITS_PAD: tl.constexpr,
                          PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_LOOP: tl.constexpr,
                          INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
-                         ROTARY: tl.constexpr = False, PAGES_EARLY: tl.constexpr = False,
-                         KV_EARLY: tl.constexpr = False):
+                         ROTARY: tl.constexpr = False, PAGES_EARLY: tl.constexpr = False):
     """LATE_RELEASE (DECODE_LATE_RELEASE): the next kernel may launch once the partial is stored, not right after
     the wait, so that its early weight loads stay off this kernel's latency-bound loads.
     ROTARY (a float cache; decode_attention's `rotary`): q and the step's k and v come un-rotated and unwritten
@@ -166,8 +165,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     rotates k, writes k and v into the cache and adds that one token to its softmax from registers, so its KV
     loop, like every other split's, reads only positions earlier steps wrote.
     PAGES_EARLY (not int8): the first KV tile's page-table entries are read before the wait (the host writes
-    the page table before the step's first kernel); KV_EARLY (with ROTARY and PAGES_EARLY) the first tile too,
-    and each tile is requested with the one before it."""
+    the page table before the step's first kernel), each next tile's with the tile before."""
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
     # batch ordered longest-first (the runner's order) starts its longest programs first
     kv_head = tl.program_id(0)
@@ -194,11 +192,6 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     if PAGES_EARLY:
         first_tokens = start + tl.arange(0, BLOCK_N)
         pages = _tile_pages(page_table, slot, first_tokens, first_tokens < loop_end, stride_pt, tokens_per_page)
-        if KV_EARLY:  # ROTARY: the loop reads only positions earlier steps wrote, settled before the wait
-            k_next, v_next, k_scale_next, v_scale_next = _load_kv_tile_at(
-                pages, k_cache, v_cache, k_scales, v_scales, first_tokens, first_tokens < loop_end, kv_head,
-                stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-                stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
     if LATE_RELEASE:
         pdl_wait(USE_PDL)
     else:
@@ -240,20 +233,12 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
         for n0 in range(start, loop_end, BLOCK_N):
             tokens = n0 + tl.arange(0, BLOCK_N)
             token_mask = tokens < loop_end
-            if KV_EARLY:  # this tile came with the previous one (the first before the wait)
-                k, v, k_scale, v_scale = k_next, v_next, k_scale_next, v_scale_next
-            else:
-                k, v, k_scale, v_scale = _load_kv_tile_at(
-                    pages, k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
-                    stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-                    stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+            k, v, k_scale, v_scale = _load_kv_tile_at(
+                pages, k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
+                stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+                stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
             next_tokens = tokens + BLOCK_N
             pages = _tile_pages(page_table, slot, next_tokens, next_tokens < loop_end, stride_pt, tokens_per_page)
-            if KV_EARLY:
-                k_next, v_next, k_scale_next, v_scale_next = _load_kv_tile_at(
-                    pages, k_cache, v_cache, k_scales, v_scales, next_tokens, next_tokens < loop_end, kv_head,
-                    stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-                    stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
             s, v, v_scale = _scores_of(q, k, v, k_scale, v_scale, scale, KIND, PRECISION)
             s = tl.where(token_mask[None, :], s, float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, False)
@@ -395,14 +380,15 @@ DECODE_WAVES = int(os.environ.get("DFLASH2_DECODE_WAVES", "2"))
 # where the next kernel is launched with PDL (the Triton GEMVs, <= 4 rows); cuBLAS launches after completion.
 # (An early first KV tile, requested before the wait, measured slower with it: 541.1 against 548.7, call 5.)
 DECODE_LATE_RELEASE = os.environ.get("DFLASH2_DECODE_RELEASE", "1") != "0"
-# DFLASH2_DECODE_ROTARY=1: on a float cache, decode rows skip the rotary + KV-write kernel; decode attention
-# rotates q and the step's k and writes k and v itself (_decode_split_kernel's ROTARY), prefill rows keep it.
-# Not measured yet (fifteenth session).
-DECODE_ROTARY = os.environ.get("DFLASH2_DECODE_ROTARY", "0") == "1"
-# DFLASH2_DECODE_PAGES_EARLY=1: the first KV tile's page-table entries before the PDL wait (PAGES_EARLY).
-DECODE_PAGES_EARLY = os.environ.get("DFLASH2_DECODE_PAGES_EARLY", "0") == "1"
-# DFLASH2_DECODE_KV_EARLY=1 (with both above): the first KV tile itself before the wait (KV_EARLY).
-DECODE_KV_EARLY = os.environ.get("DFLASH2_DECODE_KV_EARLY", "0") == "1"
+# On a float cache without q/k norms, decode rows skip the rotary + KV-write kernel: decode attention rotates q
+# and the step's k and writes k and v itself (_decode_split_kernel's ROTARY; DFLASH2_DECODE_ROTARY=0 turns it
+# off); prefill rows keep the kernel. And the first KV tile's page-table entries are read before the PDL wait
+# (PAGES_EARLY; DFLASH2_DECODE_PAGES_EARLY=0 off). W2 int4 on the H200 (with DFLASH2_STEP_EDGES, fifteenth
+# session): 554.9 tok/s with neither, 542.0 with the rotary alone (its KV loop then starts a page lookup later),
+# 553.4 with the pages alone, 562.9 / 562.6 / 563.7 with both; bf16 232.8 -> 236.2 / 238.6. Also the first KV tile
+# itself before the wait (the loop reads only settled positions then) measured slower: 559.5 / 560.6.
+DECODE_ROTARY = os.environ.get("DFLASH2_DECODE_ROTARY", "1") != "0"
+DECODE_PAGES_EARLY = os.environ.get("DFLASH2_DECODE_PAGES_EARLY", "1") != "0"
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: int = 1) -> int:
@@ -415,7 +401,9 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: 
     return min(32, max(1, MERGE_TILE // triton.next_power_of_2(group)), triton.next_power_of_2(wanted))
 
 
-DECODE_SPLITS = int(os.environ.get("DFLASH2_DECODE_SPLITS", "0"))  # a fixed split count, for measuring (0: waves)
+# a fixed split count, for measuring (0: by DECODE_WAVES). W2 int4 at one row: 16 splits (the waves' count) 562.9
+# tok/s, 8 537.0, 4 522.4 (fifteenth session)
+DECODE_SPLITS = int(os.environ.get("DFLASH2_DECODE_SPLITS", "0"))
 
 
 MERGE_TILE = 64  # heads x splits the merging program holds at once (x head_dim fp32 values over its threads)
@@ -447,7 +435,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     counters = split_counters(q.device, batch * num_kv_heads)  # a dict lookup; read only with splits
     block_n = config["BLOCK_N"] if dim <= 128 else 32
     loop = int8_path(q, config) if kind == 1 else ""
-    pages_early = DECODE_PAGES_EARLY and kind != 1
     # imma_t: heads as the mma's N side (no 16-row padding), one token sub-tile a warp
     group_pad = triton.next_power_of_2(group) if loop == "imma_t" else max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
@@ -461,8 +448,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
         num_warps=config["num_warps"], num_stages=config["num_stages"], LATE_RELEASE=DECODE_LATE_RELEASE,
-        ROTARY=rotary is not None, PAGES_EARLY=pages_early,
-        KV_EARLY=pages_early and DECODE_KV_EARLY and rotary is not None, **pdl_args())
+        ROTARY=rotary is not None, PAGES_EARLY=DECODE_PAGES_EARLY and kind != 1, **pdl_args())
     return out
 
 
