@@ -383,10 +383,12 @@ DECODE_LATE_RELEASE = os.environ.get("DFLASH2_DECODE_RELEASE", "1") != "0"
 # On a float cache without q/k norms, decode rows skip the rotary + KV-write kernel: decode attention rotates q
 # and the step's k and writes k and v itself (_decode_split_kernel's ROTARY; DFLASH2_DECODE_ROTARY=0 turns it
 # off); prefill rows keep the kernel. And the first KV tile's page-table entries are read before the PDL wait
-# (PAGES_EARLY; DFLASH2_DECODE_PAGES_EARLY=0 off). W2 int4 on the H200 (with DFLASH2_STEP_EDGES, fifteenth
-# session): 554.9 tok/s with neither, 542.0 with the rotary alone (its KV loop then starts a page lookup later),
-# 553.4 with the pages alone, 562.9 / 562.6 / 563.7 with both; bf16 232.8 -> 236.2 / 238.6. Also the first KV tile
-# itself before the wait (the loop reads only settled positions then) measured slower: 559.5 / 560.6.
+# (PAGES_EARLY, only where rows are split, so KV loops are short; DFLASH2_DECODE_PAGES_EARLY=0 off). On the H200,
+# fifteenth session: W2 int4 (with DFLASH2_STEP_EDGES) 554.9 tok/s with neither, 542.0 with the rotary alone (its
+# KV loop then starts a page lookup later), 553.4 with the pages alone, 562.9 / 562.6 / 563.7 with both; bf16
+# 232.8 -> 236.2 / 238.6. The first KV tile itself before the wait (the loop reads only settled positions then)
+# measured slower: 559.5 / 560.6. W1 (one split, long loops) lost 10% with the pages early there too: 28.0k and
+# 28.1k out tok/s against 31.1k and 31.3k.
 DECODE_ROTARY = os.environ.get("DFLASH2_DECODE_ROTARY", "1") != "0"
 DECODE_PAGES_EARLY = os.environ.get("DFLASH2_DECODE_PAGES_EARLY", "1") != "0"
 
@@ -448,7 +450,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
         num_warps=config["num_warps"], num_stages=config["num_stages"], LATE_RELEASE=DECODE_LATE_RELEASE,
-        ROTARY=rotary is not None, PAGES_EARLY=DECODE_PAGES_EARLY and kind != 1, **pdl_args())
+        ROTARY=rotary is not None, PAGES_EARLY=DECODE_PAGES_EARLY and kind != 1 and num_splits > 1, **pdl_args())
     return out
 
 
