@@ -113,15 +113,16 @@ def _tile_scores(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, toke
         k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
         stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
         stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-    return _scores_of(q, k, v, k_scale, v_scale, scale, KIND, PRECISION)
+    return _scores(q, k, k_scale, scale, KIND, PRECISION), v, v_scale
 
 
 @triton.jit
-def _scores_of(q, k, v, k_scale, v_scale, scale, KIND: tl.constexpr, PRECISION: tl.constexpr):
+def _scores(q, k, k_scale, scale, KIND: tl.constexpr, PRECISION: tl.constexpr):
+    """q K^T * scale for a loaded tile, its K scales folded in."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     if KIND != 0:
         s = s * k_scale[None, :]
-    return s * scale, v, v_scale
+    return s * scale
 
 
 @triton.jit
@@ -205,12 +206,11 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
         first_half = d < HALF
         q = _rotated_rows(q, tl.load(q_ptr + q_offs + ((d + HALF) % HEAD_DIM)[None, :], mask=head_mask[:, None],
                                      other=0.0), cos[None, :], sin[None, :], first_half[None, :])
+        new_mask = holds_new & (d < HEAD_DIM)  # the split's flag over the row
         k_offs = b * stride_knt + kv_head * stride_knh
-        k_new = tl.load(k_new_ptr + k_offs + d, mask=holds_new & (d < HEAD_DIM), other=0.0)
-        k_new_swapped = tl.load(k_new_ptr + k_offs + (d + HALF) % HEAD_DIM, mask=holds_new & (d < HEAD_DIM),
-                                other=0.0)
-        v_new = tl.load(v_new_ptr + b * stride_vnt + kv_head * stride_vnh + d, mask=holds_new & (d < HEAD_DIM),
-                        other=0.0)
+        k_new = tl.load(k_new_ptr + k_offs + d, mask=new_mask, other=0.0)
+        k_new_swapped = tl.load(k_new_ptr + k_offs + (d + HALF) % HEAD_DIM, mask=new_mask, other=0.0)
+        v_new = tl.load(v_new_ptr + b * stride_vnt + kv_head * stride_vnh + d, mask=new_mask, other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -229,28 +229,20 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
             q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
             stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION)
-    elif PAGES_EARLY:  # each tile's pages looked up one tile ahead, the first ones before the wait
-        for n0 in range(start, loop_end, BLOCK_N):
-            tokens = n0 + tl.arange(0, BLOCK_N)
-            token_mask = tokens < loop_end
-            k, v, k_scale, v_scale = _load_kv_tile_at(
-                pages, k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
-                stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-                stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-            next_tokens = tokens + BLOCK_N
-            pages = _tile_pages(page_table, slot, next_tokens, next_tokens < loop_end, stride_pt, tokens_per_page)
-            s, v, v_scale = _scores_of(q, k, v, k_scale, v_scale, scale, KIND, PRECISION)
-            s = tl.where(token_mask[None, :], s, float("-inf"))
-            m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, False)
     else:
         for n0 in range(start, loop_end, BLOCK_N):
             tokens = n0 + tl.arange(0, BLOCK_N)
             token_mask = tokens < loop_end
-            s, v, v_scale = _tile_scores(
-                q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+            if not PAGES_EARLY:  # else looked up with the tile before (the first ones before the wait)
+                pages = _tile_pages(page_table, slot, tokens, token_mask, stride_pt, tokens_per_page)
+            k, v, k_scale, v_scale = _load_kv_tile_at(
+                pages, k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
                 stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-                stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
-            s = tl.where(token_mask[None, :], s, float("-inf"))
+                stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+            if PAGES_EARLY:
+                pages = _tile_pages(page_table, slot, tokens + BLOCK_N, tokens + BLOCK_N < loop_end, stride_pt,
+                                    tokens_per_page)
+            s = tl.where(token_mask[None, :], _scores(q, k, k_scale, scale, KIND, PRECISION), float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, False)
     if ROTARY:
         if holds_new:  # the step's token, from registers: rotated k and v into the cache, one softmax column
@@ -372,6 +364,9 @@ def _precision(q: torch.Tensor) -> str:
 # which balance batches of mixed lengths better but add a merge (in the last split's program). W1 (256 rows x
 # 8 KV heads) runs one split at any value up to 8.
 DECODE_WAVES = int(os.environ.get("DFLASH2_DECODE_WAVES", "2"))
+# DFLASH2_DECODE_SPLITS: a fixed split count instead, for measuring. W2 int4 at one row: 16 splits (the waves'
+# count) 562.9 tok/s, 8 537.0, 4 522.4 (fifteenth session)
+DECODE_SPLITS = int(os.environ.get("DFLASH2_DECODE_SPLITS", "0"))
 # Decode attention lets the next kernel launch only once its partial is stored (_decode_split_kernel's
 # LATE_RELEASE; DFLASH2_DECODE_RELEASE=0: right after its wait, as every other kernel does). The next kernel (at
 # batch 1 the int4 o_proj GEMV) requests its weights as it starts, megabytes that queue ahead of the attention's
@@ -397,15 +392,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: 
     """Enough splits that batch * kv_heads * splits fills the GPU DECODE_WAVES times: a power of two, at most
     32, and at most MERGE_TILE / group (the last split merges [group, splits, head_dim] in registers). Each
     value is a separately compiled kernel, so only six exist; graph capture compiles them all."""
-    wanted = triton.cdiv(DECODE_WAVES * num_sms, max(1, batch * num_kv_heads))
-    if DECODE_SPLITS:
-        wanted = DECODE_SPLITS
+    wanted = DECODE_SPLITS or triton.cdiv(DECODE_WAVES * num_sms, max(1, batch * num_kv_heads))
     return min(32, max(1, MERGE_TILE // triton.next_power_of_2(group)), triton.next_power_of_2(wanted))
-
-
-# a fixed split count, for measuring (0: by DECODE_WAVES). W2 int4 at one row: 16 splits (the waves' count) 562.9
-# tok/s, 8 537.0, 4 522.4 (fifteenth session)
-DECODE_SPLITS = int(os.environ.get("DFLASH2_DECODE_SPLITS", "0"))
 
 
 MERGE_TILE = 64  # heads x splits the merging program holds at once (x head_dim fp32 values over its threads)

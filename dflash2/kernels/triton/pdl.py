@@ -17,7 +17,8 @@ the step writes, or that only a kernel two or more launches back writes (the wai
 a kernel starts only once the one before its predecessor has completed): the int4 GEMV requests its first
 weights there (int4_gemv.EARLY_LOADS), the fused residual add its tile of the residual stream (int4_gemv's
 out_settled), the KV-write kernels their host-written indices and the rotary tables (kv_write.py), and decode
-attention its lengths and slots. A kernel may let the next one launch later than right after its wait
+attention its lengths and slots, the rotary tables and the new token's page (DECODE_ROTARY) and its first KV
+tile's pages (DECODE_PAGES_EARLY). A kernel may let the next one launch later than right after its wait
 (pdl_wait, then pdl_release): decode attention does, after its partial is stored
 (attention.DECODE_LATE_RELEASE), so that the next GEMV's early weight loads do not queue ahead of its own few
 latency-bound ones.
