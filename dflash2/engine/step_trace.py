@@ -3,6 +3,9 @@
 Off unless DFLASH2_STEP_TRACE names a file (appended to). Each line, written when the step's results are in:
 
     t_ms            when the step was planned, from the trace's start (monotonic clock)
+    mono_s, done_mono_s
+                    when the step was planned and when its results were in, as time.monotonic() (the host-wide
+                    clock the server's request log uses: benchmarks/w3_urgent_waits.py joins the two)
     plan_ms, launch_ms, finish_ms
                     host time: Scheduler.plan(), building inputs and launching, collecting and committing
     device_ms       CUDA only: the step's time on the device, from events recorded around its launch (an event
@@ -13,6 +16,8 @@ Off unless DFLASH2_STEP_TRACE names a file (appended to). Each line, written whe
     top_priority    the highest priority among the step's requests
     first_token_priority
                     the highest priority among requests whose first token this step samples (null: none)
+    sampling_prefills
+                    the request ids of the prefill chunks that sample (a prompt's last chunk)
 
 The records cost a few dict entries and two events a step; the only wait is on the end event, once the step's
 own results are in (so it has been reached, or is within microseconds).
@@ -47,19 +52,23 @@ class StepTrace:
         """The step's shape, before its launch (which starts the device clock); the priorities as
         Engine._step_priorities found them."""
         decodes = prefill_chunks = prefill_tokens = 0
+        sampling_prefills = []
         for chunk in plan.chunks:
             if chunk.is_decode:
                 decodes += 1
             else:
                 prefill_chunks += 1
                 prefill_tokens += chunk.num_tokens
+                if chunk.sample:
+                    sampling_prefills.append(chunk.request_id)
+        planned = time.monotonic() - plan_seconds
         record: dict[str, Any] = {
-            "t_ms": round((time.monotonic() - self.started - plan_seconds) * 1e3, 3),
+            "t_ms": round((planned - self.started) * 1e3, 3), "mono_s": round(planned, 6),
             "plan_ms": round(plan_seconds * 1e3, 3), "launch_ms": None, "finish_ms": None, "device_ms": None,
             "decodes": decodes, "prefill_chunks": prefill_chunks, "prefill_tokens": prefill_tokens,
             "swap_out_pages": len(plan.swap_out), "swap_in_pages": len(plan.swap_in),
             "preempted": len(plan.preempted), "top_priority": top_priority,
-            "first_token_priority": first_token_priority}
+            "first_token_priority": first_token_priority, "sampling_prefills": sampling_prefills}
         if self.cuda:
             record["_events"] = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             record["_events"][0].record()
@@ -73,6 +82,7 @@ class StepTrace:
     def finished(self, record: dict[str, Any], finish_seconds: float) -> None:
         """Write the line, once the step's results are in."""
         record["finish_ms"] = round(finish_seconds * 1e3, 3)
+        record["done_mono_s"] = round(time.monotonic(), 6)
         events = record.pop("_events", None)
         if events is not None:
             events[1].synchronize()  # recorded just after the step's own end event: reached by now, or within us

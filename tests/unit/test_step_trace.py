@@ -36,6 +36,11 @@ def test_step_trace_records_every_step_of_a_preempting_run(tiny_llama, tmp_path,
     assert all(r["device_ms"] is None for r in records)  # CPU: no device clock
     assert all(r[key] >= 0 for r in records for key in ("plan_ms", "launch_ms", "finish_ms"))
     assert [r["t_ms"] for r in records] == sorted(r["t_ms"] for r in records)
+    # each prompt's last chunk samples once (nothing recomputed), named by its request id
+    sampled = [request_id for r in records for request_id in r["sampling_prefills"]]
+    assert len(sampled) == len(set(sampled)) == len(low) + len(high)
+    assert all(r["mono_s"] <= r["done_mono_s"] for r in records)
+    assert [r["mono_s"] for r in records] == sorted(r["mono_s"] for r in records)
 
 
 def test_no_trace_without_the_variable(tiny_llama, monkeypatch):
@@ -60,3 +65,23 @@ def test_the_report_groups_steps_by_kind():
     assert report["all"]["device_ms"] == {"p50": 4.0, "p99": 7.92, "max": 8.0}
     assert report["all"]["gap_ms"] == {"p50": 3.5, "p99": 5.46, "max": 5.5}  # 3 - 0 - 1.5, 10 - 3 - 1.5; last: none
     assert report["urgent_first_token"]["launch_ms"] == {"p50": 1.0, "p99": 1.0, "max": 1.0}
+
+
+def test_urgent_waits_splits_a_first_token_wait_at_its_step():
+    from benchmarks.w3_urgent_waits import urgent_waits
+
+    def step(planned, done, ids=(), prefill=0):
+        return {"mono_s": planned, "done_mono_s": done, "plan_ms": 0.2, "launch_ms": 0.3, "finish_ms": 0.1,
+                "device_ms": None, "decodes": 4, "prefill_tokens": prefill, "swap_out_pages": 0, "swap_in_pages": 0,
+                "sampling_prefills": list(ids)}
+
+    steps = [step(9.990, 9.995), step(9.998, 10.003, prefill=512), step(10.0032, 10.0055, ids=["u"], prefill=256)]
+    requests = [{"request_id": "u", "priority": 1000, "ttft_ms": 6.0, "received_monotonic": 9.9995, "http_in_ms": 0.5},
+                {"request_id": "b", "priority": 0, "ttft_ms": 9.0, "received_monotonic": 9.9995, "http_in_ms": 0.5}]
+    report = urgent_waits(requests, steps, priority=1000)
+    assert report["requests"] == 1
+    slowest = report["slowest"][0]
+    assert {k: slowest[k] for k in ("to_plan_ms", "launch_ms", "to_done_ms", "deliver_ms", "steps_ahead")} == {
+        "to_plan_ms": 3.2, "launch_ms": 0.5, "to_done_ms": 1.7, "deliver_ms": 0.6, "steps_ahead": 1}
+    assert [s["prefill_tokens"] for s in slowest["steps"]] == [512, 256] and slowest["steps"][1]["own"]
+    assert report["steps_ahead_by_kind"] == {"with_prefill": 1}

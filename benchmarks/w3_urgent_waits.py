@@ -1,0 +1,100 @@
+"""What each urgent request of a W3 run waited behind: the server's request log joined with the step trace
+(both keep time.monotonic(), the host-wide clock), for the overload phase (JSON out).
+
+    DFLASH2_STEP_TRACE=$OUT/steps.jsonl W3_RUNS=poisson bash benchmarks/gpu_w3.sh
+    python3 benchmarks/w3_urgent_waits.py $OUT/w3_server_poisson/stdout.log $OUT/steps.jsonl [--priority 1000]
+
+For each request of the class, from its arrival in the engine (`submitted`) to its first token:
+    to_plan_ms     submitted -> its own step planned (the host finishing what it was doing when it arrived)
+    launch_ms      its step's plan and launch (host)
+    to_done_ms     launched -> the step's results in on the host (the device: the steps ahead of it, then its own)
+    deliver_ms     results in -> the first token out of the engine (commit, and the engine loop's hand-off)
+and what was in flight when it arrived: the steps planned before it arrived whose results were not in yet.
+Prints p50 / p90 / p99 of each part, and the slowest requests with their steps.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.w3_request_log import phases, read_log  # noqa: E402
+
+PARTS = ("ttft_ms", "to_plan_ms", "launch_ms", "to_done_ms", "deliver_ms", "steps_ahead")
+STEP_FIELDS = ("decodes", "prefill_tokens", "swap_out_pages", "swap_in_pages", "device_ms", "plan_ms", "launch_ms",
+               "finish_ms")
+
+
+def _ms(seconds: float) -> float:
+    return round(1e3 * seconds, 3)
+
+
+def _step_view(step: dict[str, Any], origin: float) -> dict[str, Any]:
+    return {"planned_ms": _ms(step["mono_s"] - origin), **{k: step.get(k) for k in STEP_FIELDS}}
+
+
+def urgent_waits(requests: list[dict[str, Any]], steps: list[dict[str, Any]], priority: int,
+                 slowest: int = 8) -> dict[str, Any]:
+    """The parts above for every request of `priority` found in the trace (requests: one phase of the log)."""
+    steps = sorted((s for s in steps if s.get("done_mono_s") is not None), key=lambda s: s["mono_s"])
+    planned = [s["mono_s"] for s in steps]
+    sampled_by = {rid: s for s in steps for rid in s.get("sampling_prefills", [])}
+    rows = []
+    for request in requests:
+        own = sampled_by.get(request["request_id"])
+        if request.get("priority") != priority or own is None or request.get("ttft_ms") is None:
+            continue
+        submitted = request["received_monotonic"] + (request.get("http_in_ms") or 0.0) / 1e3
+        launched = own["mono_s"] + (own["plan_ms"] + own["launch_ms"]) / 1e3
+        # steps planned before it arrived (the latest few suffice) whose results were not in when it did
+        first = bisect.bisect_right(planned, submitted)
+        ahead = [s for s in steps[max(0, first - 4):first] if s["done_mono_s"] > submitted]
+        rows.append({
+            "request_id": request["request_id"], "ttft_ms": request["ttft_ms"],
+            "to_plan_ms": _ms(own["mono_s"] - submitted), "launch_ms": round(own["plan_ms"] + own["launch_ms"], 3),
+            "to_done_ms": _ms(own["done_mono_s"] - own["finish_ms"] / 1e3 - launched),
+            "deliver_ms": round(request["ttft_ms"] - _ms(own["done_mono_s"] - own["finish_ms"] / 1e3 - submitted), 3),
+            "steps_ahead": len(ahead),
+            "_steps": [_step_view(s, submitted) for s in ahead] + [{"own": True, **_step_view(own, submitted)}]})
+    if not rows:
+        return {"requests": 0}
+    report: dict[str, Any] = {"requests": len(rows)}
+    for part in PARTS:
+        values = np.array([r[part] for r in rows], dtype=float)
+        report[part] = {q: round(float(np.percentile(values, int(q[1:]))), 3) for q in ("p50", "p90", "p99")}
+    ahead_kinds: dict[str, int] = {}
+    for row in rows:
+        for step in row["_steps"][:-1]:
+            kind = "decode_only" if not step["prefill_tokens"] else "with_prefill"
+            if step["swap_out_pages"] or step["swap_in_pages"]:
+                kind += "+swaps"
+            ahead_kinds[kind] = ahead_kinds.get(kind, 0) + 1
+    report["steps_ahead_by_kind"] = ahead_kinds
+    report["slowest"] = [{**{k: v for k, v in r.items() if k != "_steps"}, "steps": r["_steps"]}
+                         for r in sorted(rows, key=lambda r: -r["ttft_ms"])[:slowest]]
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("request_log")
+    parser.add_argument("trace")
+    parser.add_argument("--priority", type=int, default=1000)
+    parser.add_argument("--gap-s", type=float, default=1.0, help="a pause this long between arrivals ends a phase")
+    parser.add_argument("--slowest", type=int, default=8)
+    args = parser.parse_args()
+    with open(args.trace) as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    overload = max(phases(read_log(args.request_log), args.gap_s), key=len)
+    print(json.dumps(urgent_waits(overload, steps, args.priority, args.slowest), indent=1))
+
+
+if __name__ == "__main__":
+    main()
