@@ -117,6 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            "share of the rate (per-class, as separate services would), or all from one process "
                            "(one: its event loop reads every bulk stream too, and its queueing adds to the "
                            "urgent TTFT it measures)")
+    load.add_argument("--scrape-interval-s", type=float, default=1.0,
+                      help="overload: seconds between /metrics scrapes, by this script (queue gauges) and the "
+                           "least urgent client (GPU gauges); 0: none (a scrape makes the engine render its "
+                           "metrics between two steps)")
     p.add_argument("--output", default=None, help="write the JSON report here (also printed)")
     return p.parse_args(argv)
 
@@ -150,8 +154,9 @@ def server_threads(args: argparse.Namespace) -> int | None:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
-async def sample_gauges(url: str, peaks: dict[str, float], means: dict[str, list[float]]) -> None:
-    """Every second: the queue gauges' peaks and samples (until cancelled)."""
+async def sample_gauges(url: str, peaks: dict[str, float], means: dict[str, list[float]],
+                        interval_s: float = 1.0) -> None:
+    """Every interval_s: the queue gauges' peaks and samples (until cancelled)."""
     while True:
         try:
             values = await asyncio.to_thread(scrape, url)
@@ -161,7 +166,7 @@ async def sample_gauges(url: str, peaks: dict[str, float], means: dict[str, list
             if name in values:
                 peaks[name] = max(peaks.get(name, 0.0), values[name])
                 means.setdefault(name, []).append(values[name])
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(interval_s)
 
 
 # -- the workload ----------------------------------------------------------------------------------
@@ -188,17 +193,21 @@ def class_stats(results: list[RequestResult]) -> dict[str, Any]:
             "latency_p50_ms": percentile_ms(e2e, 50), "latency_p99_ms": percentile_ms(e2e, 99)}
 
 
-async def overload(config: LoadConfig, items: list[BenchItem], per_class: bool) -> tuple[Any, dict, dict]:
+async def overload(config: LoadConfig, items: list[BenchItem], per_class: bool,
+                   scrape_interval_s: float = 1.0) -> tuple[Any, dict, dict]:
     peaks: dict[str, float] = {}
     samples: dict[str, list[float]] = {}
-    sampler = asyncio.create_task(sample_gauges(config.url, peaks, samples))
+    sampler = (asyncio.create_task(sample_gauges(config.url, peaks, samples, scrape_interval_s))
+               if scrape_interval_s > 0 else None)
+    config = replace(config, scrape_metrics=scrape_interval_s > 0, scrape_interval_s=max(scrape_interval_s, 0.1))
     try:
         if per_class and config.request_rate != float("inf"):
             load = await asyncio.to_thread(run_per_priority, config, items)
         else:
             load = await run_load(config, items)
     finally:
-        sampler.cancel()
+        if sampler is not None:
+            sampler.cancel()
     return load, peaks, {k: round(float(np.mean(v)), 3) for k, v in samples.items()}
 
 
@@ -258,7 +267,8 @@ def run(args: argparse.Namespace, url: str) -> Phases:
     print(f"overload: {num_prompts} requests, {describe_arrivals(load_config, args.client_processes)}; capacity ~{capacity:.2f} req/s, "
           f"server max_num_seqs {args.max_num_seqs}", flush=True)
     phases.load, phases.peaks, phases.means = run_async(overload(load_config, items,
-                                                                  args.client_processes == "per-class"))
+                                                                  args.client_processes == "per-class",
+                                                                  args.scrape_interval_s))
     phases.snapshots.append(scrape(url))
     phases.marks.append(time.time())
     return phases

@@ -39,7 +39,8 @@ class LoadConfig:
     seed: int = 0
     progress: bool = True
     transport: str = "auto"  # "raw" (lean asyncio HTTP/1.1, http:// only), "httpx"; auto: raw for http://
-    scrape_metrics: bool = True  # sample the server's GPU gauges once a second while the load runs
+    scrape_metrics: bool = True  # sample the server's GPU gauges while the load runs
+    scrape_interval_s: float = _SCRAPE_INTERVAL_S  # ... this often
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "raw", "httpx"):
@@ -87,7 +88,7 @@ async def run_load(config: LoadConfig, items: list[BenchItem]) -> LoadResult:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=config.concurrency + 1, max_keepalive_connections=config.concurrency + 1)
     async with httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits) as client:
-        scraper = _Scraper(client, config.url)
+        scraper = _Scraper(client, config.url, config.scrape_interval_s)
         scrape_task = asyncio.create_task(scraper.run()) if config.scrape_metrics else None
         started = time.perf_counter()
         try:
@@ -116,7 +117,7 @@ def run_in_processes(jobs: list[tuple[LoadConfig, list[BenchItem]]], start_in_s:
 def run_per_priority(config: LoadConfig, items: list[BenchItem]) -> LoadResult:
     """config's load (Poisson arrivals) split by priority, each priority from its own client process at its
     share of the rate: independent Poisson streams that add up to arrivals at config.request_rate of the same
-    requests. Only the least urgent client scrapes /metrics."""
+    requests. Only the least urgent client scrapes /metrics (if config.scrape_metrics)."""
     if config.num_prompts is None or config.request_rate == float("inf"):
         raise ValueError("a load split by priority needs --num-prompts and a --request-rate")
     sequence = [items[i % len(items)] for i in range(config.num_prompts)]
@@ -126,7 +127,8 @@ def run_per_priority(config: LoadConfig, items: list[BenchItem]) -> LoadResult:
         mine = [item for item in sequence if item.priority == priority]
         jobs.append((replace(config, num_prompts=len(mine), concurrency=len(mine), seed=config.seed + priority,
                              request_rate=config.request_rate * len(mine) / len(sequence),
-                             scrape_metrics=priority == priorities[0], progress=False), mine))
+                             scrape_metrics=config.scrape_metrics and priority == priorities[0], progress=False),
+                     mine))
     loads = run_in_processes(jobs)
     return LoadResult([r for load in loads for r in load.results], max(load.duration_s for load in loads),
                       loads[0].gpu_utilization_samples, loads[0].gpu_memory_samples)
@@ -185,10 +187,11 @@ async def _drive(client: Any, config: LoadConfig, items: list[BenchItem],
 
 
 class _Scraper:
-    """Samples the server's GPU gauges once a second; leaves the lists empty when it has none (CPU)."""
+    """Samples the server's GPU gauges every interval_s; leaves the lists empty when it has none (CPU)."""
 
-    def __init__(self, client: Any, url: str) -> None:
+    def __init__(self, client: Any, url: str, interval_s: float = _SCRAPE_INTERVAL_S) -> None:
         self.client = client
+        self.interval_s = interval_s
         self.url = url.rstrip("/") + "/metrics"
         self.gpu_utilization: list[float] = []
         self.gpu_memory: list[float] = []
@@ -196,7 +199,7 @@ class _Scraper:
     async def run(self) -> None:
         while True:
             await self.scrape()
-            await asyncio.sleep(_SCRAPE_INTERVAL_S)
+            await asyncio.sleep(self.interval_s)
 
     async def scrape(self) -> None:
         from prometheus_client.parser import text_string_to_metric_families
