@@ -248,6 +248,32 @@ def test_metrics_are_labelled_and_count_requests(real_server, client):
     assert real_server.metric("dflash2_request_success_total", model_name=MODEL, finished_reason="length") >= 1
 
 
+def test_scrapes_while_requests_stream_answer_whole_and_leave_the_output_unchanged(real_server, client, bundled_llm):
+    """The engine process renders each scrape on a thread of its own: the replies are whole expositions whose
+    token counter only grows, and the streams beside them produce the offline API's greedy text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def stream() -> str:
+        chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        return "".join(chunk.choices[0].text for chunk in chunks)
+
+    def generated(text: str) -> float:
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == "dflash2_generation_tokens_total")
+
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream) for _ in range(3)]
+        counts = []
+        while not all(f.done() for f in streams) or len(counts) < 3:
+            counts.append(generated(httpx.get(real_server.url + "/metrics", timeout=30).text))
+        texts = [f.result() for f in streams]
+    assert counts == sorted(counts) and counts[0] > 0
+    assert texts == [offline_text(bundled_llm, PROMPT, 24)] * 3
+
+
 def test_client_disconnect_aborts_and_frees_pages(real_server):
     used_before = real_server.wait_for_metric("dflash2_kv_cache_used_pages", lambda v: v == 0, model_name=MODEL)
     aborts_before = real_server.metric("dflash2_request_success_total", model_name=MODEL, finished_reason="abort")
