@@ -297,3 +297,85 @@ def test_gpu_gauges_are_read_on_their_own_thread_not_the_engine_loop(monkeypatch
     text = metrics.render().decode()
     assert 'dflash2_gpu_memory_utilization{model_name="fake"} 0.25' in text
     assert 'dflash2_gpu_utilization_perc{model_name="fake"} 40.0' in text
+
+
+class _NotDone:
+    """A step's done event the device never reaches (reached after 10 s, so that a failing test ends)."""
+
+    def __init__(self) -> None:
+        self.deadline = time.monotonic() + 10.0
+
+    def query(self) -> bool:
+        return time.monotonic() > self.deadline
+
+
+class WaitingEngine(FakeEngine):
+    """Its first step waits as Engine.step does for a step whose urgent (1000) first token it delivers at once,
+    on a step that never ends; the priorities the loop's arrivals hook reported are kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrivals = None  # set by the loop
+        self.tops: list[float] = []
+        self.waited: bool | None = None
+        self.waiting = threading.Event()  # set as the first step starts to wait
+
+    def step(self) -> list[RequestOutput]:
+        from dflash2.engine.engine import wait_unless_arrivals
+
+        if self.waited is None:
+            def arrivals(timeout_s: float):
+                top = self.arrivals(timeout_s)
+                if top is not None:
+                    self.tops.append(top)
+                return top
+            self.waiting.set()
+            self.waited = wait_unless_arrivals(_NotDone(), arrivals, 1000)
+        return super().step()
+
+
+def test_only_an_arrival_as_urgent_ends_the_wait_for_an_urgent_first_token():
+    engine = WaitingEngine()
+
+    async def scenario(loop):
+        thread, _ = start(engine, loop)
+        params = SamplingParams(max_tokens=40)
+        await thread.submit("u1", {"prompt_token_ids": [1]}, params, 1000, asyncio.Queue())
+        while not engine.waiting.is_set():
+            await asyncio.sleep(0.01)
+        # taken in while the first step waits (submit returns once the loop took the request)
+        await thread.submit("b", {"prompt_token_ids": [2]}, params, 0, asyncio.Queue())
+        assert engine.waited is None and engine.tops == [0]
+        await thread.submit("u2", {"prompt_token_ids": [3]}, params, 1000, asyncio.Queue())
+        while engine.waited is None:
+            await asyncio.sleep(0.01)
+        thread.stop()
+
+    run(scenario)
+    assert engine.tops == [0, 1000] and engine.waited is False
+    assert engine.pool.num_used == 0  # stop aborted all three
+
+
+def test_a_stop_ends_the_wait_and_the_loop():
+    engine = WaitingEngine()
+
+    async def scenario(loop):
+        thread, _ = start(engine, loop)
+        await thread.submit("u1", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=40), 1000, asyncio.Queue())
+        while not engine.waiting.is_set():
+            await asyncio.sleep(0.01)
+        thread.stop()
+        return thread
+
+    thread = run(scenario)
+    assert engine.tops == [float("inf")] and engine.waited is False
+    assert not thread._thread.is_alive()
+
+
+def test_wait_unless_arrivals_without_an_event_or_a_hook_returns_at_once():
+    from dflash2.engine.engine import wait_unless_arrivals
+
+    assert wait_unless_arrivals(None, lambda timeout_s: 1000, 1000)  # the CPU: nothing to wait on
+    assert wait_unless_arrivals(_NotDone(), None, 1000)  # no hook: the caller synchronizes
+    done = SimpleNamespace(query=lambda: True)
+    assert wait_unless_arrivals(done, lambda timeout_s: None, 1000)
