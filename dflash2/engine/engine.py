@@ -14,9 +14,7 @@ Overlapped (the default on GPU): step N+1 is planned and launched before step N 
 A step that samples the first token of a request that outranks a running request, and that no request in the
 step outranks, is committed in the same call, right after its launch, so that token is not held back for the
 next step's launch (the next step then starts from an idle device; same-priority batches never take this path,
-nor does a less urgent first token while a more urgent request runs: the device would idle for it). While it
-waits for that step, a server takes in arrivals (`Engine.arrivals`); one as urgent ends the wait, and the next
-step() plans it and launches before committing the waiting step, as any overlapped step.
+nor does a less urgent first token while a more urgent request runs: the device would idle for it).
 
 Step N's sampled tokens are not known on the host when N+1 is planned, so each request gets a
 placeholder token (resolved on the device from the runner's future-token buffer, and on the host at
@@ -28,7 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,22 +86,6 @@ class EngineConfig:
             raise ValueError(f"overlap_max_step_tokens must be >= 1, got {self.overlap_max_step_tokens}")
 
 
-ARRIVAL_POLL_S = 1e-4  # how long Engine.arrivals waits for a command at a time while an urgent step runs
-
-
-def wait_unless_arrivals(done: Any, arrivals: Callable[[float], float | None] | None, priority: int) -> bool:
-    """Wait for `done` (a step's CUDA event; None: results are ready at collect, the CPU) while taking in
-    arrivals; True once it is reached (or there is nothing to wait on here), False as soon as a request of at
-    least `priority` arrives first."""
-    if done is None or arrivals is None:
-        return True
-    while not done.query():
-        top = arrivals(ARRIVAL_POLL_S)
-        if top is not None and top >= priority:
-            return False
-    return True
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -151,12 +133,6 @@ class Engine:
         # where the latest step's host time went (server metrics read them): Scheduler.plan(), building inputs
         # and launching the kernels, and waiting for a step's results (the device) and committing them
         self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
-        # A server's hook (EngineLoop._arrivals): while step() waits for a step whose urgent first token it
-        # delivers at once, arrivals(timeout_s) takes in the requests that came (waiting up to timeout_s for one)
-        # and returns the highest priority among them (None: none came). One as urgent as that token ends the
-        # wait: the step stays in flight, and the next step(), with the newcomer planned, launches before
-        # collecting it (overlapped), instead of planning it only once the device is done.
-        self.arrivals: Callable[[float], float | None] | None = None
         logger.info("model %s: %d layers, KV %s, %d pages of %d tokens (%d tokens), max_model_len %d",
                     self.model.name, self.model.arch.num_layers, layout.dtype, num_pages, layout.tokens_per_page,
                     num_pages * layout.tokens_per_page, self.max_model_len)
@@ -234,10 +210,8 @@ class Engine:
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
         self._in_flight = launched
-        # deliver an urgent first token now rather than after the next step's launch (an eager step's host time):
-        # the device idles for one launch, only here, unless a request as urgent arrives meanwhile
-        if urgent_first_token and wait_unless_arrivals(launched[1].done, self.arrivals, first_token_top):
-            outputs += self._finish_in_flight()
+        if urgent_first_token:  # deliver it now rather than after the next step's launch (an eager step's
+            outputs += self._finish_in_flight()  # host time): the device idles for one launch, only here
         return outputs
 
     def _commit_alone(self, plan: StepPlan) -> bool:

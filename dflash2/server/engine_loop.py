@@ -96,8 +96,6 @@ class EngineLoop:
         self._tracked: dict[str, Tracked] = {}
         self.engine: Any = None
         self.observer: RequestObserver | None = None
-        self._stopping = False  # a Stop came while the engine waited for an urgent first token (_arrivals)
-        self._arrived_top: int | None = None  # the highest priority among requests _add accepted since reset
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -108,11 +106,10 @@ class EngineLoop:
             self.on_load_failed(e)
             return
         frozen, thresholds = settle_collector()
-        self.engine.arrivals = self._arrivals  # (an Engine; a test's stand-in may have no such hook)
         self.on_loaded()
         logger.info("engine ready: model %s (%d objects left out of garbage collection, thresholds %s)",
                     self.engine.model.name, frozen, thresholds)
-        while not self._stopping:
+        while True:
             if not self._drain_commands(block=not self.engine.has_unfinished()):
                 break
             if self.engine.has_unfinished():
@@ -123,22 +120,7 @@ class EngineLoop:
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply every queued command; False once told to stop."""
-        return self._apply_commands(self.receive(IDLE_WAIT_S if block else 0.0))
-
-    def _arrivals(self, timeout_s: float) -> float | None:
-        """Engine.arrivals, while the engine waits for a step whose urgent first token it delivers at once: take
-        in the commands that come within timeout_s and return the highest priority among the requests they
-        added (None: none; infinity once told to stop, so that the engine returns to this loop)."""
-        if self._stopping:
-            return float("inf")
-        self._arrived_top = None
-        if not self._apply_commands(self.receive(timeout_s)):
-            self._stopping = True
-            return float("inf")
-        return self._arrived_top
-
-    def _apply_commands(self, command: Any) -> bool:
-        """Apply `command` and every one queued after it; False once told to stop."""
+        command = self.receive(block)
         while command is not None:
             if isinstance(command, Stop):
                 return False
@@ -148,12 +130,11 @@ class EngineLoop:
                 self._abort(command.request_id)
             else:
                 self.apply(command)
-            command = self.receive(0.0)
+            command = self.receive(False)
         return True
 
-    def receive(self, timeout_s: float) -> Any:
-        """The next command, or None if none comes within timeout_s (0: only one already there): the
-        transport's."""
+    def receive(self, block: bool) -> Any:
+        """The next command, or None if there is none (block: wait up to IDLE_WAIT_S for one): the transport's."""
         raise NotImplementedError
 
     def _add(self, command: Submit) -> None:
@@ -170,8 +151,6 @@ class EngineLoop:
         except ValueError as e:
             self.settle(command, e)
             return
-        if self._arrived_top is None or request.priority > self._arrived_top:
-            self._arrived_top = request.priority
         self._tracked[command.request_id] = Tracked(request, command.outputs, command.submitted_at, command.priority,
                                                     timing=command.timing)
         self.settle(command, None)

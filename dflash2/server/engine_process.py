@@ -45,7 +45,7 @@ from typing import Any
 
 from dflash2.request import CompletionOutput, RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import (RETRY_AFTER_RANGE_S, Abort, EngineError, EngineInfo,
+from dflash2.server.engine_loop import (IDLE_WAIT_S, RETRY_AFTER_RANGE_S, Abort, EngineError, EngineInfo,
                                         EngineLoop, QueueFull, Stop, Submit)
 from dflash2.server.observer import ObserverConfig, StreamTiming, Tracked
 
@@ -353,12 +353,12 @@ class _ProcessLoop(EngineLoop):
         self._send_lock = threading.Lock()  # frames whole on the results pipe: the loop and the metrics renderer
         self._renders: queue.SimpleQueue | None = None
 
-    def receive(self, timeout_s: float) -> Any:
+    def receive(self, block: bool) -> Any:
         """The next command straight from the pipe, on the loop's own thread: a reader thread would have to win
         the GIL from this one, busy with host work under load, which takes up to the 5 ms switch interval.
         The pipe's end (the server process is gone) is a Stop."""
         try:
-            if not self.commands_in.poll(timeout_s):
+            if not self.commands_in.poll(IDLE_WAIT_S if block else 0):
                 return None
             fd = self.commands_in.fileno()
             (size,) = _HEADER.unpack(_read_exactly(fd, _HEADER.size))

@@ -23,7 +23,7 @@ from typing import Any
 
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import (Abort, EngineError, EngineInfo, EngineLoop, QueueFull, Stop,
+from dflash2.server.engine_loop import (IDLE_WAIT_S, Abort, EngineError, EngineInfo, EngineLoop, QueueFull, Stop,
                                         Submit)
 from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 
@@ -100,9 +100,9 @@ class EngineThread(EngineLoop):
         return generate_latest(registry)
 
     # -- engine-thread side (EngineLoop's hooks) -----------------------------------------------------
-    def receive(self, timeout_s: float) -> Any:
+    def receive(self, block: bool) -> Any:
         try:
-            return self.commands.get(timeout=timeout_s) if timeout_s > 0 else self.commands.get_nowait()
+            return self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
         except queue.Empty:
             return None
 

@@ -206,47 +206,6 @@ def test_preemption_with_swap_gives_transformers_tokens_on_the_gpu(tiny_llama, o
     assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0
 
 
-def test_urgent_arrivals_during_an_urgent_first_token_wait_keep_transformers_tokens(tiny_llama):
-    """Engine.arrivals (a server's hook): while the engine waits for a step with an urgent first token, each
-    call takes in the next urgent request, which ends the wait (the step stays in flight and the next step()
-    launches before committing it). Every request's greedy tokens stay transformers'."""
-    from dflash2 import LLM, SamplingParams
-    from tests.tiny_models import hf_greedy
-
-    hf_model, directory = tiny_llama
-    rng = random.Random(11)
-    low = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 40))] for _ in range(4)]
-    high = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 40))] for _ in range(4)]
-    params = SamplingParams(max_tokens=14, min_tokens=14, temperature=0)
-    llm = LLM(directory, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=64, page_bytes=4096,
-              kv_cache_memory=f"{12 * 4096}B", swap_space=f"{64 * 4096}B", prefill_chunk_size=16,
-              max_num_batched_tokens=32, overlap=True)
-    engine = llm.engine
-    ids = [engine.add_request({"prompt_token_ids": p}, params, priority=0).request_id for p in low]
-    finished = {}
-    for _ in range(4):
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
-    pending = list(high)
-    ids.append(engine.add_request({"prompt_token_ids": pending.pop(0)}, params, priority=1000).request_id)
-    taken_in = []
-
-    def arrivals(timeout_s):
-        if not pending:
-            return None
-        ids.append(engine.add_request({"prompt_token_ids": pending.pop(0)}, params, priority=1000).request_id)
-        taken_in.append(len(ids))
-        return 1000
-
-    engine.arrivals = arrivals
-    while engine.has_unfinished() or pending:
-        if not engine.has_unfinished():  # (not taken in during a wait: added between steps, as the loop does)
-            ids.append(engine.add_request({"prompt_token_ids": pending.pop(0)}, params, priority=1000).request_id)
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert taken_in  # at least one came while the engine waited on an urgent first token
-    assert [finished[i].outputs[0].token_ids for i in ids] == [hf_greedy(hf_model, p, 14) for p in low + high]
-    assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0
-
-
 def test_step_trace_times_each_step_on_the_device(tiny_llama, tmp_path, monkeypatch):
     """DFLASH2_STEP_TRACE on CUDA (graphs, overlap): every step's line has its device time."""
     import json

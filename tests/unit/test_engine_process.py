@@ -7,7 +7,6 @@ import pickle
 
 from dflash2.engine.sampler import Logprob
 from dflash2.request import CompletionOutput, RequestOutput
-from dflash2.server.engine_loop import IDLE_WAIT_S
 from dflash2.server.engine_process import _HEADER, EngineProcess, EngineProcessSpec, _Frames, _Stream, _wire_output
 from dflash2.server.observer import ObserverConfig
 
@@ -103,12 +102,12 @@ def test_commands_cross_as_frames_the_engine_reads_whole():
         commands_out.close()
     writer = threading.Thread(target=write_in_pieces)
     writer.start()
-    command = loop.receive(IDLE_WAIT_S)
+    command = loop.receive(block=True)
     writer.join()
     assert isinstance(command, Submit) and command.request_id == "r" and command.priority == 5
     assert command.prompt["prompt_token_ids"] == list(range(40_000))
     assert (command.timing.received_at, command.submitted_at) == (1.0, 2.0)
-    assert isinstance(loop.receive(IDLE_WAIT_S), Stop)  # the server closed its end
+    assert isinstance(loop.receive(block=True), Stop)  # the server closed its end
 
 
 def test_a_tokenizer_that_does_not_pickle_is_a_load_error_that_says_so():
