@@ -10,7 +10,10 @@ For each request of the class, from its arrival in the engine (`submitted`) to i
     to_done_ms     launched -> the step's results in on the host (the device: the steps ahead of it, then its own)
     deliver_ms     results in -> the first token out of the engine (commit, and the engine loop's hand-off)
 and what was in flight when it arrived: the steps planned before it arrived whose results were not in yet.
-Prints p50 / p90 / p99 of each part, and the slowest requests with their steps.
+Prints p50 / p90 / p99 of each part, and the slowest requests with their steps; and `host_gaps`: for every step
+of the phase, how long the engine's host was idle before planning it (since the previous step's launch or the
+latest results in, whichever came later), where stalls of the engine loop show (a /metrics render, a
+collection).
 """
 from __future__ import annotations
 
@@ -82,6 +85,25 @@ def urgent_waits(requests: list[dict[str, Any]], steps: list[dict[str, Any]], pr
     return report
 
 
+def host_gaps(steps: list[dict[str, Any]], start: float, end: float) -> dict[str, Any]:
+    """The host's idle time before each plan of the steps planned in [start, end] (monotonic seconds)."""
+    steps = sorted((s for s in steps if start <= s["mono_s"] <= end and s.get("done_mono_s") is not None),
+                   key=lambda s: s["mono_s"])
+    dones = sorted(s["done_mono_s"] for s in steps)
+    gaps = []
+    for before, step in zip(steps, steps[1:]):
+        launched = before["mono_s"] + (before["plan_ms"] + before["launch_ms"]) / 1e3
+        latest = bisect.bisect_left(dones, step["mono_s"]) - 1
+        gaps.append(_ms(step["mono_s"] - max(launched, dones[latest] if latest >= 0 else launched)))
+    if not gaps:
+        return {"steps": 0}
+    values = np.array(gaps, dtype=float)
+    return {"steps": len(gaps), "p50_ms": round(float(np.percentile(values, 50)), 3),
+            "p99_ms": round(float(np.percentile(values, 99)), 3), "max_ms": round(float(values.max()), 3),
+            "over_2_ms": int((values > 2).sum()), "over_3.5_ms": int((values > 3.5).sum()),
+            "seconds": round(end - start, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("request_log")
@@ -93,7 +115,10 @@ def main() -> None:
     with open(args.trace) as f:
         steps = [json.loads(line) for line in f if line.strip()]
     overload = max(phases(read_log(args.request_log), args.gap_s), key=len)
-    print(json.dumps(urgent_waits(overload, steps, args.priority, args.slowest), indent=1))
+    arrivals = [r["received_monotonic"] for r in overload]
+    report = {"host_gaps": host_gaps(steps, min(arrivals), max(arrivals)),
+              **urgent_waits(overload, steps, args.priority, args.slowest)}
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

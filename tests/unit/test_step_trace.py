@@ -85,3 +85,17 @@ def test_urgent_waits_splits_a_first_token_wait_at_its_step():
         "to_plan_ms": 3.2, "launch_ms": 0.5, "to_done_ms": 1.7, "deliver_ms": 0.6, "steps_ahead": 1}
     assert [s["prefill_tokens"] for s in slowest["steps"]] == [512, 256] and slowest["steps"][1]["own"]
     assert report["steps_ahead_by_kind"] == {"with_prefill": 1}
+
+
+def test_host_gaps_count_the_host_idle_before_each_plan():
+    from benchmarks.w3_urgent_waits import host_gaps
+
+    def step(planned, done):  # plan 0.2 + launch 0.3 ms
+        return {"mono_s": planned, "done_mono_s": done, "plan_ms": 0.2, "launch_ms": 0.3}
+
+    # second plan: 0.5 ms after the first's results (which came after its launch); third: 4 ms after the
+    # second's launch (a stall: nothing came in between); the last is outside the window
+    steps = [step(1.000, 1.002), step(1.0025, 1.009), step(1.0070, 1.010), step(2.0, 2.001)]
+    report = host_gaps(steps, 1.0, 1.5)
+    assert report["steps"] == 2 and report["max_ms"] == 4.0 and report["over_3.5_ms"] == 1
+    assert report["over_2_ms"] == 1 and report["p50_ms"] == 2.25
