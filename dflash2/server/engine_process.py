@@ -56,6 +56,34 @@ _STOP_TIMEOUT_S = 10.0
 # between threads this often (CPython's default: 5 ms): the engine loop, which drops the GIL while it waits
 # for the device, gets it back within this much of asking, and the render runs in those waits.
 RENDER_SWITCH_INTERVAL_S = 0.0002
+
+
+class _QuickSwitchRegistry:
+    """A registry whose collect() (and so the text formatted from it, generate_latest's or the --metrics-port
+    server's, each on a thread of its own) runs under RENDER_SWITCH_INTERVAL_S; the interval goes back once no
+    render is running (renders may overlap: the metrics port's thread and the renderer)."""
+
+    _lock = threading.Lock()
+    _renders = 0
+    _previous = 0.005
+
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+
+    def collect(self) -> Any:
+        cls = type(self)
+        with cls._lock:
+            if cls._renders == 0:
+                cls._previous = sys.getswitchinterval()
+                sys.setswitchinterval(RENDER_SWITCH_INTERVAL_S)
+            cls._renders += 1
+        try:
+            yield from self.registry.collect()
+        finally:
+            with cls._lock:
+                cls._renders -= 1
+                if cls._renders == 0:
+                    sys.setswitchinterval(cls._previous)
 _HEADER = struct.Struct("!Q")  # a frame's length (both pipes)
 
 
@@ -385,7 +413,8 @@ class _ProcessLoop(EngineLoop):
         if self.spec.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            start_http_server(self.spec.metrics_port, addr=self.spec.metrics_host, registry=self.registry)
+            start_http_server(self.spec.metrics_port, addr=self.spec.metrics_host,
+                              registry=_QuickSwitchRegistry(self.registry))
             logger.info("metrics on http://%s:%d/metrics", self.spec.metrics_host, self.spec.metrics_port)
         return RequestObserver(engine, metrics, self.spec.observer_config)
 
@@ -438,20 +467,18 @@ class _ProcessLoop(EngineLoop):
         milliseconds of Python (~3.7 ms for W3's server on this project's CPU); on the loop, between two steps,
         that stalled every request, twice a second under W3's scrapes (the step trace: 4-8 ms gaps before a
         plan, fifteenth session's code). Here it runs while the loop waits for the device, and the short switch
-        interval gives the loop the GIL back within RENDER_SWITCH_INTERVAL_S when it wants it."""
+        interval (_QuickSwitchRegistry) gives the loop the GIL back within RENDER_SWITCH_INTERVAL_S when it wants
+        it."""
         from prometheus_client.exposition import generate_latest
 
+        registry = _QuickSwitchRegistry(self.registry)
         while True:
             number = self._renders.get()
-            previous = sys.getswitchinterval()
-            sys.setswitchinterval(RENDER_SWITCH_INTERVAL_S)
             try:
-                text = generate_latest(self.registry)
+                text = generate_latest(registry)
             except Exception:  # noqa: BLE001 - a failed scrape answers empty; serving goes on
                 logger.exception("rendering the engine's metrics failed")
                 text = b""
-            finally:
-                sys.setswitchinterval(previous)
             try:
                 self.send(("metrics", number, text))
             except OSError:  # the server is gone: the loop sees the pipe's end

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import pickle
 
+import pytest
+
 from dflash2.engine.sampler import Logprob
 from dflash2.request import CompletionOutput, RequestOutput
 from dflash2.server.engine_process import _HEADER, EngineProcess, EngineProcessSpec, _Frames, _Stream, _wire_output
@@ -133,3 +135,33 @@ def test_a_tokenizer_that_does_not_pickle_is_a_load_error_that_says_so():
         frames.data_received(chunk)
     assert len(seen) == 1 and seen[0][0] == "load_error"
     assert "cannot be sent to the server process" in seen[0][1] and "--single-process" in seen[0][1]
+
+
+def test_metrics_render_under_a_short_switch_interval_and_restore_it():
+    import sys
+
+    from prometheus_client import CollectorRegistry, Counter
+    from prometheus_client.exposition import generate_latest
+
+    from dflash2.server.engine_process import RENDER_SWITCH_INTERVAL_S, _QuickSwitchRegistry
+
+    registry = CollectorRegistry()
+    Counter("dflash2_test_total", "a counter", registry=registry).inc(3)
+    before = sys.getswitchinterval()
+    seen = []
+
+    class Spy:  # reports the interval while its families are collected; one render inside another
+        def __init__(self, inner=None):
+            self.inner = inner
+
+        def collect(self):
+            seen.append(sys.getswitchinterval())
+            if self.inner is not None:
+                generate_latest(_QuickSwitchRegistry(self.inner))
+                seen.append(sys.getswitchinterval())  # the inner render ended; this one still runs
+            yield from registry.collect()
+
+    assert generate_latest(_QuickSwitchRegistry(registry)) == generate_latest(registry)
+    generate_latest(_QuickSwitchRegistry(Spy(Spy())))
+    assert seen == [pytest.approx(RENDER_SWITCH_INTERVAL_S)] * 3
+    assert sys.getswitchinterval() == before
