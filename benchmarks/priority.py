@@ -199,7 +199,8 @@ async def overload(config: LoadConfig, items: list[BenchItem], per_class: bool,
     samples: dict[str, list[float]] = {}
     sampler = (asyncio.create_task(sample_gauges(config.url, peaks, samples, scrape_interval_s))
                if scrape_interval_s > 0 else None)
-    config = replace(config, scrape_metrics=scrape_interval_s > 0, scrape_interval_s=max(scrape_interval_s, 0.1))
+    config = (replace(config, scrape_interval_s=scrape_interval_s) if scrape_interval_s > 0
+              else replace(config, scrape_metrics=False))
     try:
         if per_class and config.request_rate != float("inf"):
             load = await asyncio.to_thread(run_per_priority, config, items)

@@ -43,7 +43,8 @@ def phases(rows: list[dict[str, Any]], gap_s: float) -> list[list[dict[str, Any]
     return out
 
 
-def _stats(values: list[float]) -> dict[str, float]:
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50, p90, p99 and max of values (ms, two decimals)."""
     a = np.asarray(values, dtype=float)
     return {"p50": round(float(np.percentile(a, 50)), 2), "p90": round(float(np.percentile(a, 90)), 2),
             "p99": round(float(np.percentile(a, 99)), 2), "max": round(float(a.max()), 2)}
@@ -57,11 +58,11 @@ def summarize(rows: list[dict[str, Any]], priority: int, gap_s: float = 0.5) -> 
     if not chosen:
         return result
     ttft = [r["ttft_ms"] for r in chosen]
-    result["ttft_ms"] = _stats(ttft)
-    result["queue_ms"] = _stats([r["queue_time_ms"] for r in chosen])
-    result["step_ms"] = _stats([r["ttft_ms"] - r["queue_time_ms"] for r in chosen])
+    result["ttft_ms"] = percentiles(ttft)
+    result["queue_ms"] = percentiles([r["queue_time_ms"] for r in chosen])
+    result["step_ms"] = percentiles([r["ttft_ms"] - r["queue_time_ms"] for r in chosen])
     for key in ("http_in_ms", "http_out_ms"):
-        result[key] = _stats([r[key] for r in chosen])
+        result[key] = percentiles([r[key] for r in chosen])
     result["ttft_over_7_ms"] = sum(t > 7 for t in ttft)
     result["ttft_over_8_ms"] = sum(t > 8 for t in ttft)
     return result

@@ -10,7 +10,7 @@ For each request of the class, from its arrival in the engine (`submitted`) to i
     to_done_ms     launched -> the step's results in on the host (the device: the steps ahead of it, then its own)
     deliver_ms     results in -> the first token out of the engine (commit, and the engine loop's hand-off)
 and what was in flight when it arrived: the steps planned before it arrived whose results were not in yet.
-Prints p50 / p90 / p99 of each part, and the slowest requests with their steps; and `host_gaps`: for every step
+Prints p50 / p90 / p99 / max of each part, and the slowest requests with their steps; and `host_gaps`: for every step
 of the phase, how long the engine's host was idle before planning it (since the previous step's launch or the
 latest results in, whichever came later), where stalls of the engine loop show (a /metrics render, a
 collection).
@@ -24,11 +24,9 @@ import os
 import sys
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.w3_request_log import phases, read_log  # noqa: E402
+from benchmarks.w3_request_log import percentiles, phases, read_log  # noqa: E402
 
 PARTS = ("ttft_ms", "to_plan_ms", "launch_ms", "to_done_ms", "deliver_ms", "steps_ahead")
 STEP_FIELDS = ("decodes", "prefill_tokens", "swap_out_pages", "swap_in_pages", "device_ms", "plan_ms", "launch_ms",
@@ -70,8 +68,7 @@ def urgent_waits(requests: list[dict[str, Any]], steps: list[dict[str, Any]], pr
         return {"requests": 0}
     report: dict[str, Any] = {"requests": len(rows)}
     for part in PARTS:
-        values = np.array([r[part] for r in rows], dtype=float)
-        report[part] = {q: round(float(np.percentile(values, int(q[1:]))), 3) for q in ("p50", "p90", "p99")}
+        report[part] = percentiles([r[part] for r in rows])
     ahead_kinds: dict[str, int] = {}
     for row in rows:
         for step in row["_steps"][:-1]:
@@ -97,10 +94,9 @@ def host_gaps(steps: list[dict[str, Any]], start: float, end: float) -> dict[str
         gaps.append(_ms(step["mono_s"] - max(launched, dones[latest] if latest >= 0 else launched)))
     if not gaps:
         return {"steps": 0}
-    values = np.array(gaps, dtype=float)
-    return {"steps": len(gaps), "p50_ms": round(float(np.percentile(values, 50)), 3),
-            "p99_ms": round(float(np.percentile(values, 99)), 3), "max_ms": round(float(values.max()), 3),
-            "over_2_ms": int((values > 2).sum()), "over_3.5_ms": int((values > 3.5).sum()),
+    stats = percentiles(gaps)
+    return {"steps": len(gaps), "p50_ms": stats["p50"], "p99_ms": stats["p99"], "max_ms": stats["max"],
+            "over_2_ms": sum(g > 2 for g in gaps), "over_3.5_ms": sum(g > 3.5 for g in gaps),
             "seconds": round(end - start, 3)}
 
 

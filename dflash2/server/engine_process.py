@@ -33,8 +33,8 @@ import logging
 import multiprocessing
 import os
 import pickle
-import signal
 import queue
+import signal
 import struct
 import sys
 import threading
@@ -52,6 +52,7 @@ from dflash2.server.observer import ObserverConfig, StreamTiming, Tracked
 logger = logging.getLogger("dflash2.server")
 
 _STOP_TIMEOUT_S = 10.0
+_HEADER = struct.Struct("!Q")  # a frame's length (both pipes)
 # While the engine process renders a /metrics scrape (on a thread of its own), the interpreter hands the GIL
 # between threads this often (CPython's default: 5 ms): the engine loop, which drops the GIL while it waits
 # for the device, gets it back within this much of asking, and the render runs in those waits.
@@ -84,7 +85,10 @@ class _QuickSwitchRegistry:
                 cls._renders -= 1
                 if cls._renders == 0:
                     sys.setswitchinterval(cls._previous)
-_HEADER = struct.Struct("!Q")  # a frame's length (both pipes)
+
+    def restricted_registry(self, names: Any) -> _QuickSwitchRegistry:
+        """As CollectorRegistry's (a scrape asking for some series by name[]: the metrics port's server)."""
+        return _QuickSwitchRegistry(self.registry.restricted_registry(names))
 
 
 @dataclass(frozen=True)
@@ -379,7 +383,7 @@ class _ProcessLoop(EngineLoop):
         self.results = results  # the results pipe (a Connection: only its descriptor is used)
         self.registry: Any = None
         self._send_lock = threading.Lock()  # frames whole on the results pipe: the loop and the metrics renderer
-        self._renders: queue.SimpleQueue | None = None
+        self._scrapes: queue.SimpleQueue | None = None  # the renderer thread's work: scrape numbers
 
     def receive(self, block: bool) -> Any:
         """The next command straight from the pipe, on the loop's own thread: a reader thread would have to win
@@ -457,10 +461,10 @@ class _ProcessLoop(EngineLoop):
             if self.observer is not None:
                 getattr(self.observer.metrics, command[1]).inc()
         elif kind == "metrics":
-            if self._renders is None:
-                self._renders = queue.SimpleQueue()
+            if self._scrapes is None:
+                self._scrapes = queue.SimpleQueue()
                 threading.Thread(target=self._render_metrics, name="dflash2-metrics", daemon=True).start()
-            self._renders.put(command[1])
+            self._scrapes.put(command[1])
 
     def _render_metrics(self) -> None:
         """The renderer thread: each scrape's exposition text, sent when ready. Rendering the registry takes a few
@@ -473,7 +477,7 @@ class _ProcessLoop(EngineLoop):
 
         registry = _QuickSwitchRegistry(self.registry)
         while True:
-            number = self._renders.get()
+            number = self._scrapes.get()
             try:
                 text = generate_latest(registry)
             except Exception:  # noqa: BLE001 - a failed scrape answers empty; serving goes on
