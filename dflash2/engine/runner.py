@@ -14,6 +14,7 @@ step can feed them back as inputs before the host has seen them: a negative inpu
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -92,6 +93,9 @@ class ModelRunner:
                                        pin_memory=True) if self.device.type == "cuda" else None
         self.eos_token_ids: tuple[int, ...] = model.arch.eos_token_ids
         self.graphs: StepGraphs | None = None
+        # set while collect() waits for the device (the GIL is free then): the engine process's metrics
+        # renderer runs only in such waits, never beside the host's own work (server/engine_process.py)
+        self.host_waits: threading.Event | None = None
 
     def capture_graphs(self, decode_sizes: list[int], mixed_shapes: list[tuple[int, int]] = ()) -> None:
         """Capture CUDA graphs of decode steps of these padded batch sizes, and of steps with prefill chunks
@@ -141,7 +145,15 @@ class ModelRunner:
     def collect(self, pending: PendingStep) -> StepResult:
         result = StepResult()
         if pending.done is not None:
-            pending.done.synchronize()
+            waits = self.host_waits
+            if waits is None:
+                pending.done.synchronize()
+            else:
+                waits.set()
+                try:
+                    pending.done.synchronize()
+                finally:
+                    waits.clear()
         if pending.tokens_host is not None:
             result.sampled = dict(zip(pending.sample_ids, pending.tokens_host.tolist()))
         if pending.logprob_job is not None:

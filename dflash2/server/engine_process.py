@@ -57,19 +57,26 @@ _HEADER = struct.Struct("!Q")  # a frame's length (both pipes)
 # between threads this often (CPython's default: 5 ms): the engine loop, which drops the GIL while it waits
 # for the device, gets it back within this much of asking, and the render runs in those waits.
 RENDER_SWITCH_INTERVAL_S = 0.0002
+# A render takes each metric family only while the loop waits (for the device, or idle for commands), so the
+# two never share the GIL while the loop has host work; past this long a render finishes without waiting (a
+# loop that never waits, or a scrape that must not wait longer).
+RENDER_WAIT_LIMIT_S = 0.25
 
 
 class _QuickSwitchRegistry:
     """A registry whose collect() (and so the text formatted from it, generate_latest's or the --metrics-port
     server's, each on a thread of its own) runs under RENDER_SWITCH_INTERVAL_S; the interval goes back once no
-    render is running (renders may overlap: the metrics port's thread and the renderer)."""
+    render is running (renders may overlap: the metrics port's thread and the renderer). With `loop_waits` (an
+    Event the loop sets while it waits), each family is taken only while it is set, up to RENDER_WAIT_LIMIT_S
+    after the render began."""
 
     _lock = threading.Lock()
     _renders = 0
     _previous = 0.005
 
-    def __init__(self, registry: Any) -> None:
+    def __init__(self, registry: Any, loop_waits: threading.Event | None = None) -> None:
         self.registry = registry
+        self.loop_waits = loop_waits
 
     def collect(self) -> Any:
         cls = type(self)
@@ -79,7 +86,19 @@ class _QuickSwitchRegistry:
                 sys.setswitchinterval(RENDER_SWITCH_INTERVAL_S)
             cls._renders += 1
         try:
-            yield from self.registry.collect()
+            if self.loop_waits is None:
+                yield from self.registry.collect()
+                return
+            families = iter(self.registry.collect())
+            deadline = time.monotonic() + RENDER_WAIT_LIMIT_S
+            while True:
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self.loop_waits.wait(left)
+                family = next(families, None)
+                if family is None:
+                    return
+                yield family
         finally:
             with cls._lock:
                 cls._renders -= 1
@@ -88,7 +107,7 @@ class _QuickSwitchRegistry:
 
     def restricted_registry(self, names: Any) -> _QuickSwitchRegistry:
         """As CollectorRegistry's (a scrape asking for some series by name[]: the metrics port's server)."""
-        return _QuickSwitchRegistry(self.registry.restricted_registry(names))
+        return _QuickSwitchRegistry(self.registry.restricted_registry(names), self.loop_waits)
 
 
 @dataclass(frozen=True)
@@ -384,13 +403,24 @@ class _ProcessLoop(EngineLoop):
         self.registry: Any = None
         self._send_lock = threading.Lock()  # frames whole on the results pipe: the loop and the metrics renderer
         self._scrapes: queue.SimpleQueue | None = None  # the renderer thread's work: scrape numbers
+        # set while the loop waits (for the device: the runner sets it; for commands, idle): renders run then
+        self.loop_waits = threading.Event()
+        self._render_waits: threading.Event | None = None  # loop_waits where renders wait for it (CUDA)
 
     def receive(self, block: bool) -> Any:
         """The next command straight from the pipe, on the loop's own thread: a reader thread would have to win
         the GIL from this one, busy with host work under load, which takes up to the 5 ms switch interval.
         The pipe's end (the server process is gone) is a Stop."""
         try:
-            if not self.commands_in.poll(IDLE_WAIT_S if block else 0):
+            if block:
+                self.loop_waits.set()
+                try:
+                    ready = self.commands_in.poll(IDLE_WAIT_S)
+                finally:
+                    self.loop_waits.clear()
+            else:
+                ready = self.commands_in.poll(0)
+            if not ready:
                 return None
             fd = self.commands_in.fileno()
             (size,) = _HEADER.unpack(_read_exactly(fd, _HEADER.size))
@@ -414,11 +444,15 @@ class _ProcessLoop(EngineLoop):
 
         self.registry = CollectorRegistry()
         metrics = ServerMetrics(self.spec.served_model_name or engine.model.name, self.registry)
+        runner = getattr(engine, "runner", None)
+        if runner is not None and runner.device.type == "cuda":  # a CPU step never waits for a device: renders
+            runner.host_waits = self.loop_waits  # there would wait for idle times only (RENDER_WAIT_LIMIT_S)
+            self._render_waits = self.loop_waits
         if self.spec.metrics_port is not None:
             from prometheus_client import start_http_server
 
             start_http_server(self.spec.metrics_port, addr=self.spec.metrics_host,
-                              registry=_QuickSwitchRegistry(self.registry))
+                              registry=_QuickSwitchRegistry(self.registry, self._render_waits))
             logger.info("metrics on http://%s:%d/metrics", self.spec.metrics_host, self.spec.metrics_port)
         return RequestObserver(engine, metrics, self.spec.observer_config)
 
@@ -470,12 +504,13 @@ class _ProcessLoop(EngineLoop):
         """The renderer thread: each scrape's exposition text, sent when ready. Rendering the registry takes a few
         milliseconds of Python (~3.7 ms for W3's server on this project's CPU); on the loop, between two steps,
         that stalled every request, twice a second under W3's scrapes (the step trace: 4-8 ms gaps before a
-        plan, fifteenth session's code). Here it runs while the loop waits for the device, and the short switch
-        interval (_QuickSwitchRegistry) gives the loop the GIL back within RENDER_SWITCH_INTERVAL_S when it wants
-        it."""
+        plan, fifteenth session's code). Here it runs while the loop waits for the device: on CUDA each family
+        only while the loop waits (loop_waits; beside the loop's host work the two threads shared the GIL, and
+        a step's launch took 3-10 ms, sixteenth session's trace), and the short switch interval
+        (_QuickSwitchRegistry) gives the loop the GIL back within RENDER_SWITCH_INTERVAL_S when it wants it."""
         from prometheus_client.exposition import generate_latest
 
-        registry = _QuickSwitchRegistry(self.registry)
+        registry = _QuickSwitchRegistry(self.registry, self._render_waits)
         while True:
             number = self._scrapes.get()
             try:

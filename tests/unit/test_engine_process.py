@@ -168,3 +168,44 @@ def test_metrics_render_under_a_short_switch_interval_and_restore_it():
     generate_latest(_QuickSwitchRegistry(Spy(Spy())))
     assert seen == [pytest.approx(RENDER_SWITCH_INTERVAL_S)] * 3
     assert sys.getswitchinterval() == before
+
+
+def test_gated_metrics_render_takes_each_family_only_while_the_loop_waits(monkeypatch):
+    import threading
+    import time
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+    from prometheus_client.exposition import generate_latest
+
+    from dflash2.server import engine_process
+    from dflash2.server.engine_process import _QuickSwitchRegistry
+
+    registry = CollectorRegistry()
+    Counter("dflash2_test_total", "a counter", registry=registry).inc(3)
+    Gauge("dflash2_test_gauge", "a gauge", registry=registry).set(7)
+    loop_waits = threading.Event()
+    states = []
+
+    class Watched:  # each family of the registry, with the loop's state when it was taken
+        def collect(self):
+            for family in registry.collect():
+                states.append(loop_waits.is_set())
+                yield family
+
+    monkeypatch.setattr(engine_process, "RENDER_WAIT_LIMIT_S", 60.0)
+    texts = []
+    render = threading.Thread(target=lambda: texts.append(generate_latest(_QuickSwitchRegistry(Watched(), loop_waits))))
+    render.start()
+    time.sleep(0.05)  # the loop is busy: an ungated render would have taken its families by now
+    loop_waits.set()
+    render.join(10)
+    assert texts == [generate_latest(registry)] and states == [True, True]
+
+    # past the limit, a render finishes without the loop waiting (a loop that never waits still gets scraped)
+    monkeypatch.setattr(engine_process, "RENDER_WAIT_LIMIT_S", 0.0)
+    loop_waits.clear()
+    states.clear()
+    assert generate_latest(_QuickSwitchRegistry(Watched(), loop_waits)) == generate_latest(registry)
+    assert states == [False, False]
+    # restricted to some names (the metrics port's server), it keeps the gate
+    assert _QuickSwitchRegistry(registry, loop_waits).restricted_registry({"x"}).loop_waits is loop_waits
