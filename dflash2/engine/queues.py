@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from dflash2.request import Request
 
@@ -62,14 +62,21 @@ class WaitingQueue:
         waited = max(0.0, now - request.arrival_time)
         return request.priority + self.PRIORITY_RANGE * waited / self.aging_seconds
 
-    def ordered(self) -> list[Request]:
+    def ordered(self) -> Iterable[Request]:
+        """The line as it is now, most urgent first: iterable any number of times, lazily (the scheduler reads
+        the first few of hundreds), leaving out requests that have left since."""
         if self.aging_seconds:
             now = self.clock()
             if now < self._latest_arrival_time:  # someone's waited time is clamped at 0: sort in full
                 return sorted(self._requests.values(),
                               key=lambda r: (-self.effective_priority(r, now), self.arrival(r)))
-        requests = self._requests
-        return [requests[request_id] for _, _, request_id in self._line]
+        return _Line(self._requests, self._line.copy())
+
+    def head(self) -> Request | None:
+        """The most urgent waiting request."""
+        if self.aging_seconds and self.clock() < self._latest_arrival_time:
+            return next(iter(self.ordered()), None)
+        return self._requests[self._line[0][2]] if self._line else None
 
     def __contains__(self, request: object) -> bool:
         return isinstance(request, Request) and request.request_id in self._requests
@@ -82,3 +89,20 @@ class WaitingQueue:
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.ordered())
+
+
+class _Line:
+    """A snapshot of the line's order; each iteration yields the requests of it still waiting."""
+
+    __slots__ = ("requests", "entries")
+
+    def __init__(self, requests: dict[str, Request], entries: list[tuple[float, int, str]]) -> None:
+        self.requests = requests
+        self.entries = entries
+
+    def __iter__(self) -> Iterator[Request]:
+        requests = self.requests
+        for _, _, request_id in self.entries:
+            request = requests.get(request_id)
+            if request is not None:
+                yield request

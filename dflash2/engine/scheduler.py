@@ -30,6 +30,7 @@ No tensors and no device code here: unit tests drive it with a pool of a few pag
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 from dflash2.config import SchedulerConfig
 from dflash2.engine.kv.manager import KVManager
@@ -105,14 +106,15 @@ class Scheduler:
         self._preempted_now: set[str] = set()  # paused in this plan: not admitted again in it
         self._admission_closed = False
         self._now = self.waiting.clock()
-        self._order: list[Request] | None = self.waiting.ordered()  # the line; sorted again when one joins it
+        self._order: Iterable[Request] | None = self.waiting.ordered()  # the line; taken again when one joins
         # The outranked-prefill cap and waiting decodes: who is on top, and what is left of the cap this step.
         self._outranked_from: float | None = None
         self._cap_left = self.config.max_outranked_prefill_tokens
         self._charged: dict[str, int] = {}  # request id -> tokens of its chunk counted against the cap
         self._urgent_prompt_ran = False  # a prompt chunk of a request not outranked is in this plan
         if self._cap_left is not None or self.config.outranked_decodes_wait:
-            contenders = self._order[:1] + [r for r in self.running.values() if _is_prefill(r)]
+            head = self.waiting.head()
+            contenders = ([head] if head is not None else []) + [r for r in self.running.values() if _is_prefill(r)]
             if contenders:  # the line's head is its most urgent request
                 top = max(self._effective(r) for r in contenders)
                 self._outranked_from = top - self.config.preemption_threshold
