@@ -1,14 +1,16 @@
 """What each urgent request of a W3 run waited behind: the server's request log joined with the step trace
-(both keep time.monotonic(), the host-wide clock), for the overload phase (JSON out).
+(both keep time.monotonic(), the host-wide clock), for the overload phase or the idle one (JSON out).
 
     DFLASH2_STEP_TRACE=$OUT/steps.jsonl W3_RUNS=poisson bash benchmarks/gpu_w3.sh
     python3 benchmarks/w3_urgent_waits.py $OUT/w3_server_poisson/stdout.log $OUT/steps.jsonl [--priority 1000]
+        [--phase overload|idle]
 
 For each request of the class, from its arrival in the engine (`submitted`) to its first token:
     to_plan_ms     submitted -> its own step planned (the host finishing what it was doing when it arrived)
     launch_ms      its step's plan and launch (host)
     to_done_ms     launched -> the step's results in on the host (the device: the steps ahead of it, then its own)
     deliver_ms     results in -> the first token out of the engine (commit, and the engine loop's hand-off)
+    own_device_ms  its own step's time on the device (CUDA traces: the step trace's device_ms)
 and what was in flight when it arrived: the steps planned before it arrived whose results were not in yet.
 Prints p50 / p90 / p99 / max of each part, and the slowest requests with their steps; and `host_gaps`: for every step
 of the phase, how long the engine's host was idle before planning it (since the previous step's launch or the
@@ -62,13 +64,15 @@ def urgent_waits(requests: list[dict[str, Any]], steps: list[dict[str, Any]], pr
             "to_plan_ms": _ms(own["mono_s"] - submitted), "launch_ms": round(own["plan_ms"] + own["launch_ms"], 3),
             "to_done_ms": _ms(own["done_mono_s"] - own["finish_ms"] / 1e3 - launched),
             "deliver_ms": round(request["ttft_ms"] - _ms(own["done_mono_s"] - own["finish_ms"] / 1e3 - submitted), 3),
-            "steps_ahead": len(ahead),
+            "steps_ahead": len(ahead), "own_device_ms": own.get("device_ms"),
             "_steps": [_step_view(s, submitted) for s in ahead] + [{"own": True, **_step_view(own, submitted)}]})
     if not rows:
         return {"requests": 0}
     report: dict[str, Any] = {"requests": len(rows)}
     for part in PARTS:
         report[part] = percentiles([r[part] for r in rows])
+    if all(r["own_device_ms"] is not None for r in rows):
+        report["own_device_ms"] = percentiles([r["own_device_ms"] for r in rows])
     ahead_kinds: dict[str, int] = {}
     for row in rows:
         for step in row["_steps"][:-1]:
@@ -100,6 +104,17 @@ def host_gaps(steps: list[dict[str, Any]], start: float, end: float) -> dict[str
             "seconds": round(end - start, 3)}
 
 
+def _runs_of(rows: list[dict[str, Any]], priority: int) -> list[list[dict[str, Any]]]:
+    """Runs of consecutive arrivals all of this priority."""
+    runs: list[list[dict[str, Any]]] = [[]]
+    for row in sorted(rows, key=lambda r: r["received_monotonic"]):
+        if row.get("priority") == priority:
+            runs[-1].append(row)
+        elif runs[-1]:
+            runs.append([])
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("request_log")
@@ -107,13 +122,17 @@ def main() -> None:
     parser.add_argument("--priority", type=int, default=1000)
     parser.add_argument("--gap-s", type=float, default=1.0, help="a pause this long between arrivals ends a phase")
     parser.add_argument("--slowest", type=int, default=8)
+    parser.add_argument("--phase", choices=["overload", "idle"], default="overload",
+                        help="the longest phase (overload), or the longest run of consecutive arrivals all of "
+                             "--priority (the idle phase)")
     args = parser.parse_args()
     with open(args.trace) as f:
         steps = [json.loads(line) for line in f if line.strip()]
-    overload = max(phases(read_log(args.request_log), args.gap_s), key=len)
-    arrivals = [r["received_monotonic"] for r in overload]
-    report = {"host_gaps": host_gaps(steps, min(arrivals), max(arrivals)),
-              **urgent_waits(overload, steps, args.priority, args.slowest)}
+    rows = read_log(args.request_log)
+    phase = max(phases(rows, args.gap_s) if args.phase == "overload" else _runs_of(rows, args.priority), key=len)
+    arrivals = [r["received_monotonic"] for r in phase]
+    report = {"phase": args.phase, "host_gaps": host_gaps(steps, min(arrivals), max(arrivals)),
+              **urgent_waits(phase, steps, args.priority, args.slowest)}
     print(json.dumps(report, indent=1))
 
 

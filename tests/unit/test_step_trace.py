@@ -70,9 +70,9 @@ def test_the_report_groups_steps_by_kind():
 def test_urgent_waits_splits_a_first_token_wait_at_its_step():
     from benchmarks.w3_urgent_waits import urgent_waits
 
-    def step(planned, done, ids=(), prefill=0):
+    def step(planned, done, ids=(), prefill=0, device=None):
         return {"mono_s": planned, "done_mono_s": done, "plan_ms": 0.2, "launch_ms": 0.3, "finish_ms": 0.1,
-                "device_ms": None, "decodes": 4, "prefill_tokens": prefill, "swap_out_pages": 0, "swap_in_pages": 0,
+                "device_ms": device, "decodes": 4, "prefill_tokens": prefill, "swap_out_pages": 0, "swap_in_pages": 0,
                 "sampling_prefills": list(ids)}
 
     steps = [step(9.990, 9.995), step(9.998, 10.003, prefill=512), step(10.0032, 10.0055, ids=["u"], prefill=256)]
@@ -85,6 +85,10 @@ def test_urgent_waits_splits_a_first_token_wait_at_its_step():
         "to_plan_ms": 3.2, "launch_ms": 0.5, "to_done_ms": 1.7, "deliver_ms": 0.6, "steps_ahead": 1}
     assert [s["prefill_tokens"] for s in slowest["steps"]] == [512, 256] and slowest["steps"][1]["own"]
     assert report["steps_ahead_by_kind"] == {"with_prefill": 1}
+    assert "own_device_ms" not in report  # a CPU trace has no device times
+    steps[-1] = step(10.0032, 10.0055, ids=["u"], prefill=256, device=2.25)
+    assert urgent_waits(requests, steps, priority=1000)["own_device_ms"] == {"p50": 2.25, "p90": 2.25, "p99": 2.25,
+                                                                           "max": 2.25}
 
 
 def test_host_gaps_count_the_host_idle_before_each_plan():
