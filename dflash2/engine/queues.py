@@ -65,18 +65,23 @@ class WaitingQueue:
     def ordered(self) -> Iterable[Request]:
         """The line as it is now, most urgent first: iterable any number of times, lazily (the scheduler reads
         the first few of hundreds), leaving out requests that have left since."""
-        if self.aging_seconds:
-            now = self.clock()
-            if now < self._latest_arrival_time:  # someone's waited time is clamped at 0: sort in full
-                return sorted(self._requests.values(),
-                              key=lambda r: (-self.effective_priority(r, now), self.arrival(r)))
+        now = self._clamped_now()
+        if now is not None:  # someone's waited time is clamped at 0: sort in full
+            return sorted(self._requests.values(), key=lambda r: (-self.effective_priority(r, now), self.arrival(r)))
         return _Line(self._requests, self._line.copy())
 
     def head(self) -> Request | None:
         """The most urgent waiting request."""
-        if self.aging_seconds and self.clock() < self._latest_arrival_time:
+        if self._clamped_now() is not None:
             return next(iter(self.ordered()), None)
         return self._requests[self._line[0][2]] if self._line else None
+
+    def _clamped_now(self) -> float | None:
+        """The clock, if aging is on and a request's arrival lies ahead of it (the kept order does not hold)."""
+        if not self.aging_seconds:
+            return None
+        now = self.clock()
+        return now if now < self._latest_arrival_time else None
 
     def __contains__(self, request: object) -> bool:
         return isinstance(request, Request) and request.request_id in self._requests

@@ -403,23 +403,23 @@ class _ProcessLoop(EngineLoop):
         self.registry: Any = None
         self._send_lock = threading.Lock()  # frames whole on the results pipe: the loop and the metrics renderer
         self._scrapes: queue.SimpleQueue | None = None  # the renderer thread's work: scrape numbers
-        # set while the loop waits (for the device: the runner sets it; for commands, idle): renders run then
-        self.loop_waits = threading.Event()
-        self._render_waits: threading.Event | None = None  # loop_waits where renders wait for it (CUDA)
+        # on CUDA, set while the loop waits (for the device: the runner sets it; for commands, idle): renders
+        # run then. None on the CPU, whose steps never wait for a device (renders would wait for idle times only)
+        self.loop_waits: threading.Event | None = None
 
     def receive(self, block: bool) -> Any:
         """The next command straight from the pipe, on the loop's own thread: a reader thread would have to win
         the GIL from this one, busy with host work under load, which takes up to the 5 ms switch interval.
         The pipe's end (the server process is gone) is a Stop."""
         try:
-            if block:
+            if block and self.loop_waits is not None:
                 self.loop_waits.set()
                 try:
                     ready = self.commands_in.poll(IDLE_WAIT_S)
                 finally:
                     self.loop_waits.clear()
             else:
-                ready = self.commands_in.poll(0)
+                ready = self.commands_in.poll(IDLE_WAIT_S if block else 0)
             if not ready:
                 return None
             fd = self.commands_in.fileno()
@@ -445,14 +445,13 @@ class _ProcessLoop(EngineLoop):
         self.registry = CollectorRegistry()
         metrics = ServerMetrics(self.spec.served_model_name or engine.model.name, self.registry)
         runner = getattr(engine, "runner", None)
-        if runner is not None and runner.device.type == "cuda":  # a CPU step never waits for a device: renders
-            runner.host_waits = self.loop_waits  # there would wait for idle times only (RENDER_WAIT_LIMIT_S)
-            self._render_waits = self.loop_waits
+        if runner is not None and runner.device.type == "cuda":
+            self.loop_waits = runner.host_waits = threading.Event()
         if self.spec.metrics_port is not None:
             from prometheus_client import start_http_server
 
             start_http_server(self.spec.metrics_port, addr=self.spec.metrics_host,
-                              registry=_QuickSwitchRegistry(self.registry, self._render_waits))
+                              registry=_QuickSwitchRegistry(self.registry, self.loop_waits))
             logger.info("metrics on http://%s:%d/metrics", self.spec.metrics_host, self.spec.metrics_port)
         return RequestObserver(engine, metrics, self.spec.observer_config)
 
@@ -510,7 +509,7 @@ class _ProcessLoop(EngineLoop):
         (_QuickSwitchRegistry) gives the loop the GIL back within RENDER_SWITCH_INTERVAL_S when it wants it."""
         from prometheus_client.exposition import generate_latest
 
-        registry = _QuickSwitchRegistry(self.registry, self._render_waits)
+        registry = _QuickSwitchRegistry(self.registry, self.loop_waits)
         while True:
             number = self._scrapes.get()
             try:
