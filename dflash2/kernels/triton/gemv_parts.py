@@ -5,6 +5,7 @@
     prepare_io      the launchers' input check ([M, K], or [M, 2K] with SiLU-mul) and output allocation
     shape_configs   kernel configs per weight shape from a tune's JSON file (DFLASH2_INT4_CONFIGS, ..._GEMM_...)
     multiprocessors a CUDA device's SM count (grid sizes)
+    _l2_prefetch    ask L2 for a range a program reads later, in one bulk prefetch (no register holds it)
     split-K         several programs share one output tile along K, in one launch:
 
 Each program parks its fp32 partial in a workspace and takes a ticket from the tile's counter; the last one
@@ -74,6 +75,20 @@ def _added(value, prior, DTYPE: tl.constexpr):
     """The residual add as torch adds two tensors of out's dtype: value rounded to it, then in float32, rounded
     once (as float32: the caller stores it)."""
     return value.to(DTYPE).to(tl.float32) + prior.to(tl.float32)
+
+
+@triton.jit
+def _l2_prefetch(ptr, count, ASM: tl.constexpr):
+    """Ask L2 for the `count` elements from ptr on (16-byte aligned), which this program reads later: thread 0
+    issues one cp.async.bulk.prefetch.L2 and the copy engine streams the range in while the program computes;
+    its own loads then find the lines in L2. A hint: nothing waits for it, and a line evicted before it is read
+    is read again. Nothing under the interpreter, or for count <= 0."""
+    if ASM:
+        size = (count * (ptr.dtype.element_ty.primitive_bitwidth // 8)) & ~15
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.s32 q, $2, 0; "
+            "and.pred p, p, q; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptr.to(tl.int64), size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.triton.elementwise import _silu_mul
-from dflash2.kernels.triton.gemv_parts import (_added, _k_range, _store_or_reduce, multiprocessors, prepare_io,
-                                               split_counters)
+from dflash2.kernels.triton.gemv_parts import (_added, _k_range, _l2_prefetch, _store_or_reduce, multiprocessors,
+                                               prepare_io, split_counters)
 from dflash2.kernels.triton.int4_configs import int4_config
 from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, ONE_PLUS_SLOT_BITS, SLOT_BITS,
                                               _norm_weight_slots, _rms_rstd, _slot_activations, _slots_normed_by,
@@ -42,6 +42,13 @@ EARLY_LOADS = os.environ.get("DFLASH2_INT4_EARLY", "1") == "1"
 # launches a layer fewer (models/llama.py); DFLASH2_FUSE_NORM=0 keeps them separate. W2 int4 on the H200: 542.0
 # / 541.9 tok/s fused against 527.5 (fourteenth session, call 3, once the add read its tile before the wait).
 FUSE_NORM = os.environ.get("DFLASH2_FUSE_NORM", "1") == "1"
+# When K takes several steps (down: 4), each program of the regular kernel asks L2 for all of its rows right
+# after its PDL wait (L2_ROWS, gemv_parts._l2_prefetch): its registers hold one step ahead, so each later step's
+# words would otherwise come a loaded HBM latency after it asks. DFLASH2_INT4_L2_ROWS=0 turns it off. W2 int4
+# on the H200: 575.3 / 575.4 tok/s with it against 562.9 (eighteenth session, call 5); before the wait (while
+# the previous GEMV still streams) it measured slower (555.3), as did a prefetch line by line, tiles ahead in the
+# persistent kernel (gate_up), and qkv asking for o_proj's weights (results/s18/).
+L2_ROWS = os.environ.get("DFLASH2_INT4_L2_ROWS", "1") == "1"
 
 
 @triton.jit
@@ -68,7 +75,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                       ASM: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr,
                       HALF2: tl.constexpr = False, EARLY: tl.constexpr = False, NORM: tl.constexpr = False,
                       ADD_OUT: tl.constexpr = False, ONE_STEP: tl.constexpr = False,
-                      ONE_PLUS: tl.constexpr = False, ADD_EARLY: tl.constexpr = False):
+                      ONE_PLUS: tl.constexpr = False, ADD_EARLY: tl.constexpr = False,
+                      L2_ROWS: tl.constexpr = False):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
@@ -86,7 +94,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     rounded to out's dtype, then added in float32). ADD_EARLY (ADD_OUT, SPLIT_K = 1): out was last
     written two or more launches back (pdl.py's rule), so its tile is read before the wait, with the first
     weights, not after the K loop; with ONE_STEP the norm weights are read there too (constants).
-    ONE_PLUS: the words are in that layout (int4_math.py)."""
+    ONE_PLUS: the words are in that layout (int4_math.py). L2_ROWS (SPLIT_K = 1, several steps): after the wait,
+    the program asks L2 for all of its rows' words and scales (L2_ROWS above)."""
     if not EARLY:
         pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -118,6 +127,11 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                         mask=m_ok[:, None] & (cols < N)[None, :], other=0.0)
     if EARLY:
         pdl_start(USE_PDL)
+    if L2_ROWS:  # the rows are contiguous (the launcher checks): one range of words, one of scales
+        r0 = pid * BLOCK_N
+        rows_here = tl.minimum(N - r0, BLOCK_N)
+        _l2_prefetch(w_ptr + r0 * stride_wn, rows_here * stride_wn, ASM)
+        _l2_prefetch(sz_ptr + r0 * stride_sn, rows_here * stride_sn, ASM)
     MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
     rstd = eps  # (unused without NORM)
     if NORM and ONE_STEP:  # the whole row is this step's activations: normed once, before the loop
@@ -269,6 +283,14 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                 acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
 
 
+def _rows_contiguous(weight: dict) -> bool:
+    """Whether a weight's rows follow each other in memory (words and scales) from 16-byte aligned starts, as
+    the L2_ROWS prefetch takes them."""
+    words, sz = weight["words"], weight["sz"]
+    return (words.is_contiguous() and sz.is_contiguous() and words.data_ptr() % 16 == 0 and sz.data_ptr() % 16 == 0
+            and words.stride(0) % 4 == 0 and sz.stride(0) % 4 == 0)
+
+
 def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
     """Whether prepare_int4 takes this weight (whole 32-column chunks in every group, fp16 scales and zeros)."""
     return (group_size % CHUNK == 0 and k % group_size == 0 and scales.dtype == torch.float16
@@ -381,6 +403,8 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         EVEN_N=n % block_n == 0, PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired,
         SILU_OUT=silu_out, HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
         num_stages=config["num_stages"], ONE_STEP=norm is not None and split_k == 1 and k <= step,
-        ADD_EARLY=add_out and out_settled and split_k == 1, **fused, **pdl,
+        ADD_EARLY=add_out and out_settled and split_k == 1,
+        L2_ROWS=bool(config.get("L2_ROWS", L2_ROWS)) and split_k == 1 and k > step and _rows_contiguous(weight),
+        **fused, **pdl,
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
     return out
