@@ -79,16 +79,21 @@ def _added(value, prior, DTYPE: tl.constexpr):
 
 @triton.jit
 def _l2_prefetch(ptr, count, ASM: tl.constexpr):
-    """Ask L2 for the `count` elements from ptr on (16-byte aligned), which this program reads later: thread 0
-    issues one cp.async.bulk.prefetch.L2 and the copy engine streams the range in while the program computes;
-    its own loads then find the lines in L2. A hint: nothing waits for it, and a line evicted before it is read
-    is read again. Nothing under the interpreter, or for count <= 0."""
+    """Ask L2 for the `count` elements from ptr on, which this program reads later: thread 0 issues one
+    cp.async.bulk.prefetch.L2 and the copy engine streams the range in while the program computes; its own
+    loads then find the lines in L2. The bulk prefetch takes 16-byte units, so the range is cut to the whole
+    units inside [ptr rounded down to 16, the end) (inside the tensor, whose start is aligned). A hint: nothing
+    waits for it, and a line evicted before it is read is read again. Nothing under the interpreter, or for
+    count <= 0."""
     if ASM:
-        size = (count * (ptr.dtype.element_ty.primitive_bitwidth // 8)) & ~15
+        start = ptr.to(tl.int64)
+        aligned = start & ~15
+        size = ((start + count * (ptr.dtype.element_ty.primitive_bitwidth // 8) - aligned) & ~15).to(tl.int32)
+        size = tl.where(count > 0, size, 0)
         tl.inline_asm_elementwise(
             "{ .reg .pred p, q; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.s32 q, $2, 0; "
             "and.pred p, p, q; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr.to(tl.int64), size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+            "=r,l,r", [aligned, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -127,7 +127,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                         mask=m_ok[:, None] & (cols < N)[None, :], other=0.0)
     if EARLY:
         pdl_start(USE_PDL)
-    if L2_ROWS:  # the rows are contiguous (the launcher checks): one range of words, one of scales
+    if L2_ROWS:  # prepare_int4's rows follow each other: one range of words, one of scales
         r0 = pid * BLOCK_N
         rows_here = tl.minimum(N - r0, BLOCK_N)
         _l2_prefetch(w_ptr + r0 * stride_wn, rows_here * stride_wn, ASM)
@@ -283,14 +283,6 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                 acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
 
 
-def _rows_contiguous(weight: dict) -> bool:
-    """Whether a weight's rows follow each other in memory (words and scales) from 16-byte aligned starts, as
-    the L2_ROWS prefetch takes them."""
-    words, sz = weight["words"], weight["sz"]
-    return (words.is_contiguous() and sz.is_contiguous() and words.data_ptr() % 16 == 0 and sz.data_ptr() % 16 == 0
-            and words.stride(0) % 4 == 0 and sz.stride(0) % 4 == 0)
-
-
 def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
     """Whether prepare_int4 takes this weight (whole 32-column chunks in every group, fp16 scales and zeros)."""
     return (group_size % CHUNK == 0 and k % group_size == 0 and scales.dtype == torch.float16
@@ -404,7 +396,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         SILU_OUT=silu_out, HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
         num_stages=config["num_stages"], ONE_STEP=norm is not None and split_k == 1 and k <= step,
         ADD_EARLY=add_out and out_settled and split_k == 1,
-        L2_ROWS=bool(config.get("L2_ROWS", L2_ROWS)) and split_k == 1 and k > step and _rows_contiguous(weight),
+        L2_ROWS=bool(config.get("L2_ROWS", L2_ROWS)) and split_k == 1 and k > step,
         **fused, **pdl,
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
     return out
