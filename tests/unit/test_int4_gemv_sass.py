@@ -1,7 +1,10 @@
 """The int4 decode GEMV compiled for sm_90 on the CPU (Triton's bundled ptxas and cuobjdump; no GPU needed), in a
-subprocess: the other kernel tests import the kernels under TRITON_INTERPRET=1, which compiles nothing."""
+subprocess: the other kernel tests import the kernels under TRITON_INTERPRET=1, which compiles nothing. This
+module does not import triton itself: imported here first, without TRITON_INTERPRET, it would stay compiled for
+the interpreted tests collected after it."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,7 +12,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("needs triton", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
