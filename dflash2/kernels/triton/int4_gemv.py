@@ -378,7 +378,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     # config["EARLY"] overrides the switch (tests and the tune; under the interpreter it only reorders the loads)
     early = bool(config.get("EARLY", EARLY_LOADS)) and (pdl["USE_PDL"] or _INTERPRETED)
     if config.get("PERSISTENT") and config.get("TMA") and tma_available(x.device):
-        from dflash2.kernels.triton.int4_gemv_tma import _int4_gemv_tma_kernel, words_descriptor
+        from dflash2.kernels.triton.int4_gemv_tma import _int4_gemv_tma_kernel, box_words, words_descriptor
 
         programs = min(tiles, config.get("PROGRAMS") or config["PERSISTENT"] * multiprocessors(x.device))
         _int4_gemv_tma_kernel[(programs,)](
@@ -387,7 +387,8 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
             GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n, CHUNKS=chunks, STEPS=triton.cdiv(k, step),
             SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_K=k % step == 0, ASM=not _INTERPRETED, PAIRED=paired,
             SILU_OUT=silu_out, HALF2=weight.get("half2", False), STAGES=config["TMA"],
-            L2_FIRST=bool(config.get("L2_FIRST", 1)) and early, num_warps=config["num_warps"], num_stages=1,
+            L2_FIRST=bool(config.get("L2_FIRST", 1)) and early, BOX_WORDS=box_words(k, chunks),
+            num_warps=config["num_warps"], num_stages=1,
             **fused, **pdl)
         return out
     if config.get("PERSISTENT"):

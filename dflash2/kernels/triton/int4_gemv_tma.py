@@ -8,10 +8,10 @@ memory with mbarriers, TMA - 1 tiles ahead, and the scales into cp.async copies;
 tile being computed (56-64 a thread at 8 rows), and shared memory holds the tiles in flight (20 KiB a tile of
 8 rows on 4 warps). The arithmetic, the norm and the stores are the persistent kernel's.
 
-The descriptor views the repacked words [N, K / 8] as [N, K / 32, 4] (row, chunk, word) with blocks of
-[BLOCK_N, CHUNKS, 4]: each thread reads its own chunk of every row from shared memory (one 16-byte load a
-row, consecutive threads on consecutive chunks); rows and chunks past the tensor are zero-filled by the TMA
-unit (and their activations masked to zero). L2_FIRST: before its PDL wait a program asks L2 for its first
+The descriptor views the repacked words [N, K / 8] as [N, K / 8 / BOX_WORDS, BOX_WORDS] with blocks of a step's
+[BLOCK_N, 4 CHUNKS / BOX_WORDS, BOX_WORDS] (words_descriptor; box rows of up to 1 KiB, which Triton lays out
+128-byte swizzled); each thread reads its own chunk of every row from shared memory (one 16-byte load a row);
+rows and chunks past the tensor are zero-filled by the TMA unit (and their activations masked to zero). L2_FIRST: before its PDL wait a program asks L2 for its first
 tile (gemv_parts._l2_prefetch), in place of the persistent kernel's early loads into registers.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _int4_gemv_tma_kernel(x_ptr, w_desc, w_ptr, sz_ptr, out_ptr, M, N, K, stride
                           EVEN_K: tl.constexpr, ASM: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr,
                           HALF2: tl.constexpr, USE_PDL: tl.constexpr, STAGES: tl.constexpr,
                           L2_FIRST: tl.constexpr, NORM: tl.constexpr, ADD_OUT: tl.constexpr,
-                          ONE_PLUS: tl.constexpr):
+                          ONE_PLUS: tl.constexpr, BOX_WORDS: tl.constexpr):
     """int4_gemv.py's persistent kernel (program p takes tiles p, p + P, ...; each in STEPS steps along K) with
     the words of every (tile, step) loaded through w_desc, pipelined STAGES deep (see the module docstring).
     w_ptr: the same words as a pointer (L2_FIRST's prefetch)."""
@@ -73,7 +73,8 @@ def _int4_gemv_tma_kernel(x_ptr, w_desc, w_ptr, sz_ptr, out_ptr, M, N, K, stride
     for f in tl.range(0, total, num_stages=STAGES):
         tile = pid + (f // STEPS) * programs
         k0 = (f % STEPS) * STEP
-        words = tl.permute(w_desc.load([tile * BLOCK_N, k0 // 32, 0]), (1, 0, 2))[:, None, :, :]  # [C, 1, BN, 4]
+        block = w_desc.load([tile * BLOCK_N, k0 // (8 * BOX_WORDS), 0])  # [BN, 4 CHUNKS / BOX_WORDS, BOX_WORDS]
+        words = tl.permute(tl.reshape(block, [BLOCK_N, CHUNKS, 4]), (1, 0, 2))[:, None, :, :]  # [C, 1, BN, 4]
         rows = tile * BLOCK_N + lanes
         n_ok = rows < N
         c_ok = k0 + c * 32 < K
@@ -93,9 +94,19 @@ def _int4_gemv_tma_kernel(x_ptr, w_desc, w_ptr, sz_ptr, out_ptr, M, N, K, stride
                 acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
 
 
+def box_words(k: int, chunks: int) -> int:
+    """Words a row of a descriptor box spans: the most (at most 256, the TMA limit) that divide both a step's
+    4 CHUNKS words and the row's K / 8, so that a step is whole boxes of the row; at least one chunk's 4 words.
+    A wide box matters: with 16-byte rows the copy unit moves 16 bytes a request and cannot keep up."""
+    box = 256
+    while box > 4 and ((4 * chunks) % box or (k // 8) % box):
+        box //= 2
+    return box
+
+
 def words_descriptor(weight: dict, block_n: int, chunks: int):
-    """The TMA descriptor of a prepare_int4 weight's words for [block_n, chunks, 4] blocks, built once a weight
-    and block shape (kept in the weight's dict)."""
+    """The TMA descriptor of a prepare_int4 weight's words, viewed as [N, K / 8 / box, box] with blocks of
+    [block_n, 4 chunks / box, box] (box = box_words), built once a weight and block shape (kept in its dict)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     cache = weight.setdefault("tma_descriptors", {})
@@ -104,5 +115,6 @@ def words_descriptor(weight: dict, block_n: int, chunks: int):
         words, n, k = weight["words"], weight["n"], weight["k"]
         if words.stride() != (k // 8, 1):
             raise ValueError(f"int4 GEMV TMA needs contiguous words [{n}, {k // 8}], got strides {words.stride()}")
-        cache[key] = TensorDescriptor(words, [n, k // 32, 4], [k // 8, 4, 1], [block_n, chunks, 4])
+        box = box_words(k, chunks)
+        cache[key] = TensorDescriptor(words, [n, k // 8 // box, box], [k // 8, box, 1], [block_n, 4 * chunks // box, box])
     return cache[key]
