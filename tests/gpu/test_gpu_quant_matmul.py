@@ -279,31 +279,6 @@ def test_int4_gemv_norm_and_residual_add(n, k):
                 assert torch.equal(added, want), (config, rows, settled)
 
 
-@pytest.mark.parametrize("n, k, mode", [(28672, 4096, "gate_up"), (4096, 14336, "down"), (128256, 4096, "plain")])
-def test_int4_gemv_tma_equals_persistent(n, k, mode):
-    """Config "TMA" (int4_gemv_tma.py: the words through TMA copies, pipelined) computes bit for bit what the
-    persistent kernel does, on llama-3-8b's shapes as the engine runs them (gate_up paired, normed, silu_out;
-    down with the residual add, 4 steps a tile; lm_head plain), M = 1 and 4, eager and in a CUDA graph."""
-    from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up
-
-    _, prepared = _int4_prepared(n, k, seed=n)
-    prepared = pair_gate_up(prepared) if mode == "gate_up" else prepared
-    norm = ((torch.rand(k, device="cuda") + 0.5).bfloat16(), 1e-5) if mode == "gate_up" else None
-    base = {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1, "PERSISTENT": 4}
-    for tma in ({"TMA": 3, "PERSISTENT": 5}, {"TMA": 2, "PERSISTENT": 7}, {"TMA": 3, "PERSISTENT": 5, "L2_FIRST": 0}):
-        for rows in (1, 4):
-            x = (_activations(rows, k, seed=rows + n).float() * 3).bfloat16()
-
-            def call(out=None, config=base):
-                if mode == "down":
-                    out = torch.ones(rows, n, device="cuda").bfloat16() if out is None else out.fill_(1)
-                return int4_gemv(x, prepared, out=out, config=config, silu_out=mode == "gate_up", norm=norm,
-                                 add_out=mode == "down")
-
-            assert torch.equal(call(config={**base, **tma}), call()), (tma, rows)
-            _assert_graph_replays_as_eager(lambda out=None: call(out, {**base, **tma}))
-
-
 def test_int4_engine_folds_norms(tiny_int4, monkeypatch):
     """DFLASH2_FUSE_NORM on the GPU: the tiny int4 model's greedy tokens with each layer's norms and residual
     adds folded into its GEMVs (decode steps, CUDA graphs) equal the "torch" backend's."""

@@ -283,11 +283,6 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                 acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
 
 
-def tma_available(device: torch.device) -> bool:
-    """Config "TMA" (int4_gemv_tma.py) needs sm_90 or newer; the interpreter emulates the copies."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
     """Whether prepare_int4 takes this weight (whole 32-column chunks in every group, fp16 scales and zeros)."""
     return (group_size % CHUNK == 0 and k % group_size == 0 and scales.dtype == torch.float16
@@ -377,20 +372,6 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
     pdl = pdl_args()
     # config["EARLY"] overrides the switch (tests and the tune; under the interpreter it only reorders the loads)
     early = bool(config.get("EARLY", EARLY_LOADS)) and (pdl["USE_PDL"] or _INTERPRETED)
-    if config.get("PERSISTENT") and config.get("TMA") and tma_available(x.device):
-        from dflash2.kernels.triton.int4_gemv_tma import _int4_gemv_tma_kernel, box_words, words_descriptor
-
-        programs = min(tiles, config.get("PROGRAMS") or config["PERSISTENT"] * multiprocessors(x.device))
-        _int4_gemv_tma_kernel[(programs,)](
-            x, words_descriptor(weight, block_n, chunks), weight["words"], weight["sz"], out, m, n, k, x.stride(0),
-            weight["words"].stride(0), weight["sz"].stride(0), out.stride(0), norm_weight, eps,
-            GS=weight["group_size"], BLOCK_M=block_m, BLOCK_N=block_n, CHUNKS=chunks, STEPS=triton.cdiv(k, step),
-            SILU_MUL=silu_mul, EVEN_M=m == block_m, EVEN_K=k % step == 0, ASM=not _INTERPRETED, PAIRED=paired,
-            SILU_OUT=silu_out, HALF2=weight.get("half2", False), STAGES=config["TMA"],
-            L2_FIRST=bool(config.get("L2_FIRST", 1)) and early, BOX_WORDS=box_words(k, chunks),
-            num_warps=config["num_warps"], num_stages=1,
-            **fused, **pdl)
-        return out
     if config.get("PERSISTENT"):
         programs = min(tiles, config.get("PROGRAMS") or config["PERSISTENT"] * multiprocessors(x.device))
         _int4_gemv_persistent_kernel[(programs,)](

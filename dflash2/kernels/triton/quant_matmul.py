@@ -62,6 +62,9 @@ GEMM_SHAPE_CONFIGS: dict[tuple[int, int, int], dict[str, int]] = {
     (4, 4096, 14336): {**GEMM_CONFIG, "BLOCK_K": 256, "num_warps": 8, "num_stages": 4},
 }
 
+# A GEMM with silu_mul loads a gate and an up tile of activations a stage: llama-3-8b's down config (BLOCK_K 256,
+# 4 stages) then needs 253,952 bytes of shared memory against the H200's 232,448 (and 180,224 at 3 stages)
+SILU_MUL_MAX_STAGES = 3
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # int4 decode (M <= GEMV_MAX_M) through kernels/triton/int4_gemv.py: a second, repacked copy of each weight,
 # ~2.2-2.5 (16-bit models) to ~3.2 sm_90 instructions a weight against ~8.6 for _gemv_kernel
@@ -281,6 +284,8 @@ def gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = Non
     if m == 0:
         return out
     config = dict(config or gemm_config(weight["bits"], n, weight["k"], m))
+    if silu_mul:  # two activation tiles a stage: down's tuned 4 stages would need 248 KiB of shared memory
+        config["num_stages"] = min(config["num_stages"], SILU_MUL_MAX_STAGES)
     block_m = config["BLOCK_M"]
     if triton.cdiv(m, block_m) > 4:
         config["SPLIT_K"] = 1  # enough tiles already
