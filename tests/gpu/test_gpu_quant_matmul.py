@@ -266,8 +266,7 @@ def test_int4_gemv_norm_and_residual_add(n, k):
 
     _, prepared = _int4_prepared(n, k, seed=n)
     norm_weight = (torch.rand(k, device="cuda") + 0.5).bfloat16()
-    l2_ahead = [{**PERSISTENT_CONFIGS[0], "PERSISTENT": 5, "L2_AHEAD": 2}]  # each tile's words loaded from L2
-    for config in [None] + PERSISTENT_CONFIGS[:4] + l2_ahead:
+    for config in [None] + PERSISTENT_CONFIGS[:4]:
         for rows in (1, 4):
             residual = (torch.randn(rows, k, device="cuda") * 4).bfloat16()
             plain = int4_gemv(rms_norm(residual, norm_weight, 1e-5), prepared, config=config)

@@ -216,8 +216,6 @@ def test_int4_gemv_persistent(rows, k, chunks, programs, mode, products):
     for early in (0, 1):
         persistent = {**config, "PERSISTENT": 1, "PROGRAMS": programs, "EARLY": early}
         assert torch.equal(int4_gemv(x, prepared, config=persistent, **kwargs), plain)
-        # L2_AHEAD: each step's words loaded when computed (tiles asked of L2 ahead, a no-op here)
-        assert torch.equal(int4_gemv(x, prepared, config={**persistent, "L2_AHEAD": 2}, **kwargs), plain)
     if mode == "plain":
         torch.testing.assert_close(plain, expected(x, weight), atol=3e-3 if half2 else 2e-5,
                                    rtol=3e-3 if half2 else 1e-5)
@@ -230,7 +228,6 @@ def test_int4_gemv_persistent(rows, k, chunks, programs, mode, products):
     (512, {"CHUNKS": 4, "SPLIT_K": 2}),                     # split along K: each split norms the whole row
     (128, {"CHUNKS": 4, "PERSISTENT": 1, "PROGRAMS": 2}),   # persistent, one step: normed once a program
     (448, {"CHUNKS": 4, "PERSISTENT": 1, "PROGRAMS": 3}),   # persistent, 4 steps
-    (128, {"CHUNKS": 4, "PERSISTENT": 1, "PROGRAMS": 2, "L2_AHEAD": 1}),  # the same, tiles asked of L2 ahead
 ])
 def test_int4_gemv_norm_and_residual_add(k, config, half2):
     """norm=(weight, eps): the GEMV's input is RMSNorm(x) computed in its prologue (x the residual stream, left

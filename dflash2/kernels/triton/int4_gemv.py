@@ -214,23 +214,13 @@ def _tile_step_load(w_ptr, sz_ptr, tile, k0, N, K, c, lanes, offs, stride_wn, st
 
 
 @triton.jit
-def _tile_l2_prefetch(w_ptr, sz_ptr, tile, N, stride_wn, stride_sn, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
-    """Ask L2 for row tile `tile`'s words and scales (all of K; nothing for a tile past N)."""
-    r0 = tile * BLOCK_N
-    rows = tl.minimum(N - r0, BLOCK_N)
-    _l2_prefetch(w_ptr + r0 * stride_wn, rows * stride_wn, ASM)
-    _l2_prefetch(sz_ptr + r0 * stride_sn, rows * stride_sn, ASM)
-
-
-@triton.jit
 def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                                  stride_om, nw_ptr, eps, GS: tl.constexpr, BLOCK_M: tl.constexpr,
                                  BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr,
                                  SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                                  PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, HALF2: tl.constexpr,
                                  USE_PDL: tl.constexpr, EARLY: tl.constexpr, NORM: tl.constexpr = False,
-                                 ADD_OUT: tl.constexpr = False, ONE_PLUS: tl.constexpr = False,
-                                 L2_AHEAD: tl.constexpr = 0):
+                                 ADD_OUT: tl.constexpr = False, ONE_PLUS: tl.constexpr = False):
     """The same GEMV with fewer programs than row tiles (int4_gemv's config "PERSISTENT"): program p takes tiles
     p, p + P, p + 2 P, ... (P programs), each in STEPS steps along K, and requests the next step's words (the
     next tile's, after a tile's last step) before it computes this one, so its loads keep streaming while it
@@ -252,12 +242,8 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
     offs = c4 * 4 + j4  # [C, 1, 1, 4]: a chunk's 4 words
     x_base = x_ptr + m_idx[None, :, None, None] * stride_xm  # [1, BM, 1, 1]
     x_cols = c4 * 32 + j4  # [C, 1, 1, 4]; + 4 p for slot p
-    if L2_AHEAD:  # the first L2_AHEAD + 1 tiles to L2 (no register holds them)
-        for j in tl.static_range(L2_AHEAD + 1):
-            _tile_l2_prefetch(w_ptr, sz_ptr, pid + j * programs, N, stride_wn, stride_sn, BLOCK_N, ASM)
-    else:
-        words_next, sz_next = _tile_step_load(w_ptr, sz_ptr, pid, 0, N, K, c, lanes, offs, stride_wn, stride_sn, GS,
-                                              BLOCK_N)
+    words_next, sz_next = _tile_step_load(w_ptr, sz_ptr, pid, 0, N, K, c, lanes, offs, stride_wn, stride_sn, GS,
+                                          BLOCK_N)
     if NORM and STEPS == 1:  # the norm weights are constants: requested with the first words
         w0, w1, w2, w3, w4, w5, w6, w7 = _norm_weight_slots(nw_ptr, x_cols, c4 * 32 < K)
     if EARLY:
@@ -278,17 +264,10 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
     for f in range(0, total):
         tile = pid + (f // STEPS) * programs
         k0 = (f % STEPS) * STEP
-        if L2_AHEAD:  # this step's words from L2; the tile L2_AHEAD + 1 ahead asked for as a tile starts
-            if f % STEPS == 0:
-                _tile_l2_prefetch(w_ptr, sz_ptr, tile + (L2_AHEAD + 1) * programs, N, stride_wn, stride_sn, BLOCK_N,
-                                  ASM)
-            words, sz = _tile_step_load(w_ptr, sz_ptr, tile, k0, N, K, c, lanes, offs, stride_wn, stride_sn, GS,
-                                        BLOCK_N)
-        else:
-            words, sz = words_next, sz_next
-            words_next, sz_next = _tile_step_load(w_ptr, sz_ptr, pid + ((f + 1) // STEPS) * programs,
-                                                  ((f + 1) % STEPS) * STEP, N, K, c, lanes, offs, stride_wn,
-                                                  stride_sn, GS, BLOCK_N)
+        words, sz = words_next, sz_next
+        words_next, sz_next = _tile_step_load(w_ptr, sz_ptr, pid + ((f + 1) // STEPS) * programs,
+                                              ((f + 1) % STEPS) * STEP, N, K, c, lanes, offs, stride_wn, stride_sn,
+                                              GS, BLOCK_N)
         if STEPS == 1:
             part = _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM, ONE_PLUS)
             _int4_store(tl.sum(part, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0, BLOCK_M,
@@ -400,8 +379,8 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
             weight["sz"].stride(0), out.stride(0), norm_weight, eps, GS=weight["group_size"], BLOCK_M=block_m,
             BLOCK_N=block_n, CHUNKS=chunks, STEPS=triton.cdiv(k, step), SILU_MUL=silu_mul, EVEN_M=m == block_m,
             EVEN_K=k % step == 0, ASM=not _INTERPRETED, PAIRED=paired, SILU_OUT=silu_out,
-            HALF2=weight.get("half2", False), EARLY=early, L2_AHEAD=config.get("L2_AHEAD", 0),
-            num_warps=config["num_warps"], num_stages=config["num_stages"], **fused, **pdl,
+            HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
+            num_stages=config["num_stages"], **fused, **pdl,
             **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
         return out
     split_k = max(1, min(config.get("SPLIT_K", 1), triton.cdiv(k, step)))
