@@ -25,6 +25,7 @@ ids may be placeholders, resolved inside the graph from the runner's future-toke
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -294,8 +295,17 @@ class StepGraphs:
                 step()  # warm-up: compile kernels and pick GEMM algorithms outside the capture
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[shape], self.greedy[shape] = step()
+            # No garbage collection inside the capture: a finalizer freeing pinned host memory (an earlier
+            # engine's pools in the same process) queries CUDA events, which a capture does not permit; and
+            # other threads' CUDA calls do not invalidate it (thread_local).
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    self.logits[shape], self.greedy[shape] = step()
+            finally:
+                if collecting:
+                    gc.enable()
             self.graphs[shape] = graph
         finally:
             attention.graph_num_splits = None
