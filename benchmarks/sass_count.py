@@ -4,6 +4,10 @@ main loop per element it processes: a proxy for whether a kernel can keep up wit
     .venv/bin/python benchmarks/sass_count.py [--gemv-only]   (JSON lines; CPU only, needs triton's ptxas;
                                                               --gemv-only: skip the decode-attention loops)
 
+The int4 GEMVs of a llama-3-8b decode step are also compiled as the engine launches them (engine_int4_reports:
+their configs, the launcher's constants, M = 1 and the shapes' integers specialized as at launch), with their
+registers and spill instructions: what decides how many programs fit an SM.
+
 At full bandwidth (~4 TB/s) an H200 issues about 33e12 thread-instructions a second, so a kernel streaming
 B bytes an element stays memory-bound only below ~8 B instructions an element (bf16 KV: ~16; int8 KV: ~8;
 int4 weights at 0.5 B: ~4). Compiling also catches what TRITON_INTERPRET=1 does not (types the compiler
@@ -35,18 +39,27 @@ TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_sm90(kernel, types: dict[str, str], constants: dict, num_warps: int, num_stages: int):
+def compile_sm90(kernel, types: dict[str, str], constants: dict, num_warps: int, num_stages: int,
+                 values: dict[str, int] | None = None, maxnreg: int | None = None):
+    """values: integer arguments as a launch passes them, specialized as Triton's launcher does (a 1 becomes a
+    constant, a multiple of 16 is declared divisible by 16). The register count depends on it: the persistent
+    int4 GEMV on gate_up compiles to 96 registers with M left open but to 127 with M = 1 (nineteenth session).
+    Without values, pointers and strides are declared divisible and every other integer is left open."""
     parameters = inspect.signature(kernel.fn).parameters
     names = list(parameters)
     defaults = {n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty}
     constants = {**defaults, **constants}  # constexpr parameters with defaults (HALF2, EARLY) as the launcher's
     if "USE_PDL" in names:  # programmatic dependent launch as on the H200 (kernels/triton/pdl.py)
         constants = {"USE_PDL": True, **constants}
+    values = values or {}
+    constants = {**constants, **{n: 1 for n, v in values.items() if v == 1}}
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n not in constants and (signature[n].startswith("*") or n.startswith("stride"))}
+               if n not in constants and (signature[n].startswith("*") or n.startswith("stride") and n not in values
+                                          or values.get(n, 1) % 16 == 0)}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
-    return triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(source, target=TARGET, options=options)
 
 
 def loop_mix(compiled) -> tuple[int, collections.Counter]:
@@ -76,13 +89,15 @@ def cuobjdump(compiled, flag: str) -> str:
 
 
 def report(name: str, kernel, types: dict, constants: dict, elements_per_iteration: int, num_warps: int = 4,
-           num_stages: int = 2) -> None:
-    compiled = compile_sm90(kernel, types, constants, num_warps, num_stages)
+           num_stages: int = 2, values: dict[str, int] | None = None, maxnreg: int | None = None) -> None:
+    compiled = compile_sm90(kernel, types, constants, num_warps, num_stages, values, maxnreg)
     count, mix = loop_mix(compiled)
     registers = re.search(r"REG:(\d+)", cuobjdump(compiled, "-res-usage"))
+    sass = cuobjdump(compiled, "-sass")
     print(json.dumps({"kernel": name, "loop_instructions": count,
                       "per_element": round(count * 32 * num_warps / elements_per_iteration, 2),
                       "registers": int(registers.group(1)) if registers else None,
+                      "spill_instructions": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
                       "shared_memory_in_loop": any(mix[op] for op in ("STS", "LDS", "BAR", "LDSM")),
                       "top": dict(mix.most_common(8))}), flush=True)
 
@@ -116,9 +131,43 @@ def decode_reports() -> None:
                elements_per_iteration=block_n * 128 * 2, num_warps=num_warps, num_stages=config["num_stages"])
 
 
+# llama-3-8b's decode GEMVs as the int4 engine launches them at one row: (name, N, K, what is folded in)
+LLAMA3_8B_INT4_LAYERS = [("qkv", 6144, 4096, "norm"), ("o_proj", 4096, 4096, "add"),
+                         ("gate_up", 28672, 4096, "norm+silu_out"), ("down", 4096, 14336, "add"),
+                         ("lm_head", 128256, 4096, "")]
+
+
+def engine_int4_reports() -> None:
+    """The int4 GEMVs of a llama-3-8b decode step at their engine configs (int4_configs, half2 products, M = 1),
+    with the constants int4_gemv's launcher sets and the integers specialized as a launch specializes them."""
+    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+             "cnt_ptr": "*i32", "nw_ptr": "*bf16", "eps": "fp32"}
+    for name, n, k, fused in LLAMA3_8B_INT4_LAYERS:
+        config = int4_configs.int4_config(n, k, 1, half2=True)
+        step = config["CHUNKS"] * 32
+        values = {"M": 1, "N": n, "K": k, "stride_xm": k, "stride_wn": k // 8, "stride_sn": k // 128,
+                  "stride_om": n // 2 if "silu_out" in fused else n}
+        common = {"GS": 128, "BLOCK_M": 1, "BLOCK_N": config["BLOCK_N"], "CHUNKS": config["CHUNKS"],
+                  "SILU_MUL": False, "EVEN_M": True, "EVEN_K": k % step == 0, "ASM": True,
+                  "PAIRED": "silu_out" in fused, "SILU_OUT": "silu_out" in fused, "HALF2": True,
+                  "EARLY": int4_gemv.EARLY_LOADS, "NORM": "norm" in fused, "ADD_OUT": fused == "add"}
+        if config.get("PERSISTENT"):
+            kernel, constants = int4_gemv._int4_gemv_persistent_kernel, {**common, "STEPS": -(-k // step)}
+        else:
+            kernel = int4_gemv._int4_gemv_kernel
+            constants = {**common, "SPLIT_K": 1, "EVEN_N": n % config["BLOCK_N"] == 0, "PREFETCH": k > step,
+                         "ONE_STEP": "norm" in fused and k <= step, "ADD_EARLY": fused == "add",
+                         "L2_ROWS": int4_gemv.L2_ROWS and k > step}
+        report(f"int4 GEMV as the engine runs llama-3-8b's {name} (N {n}, K {k}{', ' + fused if fused else ''}), "
+               f"M=1, {config} (per weight)", kernel, types, constants,
+               elements_per_iteration=config["BLOCK_N"] * step, num_warps=config["num_warps"],
+               num_stages=config["num_stages"], values=values, maxnreg=config.get("maxnreg"))
+
+
 def main() -> None:
     if "--gemv-only" not in sys.argv:
         decode_reports()
+    engine_int4_reports()
     gemv_types = {"x_ptr": "*bf16", "hi_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16",
                   "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     for bits, weight, block_n, gs, t, words in ((16, "*bf16", 8, 512, 1, False), (8, "*i32", 8, 512, 1, True),
