@@ -54,17 +54,20 @@ def compile_sm90(kernel, types: dict[str, str], constants: dict, num_warps: int,
     values = values or {}
     constants = {**constants, **{n: 1 for n, v in values.items() if v == 1}}
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n not in constants and (signature[n].startswith("*") or n.startswith("stride") and n not in values
-                                          or values.get(n, 1) % 16 == 0)}
+
+    def divisible(name: str) -> bool:
+        if signature[name].startswith("*"):
+            return True
+        return values[name] % 16 == 0 if name in values else name.startswith("stride")
+
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constants and divisible(n)}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
     options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(source, target=TARGET, options=options)
 
 
-def loop_mix(compiled) -> tuple[int, collections.Counter]:
-    """Instructions of the longest backward-branch loop in the SASS, and their opcodes."""
-    sass = cuobjdump(compiled, "-sass")
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """Instructions of the longest backward-branch loop in a kernel's SASS (cuobjdump -sass), and their opcodes."""
     instructions = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*);", line)
@@ -91,9 +94,9 @@ def cuobjdump(compiled, flag: str) -> str:
 def report(name: str, kernel, types: dict, constants: dict, elements_per_iteration: int, num_warps: int = 4,
            num_stages: int = 2, values: dict[str, int] | None = None, maxnreg: int | None = None) -> None:
     compiled = compile_sm90(kernel, types, constants, num_warps, num_stages, values, maxnreg)
-    count, mix = loop_mix(compiled)
-    registers = re.search(r"REG:(\d+)", cuobjdump(compiled, "-res-usage"))
     sass = cuobjdump(compiled, "-sass")
+    count, mix = loop_mix(sass)
+    registers = re.search(r"REG:(\d+)", cuobjdump(compiled, "-res-usage"))
     print(json.dumps({"kernel": name, "loop_instructions": count,
                       "per_element": round(count * 32 * num_warps / elements_per_iteration, 2),
                       "registers": int(registers.group(1)) if registers else None,
@@ -144,24 +147,16 @@ def engine_int4_reports() -> None:
              "cnt_ptr": "*i32", "nw_ptr": "*bf16", "eps": "fp32"}
     for name, n, k, fused in LLAMA3_8B_INT4_LAYERS:
         config = int4_configs.int4_config(n, k, 1, half2=True)
-        step = config["CHUNKS"] * 32
+        weight = {"n": n, "k": k, "group_size": 128, "half2": True, "paired": "silu_out" in fused}
+        constants = int4_gemv.launch_constants(weight, 1, config, silu_out="silu_out" in fused, norm="norm" in fused,
+                                               add_out=fused == "add", out_settled=fused == "add")
+        options = {key: constants.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in constants}
+        kernel = int4_gemv._int4_gemv_persistent_kernel if config.get("PERSISTENT") else int4_gemv._int4_gemv_kernel
         values = {"M": 1, "N": n, "K": k, "stride_xm": k, "stride_wn": k // 8, "stride_sn": k // 128,
                   "stride_om": n // 2 if "silu_out" in fused else n}
-        common = {"GS": 128, "BLOCK_M": 1, "BLOCK_N": config["BLOCK_N"], "CHUNKS": config["CHUNKS"],
-                  "SILU_MUL": False, "EVEN_M": True, "EVEN_K": k % step == 0, "ASM": True,
-                  "PAIRED": "silu_out" in fused, "SILU_OUT": "silu_out" in fused, "HALF2": True,
-                  "EARLY": int4_gemv.EARLY_LOADS, "NORM": "norm" in fused, "ADD_OUT": fused == "add"}
-        if config.get("PERSISTENT"):
-            kernel, constants = int4_gemv._int4_gemv_persistent_kernel, {**common, "STEPS": -(-k // step)}
-        else:
-            kernel = int4_gemv._int4_gemv_kernel
-            constants = {**common, "SPLIT_K": 1, "EVEN_N": n % config["BLOCK_N"] == 0, "PREFETCH": k > step,
-                         "ONE_STEP": "norm" in fused and k <= step, "ADD_EARLY": fused == "add",
-                         "L2_ROWS": int4_gemv.L2_ROWS and k > step}
         report(f"int4 GEMV as the engine runs llama-3-8b's {name} (N {n}, K {k}{', ' + fused if fused else ''}), "
                f"M=1, {config} (per weight)", kernel, types, constants,
-               elements_per_iteration=config["BLOCK_N"] * step, num_warps=config["num_warps"],
-               num_stages=config["num_stages"], values=values, maxnreg=config.get("maxnreg"))
+               elements_per_iteration=config["BLOCK_N"] * config["CHUNKS"] * 32, values=values, **options)
 
 
 def main() -> None:

@@ -88,8 +88,8 @@ def _l2_prefetch(ptr, count, ASM: tl.constexpr):
     if ASM:
         start = ptr.to(tl.int64)
         aligned = start & ~15
+        # count <= 0 leaves size <= 0 (the start is less than 16 bytes past `aligned`), which the asm skips
         size = ((start + count * (ptr.dtype.element_ty.primitive_bitwidth // 8) - aligned) & ~15).to(tl.int32)
-        size = tl.where(count > 0, size, 0)
         tl.inline_asm_elementwise(
             "{ .reg .pred p, q; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.s32 q, $2, 0; "
             "and.pred p, p, q; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",

@@ -353,50 +353,55 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
             out = torch.empty((x.shape[0], n // 2), dtype=x.dtype, device=x.device)
     x, out = prepare_io(x, weight, out, silu_mul)
     norm_weight, eps = norm if norm is not None else (x, 0.0)  # x: any pointer, never read without NORM
-    fused = {"NORM": norm is not None, "ADD_OUT": add_out,  # (the regular kernel adds ONE_STEP below)
-             "ONE_PLUS": weight.get("one_plus", False)}
     m = out.shape[0]
     if m == 0:
         return out
     config = config or int4_config(n, k, m, weight.get("half2", False))
-    block_n, chunks = config["BLOCK_N"], config["CHUNKS"]
-    block_m = triton.next_power_of_2(m)
-    if not _INTERPRETED and chunks != CHUNK * config["num_warps"]:
+    if not _INTERPRETED and config["CHUNKS"] != CHUNK * config["num_warps"]:
         # otherwise warps share chunks and split the rows, and the activations (one row for all n) cannot
         # follow the weights' layout: Triton moves data through shared memory in the K loop
         raise ValueError(f"int4 GEMV config needs CHUNKS = 32 num_warps, got {config}")
     if x.shape[0] * x.stride(0) >= 1 << 31:
         raise ValueError("int4 GEMV indexes with int32 offsets: the activation is too large")
-    step = chunks * CHUNK
-    tiles = triton.cdiv(n, block_n)
+    tiles = triton.cdiv(n, config["BLOCK_N"])
     pdl = pdl_args()
     # config["EARLY"] overrides the switch (tests and the tune; under the interpreter it only reorders the loads)
     early = bool(config.get("EARLY", EARLY_LOADS)) and (pdl["USE_PDL"] or _INTERPRETED)
+    constants = launch_constants(weight, m, config, silu_mul=silu_mul, silu_out=silu_out, norm=norm is not None,
+                                 add_out=add_out, out_settled=out_settled, early=early, asm=not _INTERPRETED)
+    strides = (x.stride(0), weight["words"].stride(0), weight["sz"].stride(0), out.stride(0))
     if config.get("PERSISTENT"):
         programs = min(tiles, config.get("PROGRAMS") or config["PERSISTENT"] * multiprocessors(x.device))
-        _int4_gemv_persistent_kernel[(programs,)](
-            x, weight["words"], weight["sz"], out, m, n, k, x.stride(0), weight["words"].stride(0),
-            weight["sz"].stride(0), out.stride(0), norm_weight, eps, GS=weight["group_size"], BLOCK_M=block_m,
-            BLOCK_N=block_n, CHUNKS=chunks, STEPS=triton.cdiv(k, step), SILU_MUL=silu_mul, EVEN_M=m == block_m,
-            EVEN_K=k % step == 0, ASM=not _INTERPRETED, PAIRED=paired, SILU_OUT=silu_out,
-            HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
-            num_stages=config["num_stages"], **fused, **pdl,
-            **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
+        _int4_gemv_persistent_kernel[(programs,)](x, weight["words"], weight["sz"], out, m, n, k, *strides,
+                                                  norm_weight, eps, **constants, **pdl)
         return out
-    split_k = max(1, min(config.get("SPLIT_K", 1), triton.cdiv(k, step)))
-    even_k = k % (step * split_k) == 0
-    prefetch = (early or bool(config.get("PREFETCH", 0))) and k > step * split_k
+    split_k = constants["SPLIT_K"]
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = split_counters(x.device, tiles) if split_k > 1 else out
-    _int4_gemv_kernel[(tiles, split_k)](
-        x, weight["words"], weight["sz"], out, ws, counters, m, n, k, x.stride(0), weight["words"].stride(0),
-        weight["sz"].stride(0), out.stride(0), norm_weight, eps, GS=weight["group_size"], BLOCK_M=block_m,
-        BLOCK_N=block_n, CHUNKS=chunks, SPLIT_K=split_k, SILU_MUL=silu_mul, EVEN_M=m == block_m,
-        EVEN_N=n % block_n == 0, PREFETCH=prefetch, EVEN_K=even_k, ASM=not _INTERPRETED, PAIRED=paired,
-        SILU_OUT=silu_out, HALF2=weight.get("half2", False), EARLY=early, num_warps=config["num_warps"],
-        num_stages=config["num_stages"], ONE_STEP=norm is not None and split_k == 1 and k <= step,
-        ADD_EARLY=add_out and out_settled and split_k == 1,
-        L2_ROWS=bool(config.get("L2_ROWS", L2_ROWS)) and split_k == 1 and k > step,
-        **fused, **pdl,
-        **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}))
+    _int4_gemv_kernel[(tiles, split_k)](x, weight["words"], weight["sz"], out, ws, counters, m, n, k, *strides,
+                                        norm_weight, eps, **constants, **pdl)
     return out
+
+
+def launch_constants(weight: dict, m: int, config: dict, *, silu_mul: bool = False, silu_out: bool = False,
+                     norm: bool = False, add_out: bool = False, out_settled: bool = False,
+                     early: bool = EARLY_LOADS, asm: bool = True) -> dict:
+    """The constexpr arguments and launch options (num_warps, num_stages, maxnreg) int4_gemv passes its kernel
+    for m activation rows at `config`: the persistent kernel's where config has PERSISTENT, else the regular
+    one's. Only the weight's scalars are read (n, k, group_size and the layout flags), so benchmarks/
+    sass_count.py compiles the kernels with the very constants a launch uses."""
+    n, k, block_n = weight["n"], weight["k"], config["BLOCK_N"]
+    block_m = triton.next_power_of_2(m)
+    step = config["CHUNKS"] * CHUNK
+    common = {"GS": weight["group_size"], "BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNKS": config["CHUNKS"],
+              "SILU_MUL": silu_mul, "EVEN_M": m == block_m, "ASM": asm, "PAIRED": weight.get("paired", False),
+              "SILU_OUT": silu_out, "HALF2": weight.get("half2", False), "EARLY": early, "NORM": norm,
+              "ADD_OUT": add_out, "ONE_PLUS": weight.get("one_plus", False), "num_warps": config["num_warps"],
+              "num_stages": config["num_stages"], **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {})}
+    if config.get("PERSISTENT"):
+        return {**common, "STEPS": triton.cdiv(k, step), "EVEN_K": k % step == 0}
+    split_k = max(1, min(config.get("SPLIT_K", 1), triton.cdiv(k, step)))
+    return {**common, "SPLIT_K": split_k, "EVEN_N": n % block_n == 0, "EVEN_K": k % (step * split_k) == 0,
+            "PREFETCH": (early or bool(config.get("PREFETCH", 0))) and k > step * split_k,
+            "ONE_STEP": norm and split_k == 1 and k <= step, "ADD_EARLY": add_out and out_settled and split_k == 1,
+            "L2_ROWS": bool(config.get("L2_ROWS", L2_ROWS)) and split_k == 1 and k > step}
