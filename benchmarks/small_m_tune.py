@@ -1,64 +1,82 @@
-"""W3's decode matmuls (Qwen3-0.6B, bf16, 8-32 rows): cuBLAS against the Triton tl.dot kernel
-(quant_matmul.gemm on a 16-bit weight) over a grid of configs with one tile along M; prints one JSON line per
-(shape, rows, kernel, config) and, per rows, each shape's best Triton config against cuBLAS.
+"""W3's decode matmuls (Qwen3-0.6B, bf16, a small batch's 5-16 rows): cuBLAS against the Triton skinny GEMM
+(kernels/triton/skinny_gemm.py) over a grid of configs; prints one JSON line per (shape, rows, kernel, config)
+and, per rows, each shape's best skinny config against cuBLAS. down is timed as the engine runs it: its input
+is the fused [gate | up] row (cuBLAS: the silu_and_mul kernel, then the matmul; skinny: SiLU-mul on its loads).
 
-    PYTHONPATH=$PWD python3 benchmarks/small_m_tune.py [--rows 16,32] [--output tune.json]     (GPU, ~2 min)
-    TRITON_INTERPRET=1 python3 benchmarks/small_m_tune.py --smoke                          (CPU: runs the script)
+    PYTHONPATH=$PWD python3 benchmarks/small_m_tune.py [--rows 16] [--output tune.json]
+        [--configs-out skinny.json]                                                   (GPU, ~2 min)
+    TRITON_INTERPRET=1 python3 benchmarks/small_m_tune.py --smoke                     (CPU: runs the script)
 
-Why: a W3 decode step (32 rows) spends ~24 us a layer in cuBLAS for 31.5 MB of weights (~1.3 TB/s; eleventh
-session, benchmarks/decode_profile.py). The tenth session's switch to this kernel used BLOCK_M 16 (two tiles
-at 32 rows: the weights read twice) with SPLIT_K 4, and lost (2.68 against 1.58 ms a decode step). Timing as in
-gemv_bench.py: one CUDA graph of many calls cycling through L2-cold weight copies.
+--configs-out writes the best config per shape at the largest --rows, {"NxK": config}, for
+DFLASH2_SKINNY_CONFIGS. Timing as in gemv_bench.py: one CUDA graph of many calls cycling through L2-cold weight
+copies (with programmatic dependent launch on, consecutive skinny calls overlap as in a step).
+
+Why: a W3 decode step of ~11 rows took 1.50 ms on the device against 0.885 ms at one row (seventeenth session's
+step trace); the eleventh session's profile at 32 rows had cuBLAS's four layer GEMMs at ~1.3 TB/s (23.8 us a
+layer for 31.5 MB of weights). The twelfth session's version of this tune timed quant_matmul's dequantizing
+tl.dot GEMM, which lost on qkv and gate_up (results/s12/call1_small_m.txt).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 from benchmarks import gemv_bench  # noqa: E402
 from benchmarks.common import print_tune  # noqa: E402
-from dflash2.kernels.triton import quant_matmul as qm  # noqa: E402
+from dflash2.kernels.triton import skinny_gemm as sg  # noqa: E402
+from dflash2.layers.linear import silu_and_mul  # noqa: E402
 
 SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-# BLOCK_N, BLOCK_K, SPLIT_K, num_stages (4 warps; BLOCK_M: the rows rounded up to a power of two, at least 16)
-GRID = list(itertools.product((32, 64, 128), (64, 128), (1, 2, 4), (3,)))
+SILU_MUL_SHAPES = {"down"}
+# BLOCK_N, BLOCK_K, SPLIT_K (None: skinny_split_k's choice), num_warps, num_stages
+GRID = ([(bn, bk, sk, 4, 4) for bn, bk, sk in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, None))
+         if bn * bk <= 8192]
+        + [(32, 128, None, 4, 3), (16, 256, None, 4, 3), (64, 64, None, 4, 4), (32, 64, None, 4, 4),
+           (32, 128, None, 2, 4), (16, 256, None, 2, 4), (64, 128, None, 8, 4), (32, 256, None, 8, 4)])
 
 
-def configs(rows: int) -> list[dict]:
-    block_m = max(16, triton.next_power_of_2(rows))
-    return [{"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": 4, "num_stages": st,
-             "WORDS": 1} for bn, bk, sk, st in GRID]
+def configs() -> list[dict]:
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": st, **({"SPLIT_K": sk} if sk else {})}
+            for bn, bk, sk, nw, st in GRID]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", default="16,32")
+    parser.add_argument("--rows", default="16")
     parser.add_argument("--output", default=None)
+    parser.add_argument("--configs-out", default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shapes, two configs")
     args = parser.parse_args()
-    shapes, grid = SHAPES, None
+    shapes = SHAPES
+    dtype = torch.bfloat16
     if args.smoke:
         gemv_bench.DEVICE = "cpu"
-        shapes = {"tiny": (64, 128)}
+        shapes = {"tiny": (64, 128), "down": (32, 64)}
+        dtype = torch.float16  # the interpreter's tl.dot gets bfloat16 wrong
+    all_rows = [int(r) for r in args.rows.split(",")]
     results, best = [], {}
-    for rows, (shape, (n, k)) in itertools.product([int(r) for r in args.rows.split(",")], shapes.items()):
-        dtype = torch.bfloat16 if not args.smoke else torch.float32
-        x = torch.randn(rows, k, device=gemv_bench.DEVICE, dtype=dtype)
+    for rows, (shape, (n, k)) in itertools.product(all_rows, shapes.items()):
+        silu = shape in SILU_MUL_SHAPES
+        x = torch.randn(rows, 2 * k if silu else k, device=gemv_bench.DEVICE, dtype=dtype)
         out = torch.empty(rows, n, device=gemv_bench.DEVICE, dtype=dtype)
         copies = 1 if args.smoke else gemv_bench.copies_for(n * k * 2)
         weights = [(torch.randn(n, k, device=gemv_bench.DEVICE) * 0.02).to(dtype) for _ in range(copies)]
-        grid = configs(rows)[:2] if args.smoke else configs(rows)
-        candidates = [("cublas", {}, lambda w, c: torch.mm(x, w.t(), out=out))]
-        candidates += [("triton_gemm", c, lambda w, c: qm.gemm(x, {"bits": 16, "n": n, "k": k, "w": w}, out=out,
-                                                                config=c)) for c in grid]
-        reference = x.float() @ weights[0].float().T
+        grid = configs()[:2] if args.smoke else configs()
+        if silu:
+            candidates = [("cublas", {}, lambda w, c: torch.mm(silu_and_mul(x), w.t(), out=out))]
+        else:
+            candidates = [("cublas", {}, lambda w, c: torch.mm(x, w.t(), out=out))]
+        candidates += [("skinny", c, lambda w, c: sg.skinny_gemm(x, w, out=out, silu_mul=silu, config=c))
+                       for c in grid]
+        act = silu_and_mul(x).float() if silu else x.float()
+        reference = act @ weights[0].float().T
         for kernel, config, fn in candidates:
             row = gemv_bench.timed_row(shape, rows, kernel, config, fn, weights, n * k * 2, reference)
             if row is None:
@@ -68,10 +86,17 @@ def main() -> None:
             if key not in best or row["us"] < best[key]["us"]:
                 best[key] = row
     summary = {f"M={rows} {shape}": {"cublas_us": best[(rows, shape, "cublas")]["us"],
-                                     "triton_us": best[(rows, shape, "triton_gemm")]["us"],
-                                     "triton_config": best[(rows, shape, "triton_gemm")]["config"]}
-               for rows, shape, kernel in best if kernel == "cublas" and (rows, shape, "triton_gemm") in best}
+                                     "skinny_us": best[(rows, shape, "skinny")]["us"],
+                                     "skinny_config": best[(rows, shape, "skinny")]["config"]}
+               for rows, shape, kernel in best if kernel == "cublas" and (rows, shape, "skinny") in best}
     print_tune(results, summary, args.output)
+    if args.configs_out:
+        top = max(all_rows)
+        table = {f"{n}x{k}": best[(top, shape, "skinny")]["config"] for shape, (n, k) in shapes.items()
+                 if (top, shape, "skinny") in best}
+        with open(args.configs_out, "w") as f:
+            json.dump(table, f, indent=1)
+        print("configs", json.dumps(table))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash2.layers.linear import float_matmul
 from dflash2.layers.quant_linear import QuantLinear
 from dflash2.quantization.formats import WeightFormat, dequantize_rows
 
@@ -18,7 +19,7 @@ class Embedding(nn.Module):
         return F.embedding(token_ids, self.weight)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return float_matmul(hidden, self.weight)
 
 
 class QuantEmbedding(QuantLinear):

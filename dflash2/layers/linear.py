@@ -3,8 +3,10 @@ it or a `QuantLinear` by the weight format the model's quantization config gives
 
 Both take `silu_mul=True`: the input is the fused [gate | up] projection and the layer multiplies
 silu(gate) * up first (on CUDA inside the GEMV for decode-sized batches, one launch fewer a layer).
-On CUDA a float weight with at most `DECODE_GEMV_MAX_ROWS` input rows runs the Triton GEMV
-(kernels/triton/quant_matmul.py) instead of cuBLAS; `DFLASH2_DECODE_GEMV=0` turns that off.
+On CUDA a float weight (a Linear's, or a tied embedding's output projection: `float_matmul`) with at most
+`DECODE_GEMV_MAX_ROWS` input rows runs the Triton GEMV (kernels/triton/quant_matmul.py), and with at most
+`SKINNY_MAX_ROWS` the Triton skinny GEMM (kernels/triton/skinny_gemm.py), instead of cuBLAS;
+`DFLASH2_DECODE_GEMV=0` and `DFLASH2_SKINNY_GEMM=0` turn them off.
 """
 from __future__ import annotations
 
@@ -26,17 +28,33 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        if x.is_cuda and x.shape[0] <= DECODE_GEMV_MAX_ROWS and self.bias is None:
-            from dflash2.kernels.triton.quant_matmul import gemv_16bit
-
-            return gemv_16bit(x, self.weight, silu_mul=silu_mul)
-        return F.linear(silu_and_mul(x) if silu_mul else x, self.weight, self.bias)
+        return float_matmul(x, self.weight, self.bias, silu_mul)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
 DECODE_GEMV_MAX_ROWS = 4 if os.environ.get("DFLASH2_DECODE_GEMV", "1") == "1" else 0
+# 5-16 rows (a small batch's decode step); cuBLAS above
+SKINNY_MAX_ROWS = 16 if os.environ.get("DFLASH2_SKINNY_GEMM", "1") == "1" else 0
+
+
+def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 silu_mul: bool = False) -> torch.Tensor:
+    """x @ weight^T (+ bias) for a float weight in x's dtype; silu_mul: x is [gate | up], multiplied first.
+    On CUDA without a bias: the Triton GEMV up to DECODE_GEMV_MAX_ROWS rows, the skinny GEMM up to
+    SKINNY_MAX_ROWS (16-bit weights), cuBLAS above."""
+    rows = x.shape[0]
+    if x.is_cuda and bias is None and rows <= max(DECODE_GEMV_MAX_ROWS, SKINNY_MAX_ROWS):
+        if rows <= DECODE_GEMV_MAX_ROWS:
+            from dflash2.kernels.triton.quant_matmul import gemv_16bit
+
+            return gemv_16bit(x, weight, silu_mul=silu_mul)
+        if weight.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype:
+            from dflash2.kernels.triton.skinny_gemm import skinny_gemm
+
+            return skinny_gemm(x, weight, silu_mul=silu_mul)
+    return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,63 @@ def test_gemv_16bit_matches_cublas(n, k, silu_mul):
         assert _relative_error(gemv_16bit(x, weight, silu_mul=silu_mul), act.float() @ weight.float().T) < 1e-2
 
 
+# qwen3-0.6b's layer shapes (W3's model) and llama-3-8b's o_proj
+SKINNY_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (4096, 4096)]
+
+
+@pytest.mark.parametrize("n, k", SKINNY_SHAPES)
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_skinny_gemm_matches_float32_matmul(n, k, silu_mul):
+    """5-16 rows at the default config (split along K as skinny_split_k picks it) and at one split."""
+    from dflash2.kernels.triton.elementwise import silu_and_mul
+    from dflash2.kernels.triton.skinny_gemm import skinny_config, skinny_gemm
+
+    weight = (torch.randn(n, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(n + k))
+              * 0.02).bfloat16()
+    for rows in (5, 11, 16):
+        x = _activations(rows, 2 * k if silu_mul else k, seed=rows + k)
+        expected = (silu_and_mul(x) if silu_mul else x).float() @ weight.float().T
+        assert _relative_error(skinny_gemm(x, weight, silu_mul=silu_mul), expected) < 1e-2
+        one_split = {**skinny_config(n, k), "SPLIT_K": 1}
+        assert _relative_error(skinny_gemm(x, weight, silu_mul=silu_mul, config=one_split), expected) < 1e-2
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_skinny_gemm_graph_replay_matches_eager(split_k):
+    from dflash2.kernels.triton.skinny_gemm import skinny_gemm
+
+    weight = (torch.randn(1024, 3072, device="cuda") * 0.02).bfloat16()
+    x = torch.randn(11, 3072, device="cuda").bfloat16()
+    config = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "SPLIT_K": split_k}
+    _assert_graph_replays_as_eager(lambda out=None: skinny_gemm(x, weight, out=out, config=config))
+
+
+def test_float_linears_take_the_skinny_gemm_for_5_to_16_rows(monkeypatch):
+    """layers.linear.float_matmul's routing on CUDA: the GEMV up to 4 rows, the skinny GEMM for 5-16 rows of a
+    16-bit weight, cuBLAS above (and for float32 weights); each result against float32."""
+    from dflash2.kernels.triton import quant_matmul, skinny_gemm
+    from dflash2.layers.linear import float_matmul
+
+    calls = []
+    originals = {"skinny": skinny_gemm.skinny_gemm, "gemv": quant_matmul.gemv_16bit}
+
+    def counted(name):
+        return lambda *args, **kwargs: calls.append(name) or originals[name](*args, **kwargs)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", counted("skinny"))
+    monkeypatch.setattr(quant_matmul, "gemv_16bit", counted("gemv"))
+    weight = (torch.randn(512, 256, device="cuda") * 0.05).bfloat16()
+    for rows, path in ((1, "gemv"), (4, "gemv"), (5, "skinny"), (16, "skinny"), (17, None)):
+        calls.clear()
+        x = torch.randn(rows, 256, device="cuda").bfloat16()
+        assert _relative_error(float_matmul(x, weight), x.float() @ weight.float().T) < 1e-2
+        assert calls == ([path] if path else [])
+    calls.clear()
+    x = torch.randn(8, 256, device="cuda")
+    assert _relative_error(float_matmul(x, weight.float()), x @ weight.float().T) < 1e-4
+    assert calls == []
+
+
 def _assert_graph_replays_as_eager(call) -> None:
     """`call(out=None)` (a GEMV) captured three times in a CUDA graph gives its eager result on every replay,
     and the split-K tickets are all back to zero afterwards."""

@@ -1,0 +1,96 @@
+"""Skinny GEMM for 16-bit weights: y = x @ W^T for a few activation rows (5-16: a decode step of a small batch),
+where cuBLAS reads the weights at ~1.3 TB/s and launches without programmatic dependent launch.
+
+A program owns BLOCK_N rows of W and one of SPLIT_K slices of K; it walks its slice in BLOCK_K tiles, pipelined
+over num_stages (Triton's software pipelining: the tiles' loads are in flight while earlier ones are multiplied),
+and multiplies each [BLOCK_N, BLOCK_K] tile with the activations' [16, BLOCK_K] on the tensor cores (tl.dot,
+float32 accumulation). The activations are a few KiB, read by every program from L2; the weights stream once.
+SPLIT_K > 1 parks float32 partials and lets the last program of a tile sum them (gemv_parts._store_or_reduce).
+`silu_mul=True` takes the fused [gate | up] input (down_proj's) and multiplies silu(gate) * up as it loads,
+rounded as the separate silu_and_mul kernel rounds it, so that kernel's launch goes too.
+
+Which rows go here: layers/linear.py (`SKINNY_MAX_ROWS`). Configs: SKINNY_CONFIG, a per-shape table
+(SKINNY_SHAPE_CONFIGS) and a tune's table from DFLASH2_SKINNY_CONFIGS (benchmarks/small_m_tune.py --configs-out).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash2.kernels.triton.gemv_parts import (_activation, _k_range, _store_or_reduce, multiprocessors, prepare_io,
+                                               shape_configs, split_counters)
+from dflash2.kernels.triton.pdl import pdl_args, pdl_start
+
+BLOCK_M = 16  # tl.dot's smallest M; rows past M are masked
+SKINNY_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}  # SPLIT_K: skinny_split_k
+# (N, K) -> config, over SKINNY_CONFIG (none tuned yet)
+SKINNY_SHAPE_CONFIGS: dict[tuple[int, int], dict] = {}
+# the split along K, where a config does not give one: enough programs for about this many per SM
+PROGRAMS_PER_SM = 2
+
+
+def skinny_config(n: int, k: int) -> dict:
+    tuned = shape_configs("DFLASH2_SKINNY_CONFIGS").get((n, k))
+    return dict(tuned or SKINNY_SHAPE_CONFIGS.get((n, k), SKINNY_CONFIG))
+
+
+def skinny_split_k(n: int, k: int, config: dict, sms: int) -> int:
+    """config's SPLIT_K, else the split that gives about PROGRAMS_PER_SM programs an SM (at least two K tiles
+    a slice)."""
+    k_tiles = triton.cdiv(k, config["BLOCK_K"])
+    if "SPLIT_K" in config:
+        return max(1, min(config["SPLIT_K"], k_tiles))
+    tiles = triton.cdiv(n, config["BLOCK_N"])
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, tiles), k_tiles // 2))
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_start(USE_PDL)
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rows < N
+    rows64 = tl.where(n_ok, rows, 0).to(tl.int64)
+    m_idx = tl.arange(0, BLOCK_M)
+    m_ok = m_idx < M
+    m64 = tl.where(m_ok, m_idx, 0).to(tl.int64)
+    k_start, k_end = _k_range(K, pid_k, BLOCK_K, SPLIT_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_ok = cols < k_end
+        w = tl.load(w_ptr + rows64[:, None] * stride_wn + cols[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        a = _activation(x_ptr, m64[:, None], stride_xm, K, cols[None, :], m_ok[:, None] & k_ok[None, :], SILU_MUL)
+        acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
+    _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om, pid_n, pid_k, SPLIT_K)
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, silu_mul: bool = False,
+                config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with silu_mul; M <= 16) @ weight[N, K]^T for a 16-bit weight of x's dtype."""
+    n, k = weight.shape
+    if weight.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
+        raise ValueError(f"skinny GEMM takes a 16-bit weight of the activations' dtype, got {weight.dtype} "
+                         f"and {x.dtype}")
+    x, out = prepare_io(x, {"n": n, "k": k}, out, silu_mul)
+    m = x.shape[0]
+    if m > BLOCK_M:
+        raise ValueError(f"skinny GEMM takes at most {BLOCK_M} rows, got {m}")
+    if m == 0:
+        return out
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    config = config or skinny_config(n, k)
+    tiles = triton.cdiv(n, config["BLOCK_N"])
+    split_k = skinny_split_k(n, k, config, multiprocessors(x.device))
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    counters = split_counters(x.device, tiles) if split_k > 1 else out
+    _skinny_gemm_kernel[(tiles, split_k)](x, weight, out, ws, counters, m, n, k, x.stride(0), weight.stride(0),
+                                          out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=config["BLOCK_N"],
+                                          BLOCK_K=config["BLOCK_K"], SPLIT_K=split_k, SILU_MUL=silu_mul,
+                                          num_warps=config["num_warps"], num_stages=config["num_stages"],
+                                          **pdl_args())
+    return out
