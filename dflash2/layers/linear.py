@@ -5,7 +5,8 @@ Both take `silu_mul=True`: the input is the fused [gate | up] projection and the
 silu(gate) * up first (on CUDA inside the GEMV for decode-sized batches, one launch fewer a layer).
 On CUDA a float weight (a Linear's, or a tied embedding's output projection: `float_matmul`) with at most
 `DECODE_GEMV_MAX_ROWS` input rows runs the Triton GEMV (kernels/triton/quant_matmul.py), and with at most
-`SKINNY_MAX_ROWS` the Triton skinny GEMM (kernels/triton/skinny_gemm.py), instead of cuBLAS;
+`SKINNY_MAX_ROWS` the Triton skinny GEMM where a tune found it faster (kernels/triton/skinny_gemm.py), instead
+of cuBLAS;
 `DFLASH2_DECODE_GEMV=0` and `DFLASH2_SKINNY_GEMM=0` turn them off.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  silu_mul: bool = False) -> torch.Tensor:
     """x @ weight^T (+ bias) for a float weight in x's dtype; silu_mul: x is [gate | up], multiplied first.
     On CUDA without a bias: the Triton GEMV up to DECODE_GEMV_MAX_ROWS rows, the skinny GEMM up to
-    SKINNY_MAX_ROWS (16-bit weights), cuBLAS above."""
+    SKINNY_MAX_ROWS (16-bit weights of a shape it has a config for: skinny_gemm.skinny_config), cuBLAS else."""
     rows = x.shape[0]
     if x.is_cuda and bias is None and rows <= max(DECODE_GEMV_MAX_ROWS, SKINNY_MAX_ROWS):
         if rows <= DECODE_GEMV_MAX_ROWS:
@@ -51,9 +52,11 @@ def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
             return gemv_16bit(x, weight, silu_mul=silu_mul)
         if weight.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype:
-            from dflash2.kernels.triton.skinny_gemm import skinny_gemm
+            from dflash2.kernels.triton import skinny_gemm
 
-            return skinny_gemm(x, weight, silu_mul=silu_mul)
+            config = skinny_gemm.skinny_config(weight.shape[0], weight.shape[1], silu_mul)
+            if config is not None:  # a shape where the tune beat cuBLAS
+                return skinny_gemm.skinny_gemm(x, weight, silu_mul=silu_mul, config=config)
     return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
 
 

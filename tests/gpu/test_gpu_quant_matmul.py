@@ -85,7 +85,8 @@ SKINNY_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (4096, 
 @pytest.mark.parametrize("n, k", SKINNY_SHAPES)
 @pytest.mark.parametrize("silu_mul", [False, True])
 def test_skinny_gemm_matches_float32_matmul(n, k, silu_mul):
-    """5-16 rows at the default config (split along K as skinny_split_k picks it) and at one split."""
+    """5-16 rows at the shape's config (or the launcher's fallback; split along K as skinny_split_k picks it) and
+    at one split."""
     from dflash2.kernels.triton.elementwise import silu_and_mul
     from dflash2.kernels.triton.skinny_gemm import skinny_config, skinny_gemm
 
@@ -95,7 +96,8 @@ def test_skinny_gemm_matches_float32_matmul(n, k, silu_mul):
         x = _activations(rows, 2 * k if silu_mul else k, seed=rows + k)
         expected = (silu_and_mul(x) if silu_mul else x).float() @ weight.float().T
         assert _relative_error(skinny_gemm(x, weight, silu_mul=silu_mul), expected) < 1e-2
-        one_split = {**skinny_config(n, k), "SPLIT_K": 1}
+        one_split = {**(skinny_config(n, k) or {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}),
+                     "SPLIT_K": 1}
         assert _relative_error(skinny_gemm(x, weight, silu_mul=silu_mul, config=one_split), expected) < 1e-2
 
 
@@ -123,15 +125,19 @@ def test_float_linears_take_the_skinny_gemm_for_5_to_16_rows(monkeypatch):
 
     monkeypatch.setattr(skinny_gemm, "skinny_gemm", counted("skinny"))
     monkeypatch.setattr(quant_matmul, "gemv_16bit", counted("gemv"))
-    weight = (torch.randn(512, 256, device="cuda") * 0.05).bfloat16()
+    weight = (torch.randn(4096, 1024, device="cuda") * 0.05).bfloat16()  # a shape with a skinny config
     for rows, path in ((1, "gemv"), (4, "gemv"), (5, "skinny"), (16, "skinny"), (17, None)):
         calls.clear()
-        x = torch.randn(rows, 256, device="cuda").bfloat16()
+        x = torch.randn(rows, 1024, device="cuda").bfloat16()
         assert _relative_error(float_matmul(x, weight), x.float() @ weight.float().T) < 1e-2
         assert calls == ([path] if path else [])
     calls.clear()
-    x = torch.randn(8, 256, device="cuda")
-    assert _relative_error(float_matmul(x, weight.float()), x @ weight.float().T) < 1e-4
+    untuned = (torch.randn(512, 256, device="cuda") * 0.05).bfloat16()
+    for x, w in ((torch.randn(8, 256, device="cuda").bfloat16(), untuned),  # no config: cuBLAS
+                 (torch.randn(8, 256, device="cuda"), untuned.float())):  # float32: cuBLAS
+        assert _relative_error(float_matmul(x, w), x.float() @ w.float().T) < 1e-2
+    x = torch.randn(8, 2048, device="cuda").bfloat16()  # SiLU-mul input: silu_and_mul + cuBLAS
+    float_matmul(x, weight, silu_mul=True)
     assert calls == []
 
 

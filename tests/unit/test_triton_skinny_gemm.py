@@ -54,6 +54,27 @@ def test_skinny_split_k_fills_the_device():
     assert sg.skinny_split_k(1024, 2048, {**config, "SPLIT_K": 64}, 132) == 16
 
 
+def test_skinny_config_covers_only_tuned_shapes(tmp_path, monkeypatch):
+    """Shapes the tune found faster than cuBLAS have a config; others, and SiLU-mul inputs, get None (cuBLAS);
+    a tune's table (DFLASH2_SKINNY_CONFIGS) adds shapes and wins over the built-in one."""
+    from dflash2.kernels.triton.gemv_parts import shape_configs
+
+    assert sg.skinny_config(4096, 1024) == sg.SKINNY_SHAPE_CONFIGS[(4096, 1024)]
+    assert sg.skinny_config(151936, 1024) is None
+    assert sg.skinny_config(4096, 1024, silu_mul=True) is None
+    table = tmp_path / "skinny.json"
+    table.write_text('{"151936x1024": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}, '
+                     '"4096x1024": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}}')
+    monkeypatch.setenv("DFLASH2_SKINNY_CONFIGS", str(table))
+    shape_configs.cache_clear()
+    try:
+        assert sg.skinny_config(151936, 1024)["BLOCK_N"] == 64
+        assert sg.skinny_config(4096, 1024)["BLOCK_N"] == 16
+    finally:
+        monkeypatch.delenv("DFLASH2_SKINNY_CONFIGS")
+        shape_configs.cache_clear()
+
+
 def test_skinny_gemm_rejects_what_it_cannot_take():
     weight = torch.zeros(8, 32, dtype=torch.float16)
     with pytest.raises(ValueError, match="at most 16 rows"):

@@ -9,8 +9,9 @@ SPLIT_K > 1 parks float32 partials and lets the last program of a tile sum them 
 `silu_mul=True` takes the fused [gate | up] input (down_proj's) and multiplies silu(gate) * up as it loads,
 rounded as the separate silu_and_mul kernel rounds it, so that kernel's launch goes too.
 
-Which rows go here: layers/linear.py (`SKINNY_MAX_ROWS`). Configs: SKINNY_CONFIG, a per-shape table
-(SKINNY_SHAPE_CONFIGS) and a tune's table from DFLASH2_SKINNY_CONFIGS (benchmarks/small_m_tune.py --configs-out).
+Which calls come here: layers/linear.py's float_matmul, for 5 to `SKINNY_MAX_ROWS` rows of a shape that has a
+config (`skinny_config`: SKINNY_SHAPE_CONFIGS, the shapes where a tune beat cuBLAS, or a tune's table from
+DFLASH2_SKINNY_CONFIGS, benchmarks/small_m_tune.py --configs-out); every other shape runs cuBLAS.
 """
 from __future__ import annotations
 
@@ -23,16 +24,28 @@ from dflash2.kernels.triton.gemv_parts import (_activation, _k_range, _store_or_
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 BLOCK_M = 16  # tl.dot's smallest M; rows past M are masked
-SKINNY_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}  # SPLIT_K: skinny_split_k
-# (N, K) -> config, over SKINNY_CONFIG (none tuned yet)
-SKINNY_SHAPE_CONFIGS: dict[tuple[int, int], dict] = {}
+# (N, K) -> config: the shapes where the tune beat cuBLAS; every other shape stays on cuBLAS (skinny_config None).
+# benchmarks/small_m_tune.py at 16 rows on the H200 (twentieth session, results/s20/call1_small_m_tune.json, us
+# against cuBLAS): Qwen3-0.6B's qkv 4.48 / 5.24, o_proj 4.59 / 5.84, gate_up 5.39 / 5.88. Its down with SiLU-mul on
+# the loads took 10.16 against 8.39 for silu_and_mul + cuBLAS, and the tied lm_head (151,936 rows) at the default
+# config 157 against 75 us in the step's profile: both stay on cuBLAS.
+SKINNY_SHAPE_CONFIGS: dict[tuple[int, int], dict] = {
+    (4096, 1024): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "SPLIT_K": 1},
+    (1024, 2048): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "SPLIT_K": 4},
+    (6144, 1024): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "SPLIT_K": 1},
+}
 # the split along K, where a config does not give one: enough programs for about this many per SM
 PROGRAMS_PER_SM = 2
 
 
-def skinny_config(n: int, k: int) -> dict:
-    tuned = shape_configs("DFLASH2_SKINNY_CONFIGS").get((n, k))
-    return dict(tuned or SKINNY_SHAPE_CONFIGS.get((n, k), SKINNY_CONFIG))
+def skinny_config(n: int, k: int, silu_mul: bool = False) -> dict | None:
+    """The config for this shape: a tune's table (DFLASH2_SKINNY_CONFIGS, {"NxK": config}), else
+    SKINNY_SHAPE_CONFIGS; None where neither has the shape, and with SiLU-mul on the loads (slower than
+    silu_and_mul + cuBLAS where measured): those calls stay on cuBLAS."""
+    if silu_mul:
+        return None
+    tuned = shape_configs("DFLASH2_SKINNY_CONFIGS").get((n, k)) or SKINNY_SHAPE_CONFIGS.get((n, k))
+    return dict(tuned) if tuned is not None else None
 
 
 def skinny_split_k(n: int, k: int, config: dict, sms: int) -> int:
@@ -83,7 +96,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     if m == 0:
         return out
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    config = config or skinny_config(n, k)
+    config = config or skinny_config(n, k, silu_mul) or {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4,
+                                                         "num_stages": 4}
     tiles = triton.cdiv(n, config["BLOCK_N"])
     split_k = skinny_split_k(n, k, config, multiprocessors(x.device))
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
