@@ -3,10 +3,9 @@ it or a `QuantLinear` by the weight format the model's quantization config gives
 
 Both take `silu_mul=True`: the input is the fused [gate | up] projection and the layer multiplies
 silu(gate) * up first (on CUDA inside the GEMV for decode-sized batches, one launch fewer a layer).
-On CUDA a float weight (a Linear's, or a tied embedding's output projection: `float_matmul`) with at most
-`DECODE_GEMV_MAX_ROWS` input rows runs the Triton GEMV (kernels/triton/quant_matmul.py), and with at most
-`SKINNY_MAX_ROWS` the Triton skinny GEMM where a tune found it faster (kernels/triton/skinny_gemm.py), instead
-of cuBLAS;
+On CUDA a float weight (a Linear's, or a tied embedding's output projection: `float_matmul`) with one input row
+runs the Triton GEMV (kernels/triton/quant_matmul.py), and with up to `SKINNY_MAX_ROWS` the Triton skinny GEMM
+where a tune found it faster than cuBLAS (kernels/triton/skinny_gemm.py), instead of cuBLAS;
 `DFLASH2_DECODE_GEMV=0` and `DFLASH2_SKINNY_GEMM=0` turn them off.
 """
 from __future__ import annotations
@@ -35,23 +34,26 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
-DECODE_GEMV_MAX_ROWS = 4 if os.environ.get("DFLASH2_DECODE_GEMV", "1") == "1" else 0
-# 5-16 rows (a small batch's decode step); cuBLAS above
+# One row: the Triton GEMV. 2-16 rows (a small batch's decode step): the skinny GEMM where it has a config for the
+# shape, else cuBLAS. The GEMV took up to 4 rows before: on Qwen3-0.6B a decode step of 4 rows took 1.807 ms with
+# it against 1.104 ms with skinny + cuBLAS, and one of 12 rows 1.461 ms with cuBLAS against 1.280 with skinny
+# (twentieth session, benchmarks/decode_profile.py).
+DECODE_GEMV_MAX_ROWS = 1 if os.environ.get("DFLASH2_DECODE_GEMV", "1") == "1" else 0
 SKINNY_MAX_ROWS = 16 if os.environ.get("DFLASH2_SKINNY_GEMM", "1") == "1" else 0
 
 
 def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  silu_mul: bool = False) -> torch.Tensor:
     """x @ weight^T (+ bias) for a float weight in x's dtype; silu_mul: x is [gate | up], multiplied first.
-    On CUDA without a bias: the Triton GEMV up to DECODE_GEMV_MAX_ROWS rows, the skinny GEMM up to
-    SKINNY_MAX_ROWS (16-bit weights of a shape it has a config for: skinny_gemm.skinny_config), cuBLAS else."""
+    On CUDA without a bias: the Triton GEMV up to DECODE_GEMV_MAX_ROWS rows; up to SKINNY_MAX_ROWS, the skinny
+    GEMM for a 16-bit weight of a shape it has a config for (skinny_gemm.skinny_config); else cuBLAS."""
     rows = x.shape[0]
-    if x.is_cuda and bias is None and rows <= max(DECODE_GEMV_MAX_ROWS, SKINNY_MAX_ROWS):
+    if x.is_cuda and bias is None:
         if rows <= DECODE_GEMV_MAX_ROWS:
             from dflash2.kernels.triton.quant_matmul import gemv_16bit
 
             return gemv_16bit(x, weight, silu_mul=silu_mul)
-        if weight.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype:
+        if rows <= SKINNY_MAX_ROWS and weight.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype:
             from dflash2.kernels.triton import skinny_gemm
 
             config = skinny_gemm.skinny_config(weight.shape[0], weight.shape[1], silu_mul)

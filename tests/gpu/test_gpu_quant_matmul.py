@@ -111,9 +111,10 @@ def test_skinny_gemm_graph_replay_matches_eager(split_k):
     _assert_graph_replays_as_eager(lambda out=None: skinny_gemm(x, weight, out=out, config=config))
 
 
-def test_float_linears_take_the_skinny_gemm_for_5_to_16_rows(monkeypatch):
-    """layers.linear.float_matmul's routing on CUDA: the GEMV up to 4 rows, the skinny GEMM for 5-16 rows of a
-    16-bit weight, cuBLAS above (and for float32 weights); each result against float32."""
+def test_float_linears_take_the_skinny_gemm_for_2_to_16_rows(monkeypatch):
+    """layers.linear.float_matmul's routing on CUDA: the GEMV for one row, the skinny GEMM for 2-16 rows of a
+    16-bit weight of a tuned shape, cuBLAS above, for other shapes and for float32 weights; each result against
+    float32."""
     from dflash2.kernels.triton import quant_matmul, skinny_gemm
     from dflash2.layers.linear import float_matmul
 
@@ -126,7 +127,7 @@ def test_float_linears_take_the_skinny_gemm_for_5_to_16_rows(monkeypatch):
     monkeypatch.setattr(skinny_gemm, "skinny_gemm", counted("skinny"))
     monkeypatch.setattr(quant_matmul, "gemv_16bit", counted("gemv"))
     weight = (torch.randn(4096, 1024, device="cuda") * 0.05).bfloat16()  # a shape with a skinny config
-    for rows, path in ((1, "gemv"), (4, "gemv"), (5, "skinny"), (16, "skinny"), (17, None)):
+    for rows, path in ((1, "gemv"), (2, "skinny"), (4, "skinny"), (16, "skinny"), (17, None)):
         calls.clear()
         x = torch.randn(rows, 1024, device="cuda").bfloat16()
         assert _relative_error(float_matmul(x, weight), x.float() @ weight.float().T) < 1e-2

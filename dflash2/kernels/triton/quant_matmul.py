@@ -4,7 +4,7 @@
                                     optionally split along K (SPLIT_K programs per row block; the last one to
                                     finish sums the fp32 partials, so it stays one launch)
     more rows (prefill)             _gemm_kernel: tiles dequantized in registers, tl.dot, fp32 accumulation
-    16-bit weights                  the GEMV kernel for few rows (`gemv_16bit`), cuBLAS F.linear otherwise
+    16-bit weights                  the GEMV kernel for one row (`gemv_16bit`; layers/linear.float_matmul picks)
 
 A weight tile is [BLOCK_N, T, GS]: T groups of GS weights along K (int4/int6: GS = group size; int8 and 16:
 one "group" of BLOCK_K). Codes become floats by the exponent trick (int | 0x4B000000 is 2^23 + int as a

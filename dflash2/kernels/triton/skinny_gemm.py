@@ -1,4 +1,4 @@
-"""Skinny GEMM for 16-bit weights: y = x @ W^T for a few activation rows (5-16: a decode step of a small batch),
+"""Skinny GEMM for 16-bit weights: y = x @ W^T for a few activation rows (2-16: a decode step of a small batch),
 where cuBLAS reads the weights at ~1.3 TB/s and launches without programmatic dependent launch.
 
 A program owns BLOCK_N rows of W and one of SPLIT_K slices of K; it walks its slice in BLOCK_K tiles, pipelined
