@@ -1,13 +1,13 @@
 """W3's decode matmuls (Qwen3-0.6B, bf16, a small batch's 5-16 rows): cuBLAS against the Triton skinny GEMM
 (kernels/triton/skinny_gemm.py) over a grid of configs; prints one JSON line per (shape, rows, kernel, config)
-and, per rows, each shape's best skinny config against cuBLAS. down is timed as the engine runs it: its input
-is the fused [gate | up] row (cuBLAS: the silu_and_mul kernel, then the matmul; skinny: SiLU-mul on its loads).
+and, per rows, each shape's best skinny config against cuBLAS, for each case of --cases (CASES: how the engine may
+run the shape, e.g. down with SiLU-mul on its input or plain, gate_up with SiLU-mul in its epilogue).
 
     PYTHONPATH=$PWD python3 benchmarks/small_m_tune.py [--rows 16] [--output tune.json]
         [--configs-out skinny.json]                                                   (GPU, ~2 min)
     TRITON_INTERPRET=1 python3 benchmarks/small_m_tune.py --smoke                     (CPU: runs the script)
 
---configs-out writes the best config per shape at the largest --rows, {"NxK": config}, for
+--configs-out writes the best config per plain case at the largest --rows, {"NxK": config}, for
 DFLASH2_SKINNY_CONFIGS. Timing as in gemv_bench.py: one CUDA graph of many calls cycling through L2-cold weight
 copies (with programmatic dependent launch on, consecutive skinny calls overlap as in a step).
 
@@ -34,7 +34,12 @@ from dflash2.kernels.triton import skinny_gemm as sg  # noqa: E402
 from dflash2.layers.linear import silu_and_mul  # noqa: E402
 
 SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-SILU_MUL_SHAPES = {"down"}
+# how the engine may run a shape (--cases): "plain" x @ W^T; "silu_mul": the input is [gate | up] (cuBLAS:
+# silu_and_mul, then the matmul; skinny: SiLU-mul on its loads); "silu_out": the weight is [gate | up] and the
+# result silu(gate) * up (cuBLAS: the matmul, then silu_and_mul; skinny: in its epilogue)
+CASES = {"qkv": "plain", "o_proj": "plain", "gate_up": "plain", "down": "silu_mul", "gate_up_silu_out": "silu_out",
+         "down_plain": "plain"}
+CASE_SHAPES = {"gate_up_silu_out": "gate_up", "down_plain": "down"}
 # BLOCK_N, BLOCK_K, SPLIT_K (None: skinny_split_k's choice), num_warps, num_stages
 GRID = ([(bn, bk, sk, 4, 4) for bn, bk, sk in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, None))
          if bn * bk <= 8192]
@@ -52,31 +57,38 @@ def main() -> None:
     parser.add_argument("--rows", default="16")
     parser.add_argument("--output", default=None)
     parser.add_argument("--configs-out", default=None)
+    parser.add_argument("--cases", default="qkv,o_proj,gate_up,down", help=f"of {', '.join(CASES)}")
     parser.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shapes, two configs")
     args = parser.parse_args()
-    shapes = SHAPES
+    cases = args.cases.split(",")
+    shapes = {case: SHAPES[CASE_SHAPES.get(case, case)] for case in cases}
     dtype = torch.bfloat16
     if args.smoke:
         gemv_bench.DEVICE = "cpu"
-        shapes = {"tiny": (64, 128), "down": (32, 64)}
+        shapes = {case: (64, 128) for case in cases}
         dtype = torch.float16  # the interpreter's tl.dot gets bfloat16 wrong
     all_rows = [int(r) for r in args.rows.split(",")]
     results, best = [], {}
     for rows, (shape, (n, k)) in itertools.product(all_rows, shapes.items()):
-        silu = shape in SILU_MUL_SHAPES
-        x = torch.randn(rows, 2 * k if silu else k, device=gemv_bench.DEVICE, dtype=dtype)
-        out = torch.empty(rows, n, device=gemv_bench.DEVICE, dtype=dtype)
+        mode = CASES[shape]
+        x = torch.randn(rows, 2 * k if mode == "silu_mul" else k, device=gemv_bench.DEVICE, dtype=dtype)
+        out = torch.empty(rows, n // 2 if mode == "silu_out" else n, device=gemv_bench.DEVICE, dtype=dtype)
         copies = 1 if args.smoke else gemv_bench.copies_for(n * k * 2)
         weights = [(torch.randn(n, k, device=gemv_bench.DEVICE) * 0.02).to(dtype) for _ in range(copies)]
         grid = configs()[:2] if args.smoke else configs()
-        if silu:
+        if mode == "silu_mul":
             candidates = [("cublas", {}, lambda w, c: torch.mm(silu_and_mul(x), w.t(), out=out))]
+        elif mode == "silu_out":
+            candidates = [("cublas", {}, lambda w, c: silu_and_mul(torch.mm(x, w.t())))]
         else:
             candidates = [("cublas", {}, lambda w, c: torch.mm(x, w.t(), out=out))]
-        candidates += [("skinny", c, lambda w, c: sg.skinny_gemm(x, w, out=out, silu_mul=silu, config=c))
+        candidates += [("skinny", c, lambda w, c: sg.skinny_gemm(x, w, out=out, silu_mul=mode == "silu_mul",
+                                                                 silu_out=mode == "silu_out", config=c))
                        for c in grid]
-        act = silu_and_mul(x).float() if silu else x.float()
+        act = silu_and_mul(x).float() if mode == "silu_mul" else x.float()
         reference = act @ weights[0].float().T
+        if mode == "silu_out":
+            reference = silu_and_mul(reference.to(dtype)).float()
         for kernel, config, fn in candidates:
             row = gemv_bench.timed_row(shape, rows, kernel, config, fn, weights, n * k * 2, reference)
             if row is None:
@@ -93,7 +105,7 @@ def main() -> None:
     if args.configs_out:
         top = max(all_rows)
         table = {f"{n}x{k}": best[(top, shape, "skinny")]["config"] for shape, (n, k) in shapes.items()
-                 if (top, shape, "skinny") in best}
+                 if (top, shape, "skinny") in best and CASES[shape] == "plain"}
         with open(args.configs_out, "w") as f:
             json.dump(table, f, indent=1)
         print("configs", json.dumps(table))

@@ -27,8 +27,20 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False) -> torch.Tensor:
+        """silu_mul: x is [gate | up], multiplied first. silu_out: this is the fused [gate | up] projection and
+        the result silu(gate) * up (inside the skinny GEMM where fuses_silu_out_for(x), else one kernel more)."""
+        if silu_out:
+            if self.fuses_silu_out_for(x):
+                from dflash2.kernels.triton import skinny_gemm
+
+                return skinny_gemm.skinny_gemm(x, self.weight, silu_out=True)
+            return silu_and_mul(float_matmul(x, self.weight, self.bias))
         return float_matmul(x, self.weight, self.bias, silu_mul)
+
+    def fuses_silu_out_for(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, silu_out=True) is one kernel: the skinny GEMM's rows, and a config for this shape."""
+        return skinny_takes(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -45,21 +57,30 @@ SKINNY_MAX_ROWS = 16 if os.environ.get("DFLASH2_SKINNY_GEMM", "1") == "1" else 0
 def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  silu_mul: bool = False) -> torch.Tensor:
     """x @ weight^T (+ bias) for a float weight in x's dtype; silu_mul: x is [gate | up], multiplied first.
-    On CUDA without a bias: the Triton GEMV up to DECODE_GEMV_MAX_ROWS rows; up to SKINNY_MAX_ROWS, the skinny
-    GEMM for a 16-bit weight of a shape it has a config for (skinny_gemm.skinny_config); else cuBLAS."""
+    On CUDA without a bias: the Triton GEMV up to DECODE_GEMV_MAX_ROWS rows; the skinny GEMM where skinny_takes
+    (not with silu_mul: SiLU-mul on its loads measured slower than silu_and_mul + cuBLAS); else cuBLAS."""
     rows = x.shape[0]
     if x.is_cuda and bias is None:
         if rows <= DECODE_GEMV_MAX_ROWS:
             from dflash2.kernels.triton.quant_matmul import gemv_16bit
 
             return gemv_16bit(x, weight, silu_mul=silu_mul)
-        if rows <= SKINNY_MAX_ROWS and weight.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype:
+        if not silu_mul and skinny_takes(x, weight, bias):
             from dflash2.kernels.triton import skinny_gemm
 
-            config = skinny_gemm.skinny_config(weight.shape[0], weight.shape[1], silu_mul)
-            if config is not None:  # a shape where the tune beat cuBLAS
-                return skinny_gemm.skinny_gemm(x, weight, silu_mul=silu_mul, config=config)
+            return skinny_gemm.skinny_gemm(x, weight)
     return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
+
+
+def skinny_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether x @ weight^T runs the skinny GEMM: CUDA, no bias, DECODE_GEMV_MAX_ROWS < rows <= SKINNY_MAX_ROWS,
+    a 16-bit weight of x's dtype, and a config for its shape (a shape where the tune beat cuBLAS)."""
+    if not (x.is_cuda and bias is None and DECODE_GEMV_MAX_ROWS < x.shape[0] <= SKINNY_MAX_ROWS
+            and weight.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype):
+        return False
+    from dflash2.kernels.triton.skinny_gemm import skinny_config
+
+    return skinny_config(weight.shape[0], weight.shape[1]) is not None
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,46 @@ def test_skinny_gemm_matches_float32_matmul(n, k, silu_mul):
         assert _relative_error(skinny_gemm(x, weight, silu_mul=silu_mul, config=one_split), expected) < 1e-2
 
 
+def test_skinny_silu_out_is_the_gemm_then_silu_and_mul():
+    """Qwen3-0.6B's gate_up with SiLU-mul in the epilogue: the same bits as the plain skinny GEMM's products
+    (at the config the epilogue variant reads the same rows with) followed by silu_and_mul."""
+    from dflash2.kernels.triton.elementwise import silu_and_mul
+    from dflash2.kernels.triton.skinny_gemm import skinny_config, skinny_gemm
+
+    weight = (torch.randn(6144, 1024, device="cuda") * 0.02).bfloat16()
+    config = skinny_config(6144, 1024)
+    for rows in (2, 11, 16):
+        x = _activations(rows, 1024, seed=rows)
+        plain = skinny_gemm(x, weight, config={**config, "BLOCK_N": config["BLOCK_N"] // 2, "SPLIT_K": 1})
+        assert torch.equal(skinny_gemm(x, weight, silu_out=True), silu_and_mul(plain))
+
+
+def test_float_mlp_fuses_silu_into_gate_up_at_2_to_16_rows(monkeypatch):
+    """LlamaMLP with float weights: silu(gate) * up comes from gate_up's skinny GEMM for 2-16 rows, from down's
+    GEMV input at one row and from silu_and_mul above 16; the same values either way (within bf16)."""
+    from dflash2.config import ModelArchConfig
+    from dflash2.kernels.triton import skinny_gemm
+    from dflash2.models.llama import LlamaMLP
+
+    arch = ModelArchConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=1024, intermediate_size=3072,
+                           num_layers=1, num_heads=16, num_kv_heads=8, head_dim=128,
+                           max_position_embeddings=512)
+    mlp = LlamaMLP(arch, 0).cuda().bfloat16()
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.02)
+    fused = []
+    original = skinny_gemm.skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm",
+                        lambda *a, **kw: fused.append(kw.get("silu_out", False)) or original(*a, **kw))
+    for rows, silu_out in ((1, False), (2, True), (16, True), (17, False)):
+        fused.clear()
+        x = _activations(rows, 1024, seed=rows)
+        gate_up = x.float() @ mlp.gate_up_proj.weight.float().T
+        act = torch.nn.functional.silu(gate_up[:, :3072]) * gate_up[:, 3072:]
+        assert _relative_error(mlp(x), act @ mlp.down_proj.weight.float().T) < 2e-2
+        assert (True in fused) == silu_out
+
+
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_skinny_gemm_graph_replay_matches_eager(split_k):
     from dflash2.kernels.triton.skinny_gemm import skinny_gemm

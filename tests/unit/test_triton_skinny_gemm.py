@@ -83,3 +83,22 @@ def test_skinny_gemm_rejects_what_it_cannot_take():
         sg.skinny_gemm(torch.zeros(5, 32), weight.float())
     with pytest.raises(ValueError, match="expected x"):
         sg.skinny_gemm(torch.zeros(5, 31, dtype=torch.float16), weight)
+
+
+@pytest.mark.parametrize("rows", [2, 9, 16])
+def test_skinny_silu_out_matches_gemm_then_silu_and_mul(rows):
+    """A fused [gate | up] weight: silu(gate) * up of the two products, each rounded to the activations' dtype as
+    the unfused GEMM stores it, then rounded as silu_and_mul rounds (the same bits as the GEMM + silu_and_mul)."""
+    g = torch.Generator().manual_seed(rows)
+    k, half = 96, 40
+    weight = (torch.randn(2 * half, k, generator=g) * 0.1).to(torch.float16)
+    x = torch.randn(rows, k, generator=g).to(torch.float16)
+    config = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+    got = sg.skinny_gemm(x, weight, silu_out=True, config=config)
+    products = sg.skinny_gemm(x, weight, config={**config, "BLOCK_N": 16, "SPLIT_K": 1})
+    gate, up = products[:, :half].float(), products[:, half:]
+    expected = (torch.nn.functional.silu(gate).to(torch.float16).float() * up.float()).to(torch.float16)
+    assert got.shape == (rows, half)
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="silu_out"):
+        sg.skinny_gemm(x, weight[:-1], silu_out=True)

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from dflash2.kernels.triton.gemv_parts import (_activation, _k_range, _store_or_reduce, multiprocessors, prepare_io,
                                                shape_configs, split_counters)
+from dflash2.kernels.triton.elementwise import _silu_mul
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 BLOCK_M = 16  # tl.dot's smallest M; rows past M are masked
@@ -61,7 +62,10 @@ def skinny_split_k(n: int, k: int, config: dict, sms: int) -> int:
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr):
+                        SILU_MUL: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[m, n] = sum_k x[m, k] W[n, k] for n < N; SILU_OUT (SPLIT_K = 1): W is [gate | up] (2N rows) and the
+    program multiplies its N rows of each half, storing silu(gate) * up rounded as silu_and_mul rounds the
+    stored products."""
     pdl_start(USE_PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,23 +76,43 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_
     m64 = tl.where(m_ok, m_idx, 0).to(tl.int64)
     k_start, k_end = _k_range(K, pid_k, BLOCK_K, SPLIT_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = acc  # (SILU_OUT only)
     for k0 in range(k_start, k_end, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         k_ok = cols < k_end
-        w = tl.load(w_ptr + rows64[:, None] * stride_wn + cols[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        a = _activation(x_ptr, m64[:, None], stride_xm, K, cols[None, :], m_ok[:, None] & k_ok[None, :], SILU_MUL)
-        acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
-    _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om, pid_n, pid_k, SPLIT_K)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w_ptrs = w_ptr + rows64[:, None] * stride_wn + cols[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        a = _activation(x_ptr, m64[:, None], stride_xm, K, cols[None, :], m_ok[:, None] & k_ok[None, :],
+                        SILU_MUL).to(w.dtype)
+        acc = tl.dot(a, tl.trans(w), acc)
+        if SILU_OUT:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, tl.trans(w_up), acc_up)
+    if SILU_OUT:
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptr + m_idx[:, None] * stride_om + rows[None, :], _silu_mul(acc.to(dtype), acc_up.to(dtype)),
+                 mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om, pid_n, pid_k, SPLIT_K)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, silu_mul: bool = False,
-                config: dict | None = None) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] with silu_mul; M <= 16) @ weight[N, K]^T for a 16-bit weight of x's dtype."""
+                config: dict | None = None, silu_out: bool = False) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with silu_mul; M <= 16) @ weight[N, K]^T for a 16-bit weight of x's dtype. silu_out:
+    the weight is a fused [gate | up] projection, and the result silu(gate) * up, [M, N / 2] (at the config of
+    the whole weight's shape with half its BLOCK_N, so a program reads as many rows, and no split along K)."""
     n, k = weight.shape
     if weight.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
         raise ValueError(f"skinny GEMM takes a 16-bit weight of the activations' dtype, got {weight.dtype} "
                          f"and {x.dtype}")
+    if silu_out and (silu_mul or n % 2):
+        raise ValueError("skinny GEMM silu_out takes a [gate | up] weight (an even row count) and no silu_mul")
+    config = dict(config or skinny_config(n, k) or {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4,
+                                                   "num_stages": 4})
+    if silu_out:
+        n //= 2
+        config.update(BLOCK_N=max(16, config["BLOCK_N"] // 2), SPLIT_K=1)
     x, out = prepare_io(x, {"n": n, "k": k}, out, silu_mul)
     m = x.shape[0]
     if m > BLOCK_M:
@@ -96,8 +120,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     if m == 0:
         return out
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    config = config or skinny_config(n, k, silu_mul) or {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4,
-                                                         "num_stages": 4}
     tiles = triton.cdiv(n, config["BLOCK_N"])
     split_k = skinny_split_k(n, k, config, multiprocessors(x.device))
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
@@ -105,6 +127,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     _skinny_gemm_kernel[(tiles, split_k)](x, weight, out, ws, counters, m, n, k, x.stride(0), weight.stride(0),
                                           out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=config["BLOCK_N"],
                                           BLOCK_K=config["BLOCK_K"], SPLIT_K=split_k, SILU_MUL=silu_mul,
-                                          num_warps=config["num_warps"], num_stages=config["num_stages"],
-                                          **pdl_args())
+                                          SILU_OUT=silu_out, num_warps=config["num_warps"],
+                                          num_stages=config["num_stages"], **pdl_args())
     return out
