@@ -31,16 +31,17 @@ class Linear(nn.Module):
         """silu_mul: x is [gate | up], multiplied first. silu_out: this is the fused [gate | up] projection and
         the result silu(gate) * up (inside the skinny GEMM where fuses_silu_out_for(x), else one kernel more)."""
         if silu_out:
-            if self.fuses_silu_out_for(x):
-                from dflash2.kernels.triton import skinny_gemm
+            config = skinny_config_for(x, self.weight, self.bias)
+            if config is not None:
+                from dflash2.kernels.triton.skinny_gemm import skinny_gemm
 
-                return skinny_gemm.skinny_gemm(x, self.weight, silu_out=True)
+                return skinny_gemm(x, self.weight, config=config, silu_out=True)
             return silu_and_mul(float_matmul(x, self.weight, self.bias))
         return float_matmul(x, self.weight, self.bias, silu_mul)
 
     def fuses_silu_out_for(self, x: torch.Tensor) -> bool:
         """Whether forward(x, silu_out=True) is one kernel: the skinny GEMM's rows, and a config for this shape."""
-        return skinny_takes(x, self.weight, self.bias)
+        return skinny_config_for(x, self.weight, self.bias) is not None
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -57,30 +58,32 @@ SKINNY_MAX_ROWS = 16 if os.environ.get("DFLASH2_SKINNY_GEMM", "1") == "1" else 0
 def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  silu_mul: bool = False) -> torch.Tensor:
     """x @ weight^T (+ bias) for a float weight in x's dtype; silu_mul: x is [gate | up], multiplied first.
-    On CUDA without a bias: the Triton GEMV up to DECODE_GEMV_MAX_ROWS rows; the skinny GEMM where skinny_takes
-    (not with silu_mul: SiLU-mul on its loads measured slower than silu_and_mul + cuBLAS); else cuBLAS."""
-    rows = x.shape[0]
+    On CUDA without a bias: the Triton GEMV up to DECODE_GEMV_MAX_ROWS rows; the skinny GEMM where
+    skinny_config_for gives a config (not with silu_mul: silu_and_mul + cuBLAS measured faster than SiLU-mul on
+    the skinny GEMM's loads); else cuBLAS."""
     if x.is_cuda and bias is None:
-        if rows <= DECODE_GEMV_MAX_ROWS:
+        if x.shape[0] <= DECODE_GEMV_MAX_ROWS:
             from dflash2.kernels.triton.quant_matmul import gemv_16bit
 
             return gemv_16bit(x, weight, silu_mul=silu_mul)
-        if not silu_mul and skinny_takes(x, weight, bias):
-            from dflash2.kernels.triton import skinny_gemm
+        config = None if silu_mul else skinny_config_for(x, weight, bias)
+        if config is not None:
+            from dflash2.kernels.triton.skinny_gemm import skinny_gemm
 
-            return skinny_gemm.skinny_gemm(x, weight)
+            return skinny_gemm(x, weight, config=config)
     return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
 
 
-def skinny_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether x @ weight^T runs the skinny GEMM: CUDA, no bias, DECODE_GEMV_MAX_ROWS < rows <= SKINNY_MAX_ROWS,
-    a 16-bit weight of x's dtype, and a config for its shape (a shape where the tune beat cuBLAS)."""
+def skinny_config_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> dict | None:
+    """The skinny GEMM's config for x @ weight^T, or None where it does not take it: it needs CUDA, no bias,
+    DECODE_GEMV_MAX_ROWS < rows <= SKINNY_MAX_ROWS, a 16-bit weight of x's dtype, and a shape the tune found it
+    faster on (skinny_gemm.skinny_config)."""
     if not (x.is_cuda and bias is None and DECODE_GEMV_MAX_ROWS < x.shape[0] <= SKINNY_MAX_ROWS
             and weight.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype):
-        return False
+        return None
     from dflash2.kernels.triton.skinny_gemm import skinny_config
 
-    return skinny_config(weight.shape[0], weight.shape[1]) is not None
+    return skinny_config(weight.shape[0], weight.shape[1])
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

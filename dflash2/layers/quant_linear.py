@@ -57,6 +57,11 @@ class QuantLinear(nn.Module):
         batches (a gate_up on the int4 GEMV), rather than in a separate kernel."""
         return getattr(self.runtime, "fuses_silu_out", False) and self.bias is None
 
+    def fuses_silu_out_for(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, silu_out=True) is the way to ask for silu(gate) * up (as Linear's: LlamaMLP asks
+        either kind); the runtime takes it inside its kernel for decode-sized batches and adds silu_and_mul above."""
+        return self.fuses_silu_out
+
     def fuses_norm(self, rows: int) -> bool:
         """Whether forward(norm=, add_to=) can fold the RMSNorm and the residual add into the matmul's own kernel
         for `rows` activation rows (the int4 GEMV, unless DFLASH2_FUSE_NORM=0)."""

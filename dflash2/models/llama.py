@@ -14,7 +14,7 @@ from torch import nn
 from dflash2.config import ModelArchConfig
 from dflash2.kernels.attention_metadata import AttentionMetadata
 from dflash2.layers.embedding import make_embedding
-from dflash2.layers.linear import Linear, make_linear
+from dflash2.layers.linear import make_linear
 from dflash2.layers.norm import RMSNorm
 from dflash2.layers.quant_linear import QuantLinear
 from dflash2.layers.rotary import RotaryEmbedding
@@ -110,10 +110,8 @@ class LlamaMLP(nn.Module):
         # GEMV at one row)
         if norm is not None or add_to is not None:  # LlamaDecoderLayer.fuses_norms: gate_up norms, down adds
             return self.down_proj(self.gate_up_proj(x, silu_out=True, norm=norm), add_to=add_to)
-        if getattr(self.gate_up_proj, "fuses_silu_out", False):
+        if self.gate_up_proj.fuses_silu_out_for(x):
             return self.down_proj(self.gate_up_proj(x, silu_out=True))
-        if isinstance(self.gate_up_proj, Linear) and self.gate_up_proj.fuses_silu_out_for(x):
-            return self.down_proj(self.gate_up_proj(x, silu_out=True))  # the skinny GEMM's epilogue
         return self.down_proj(self.gate_up_proj(x), silu_mul=True)  # silu(gate) * up, fused where it can be
 
 

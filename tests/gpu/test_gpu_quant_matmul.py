@@ -83,22 +83,19 @@ SKINNY_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (4096, 
 
 
 @pytest.mark.parametrize("n, k", SKINNY_SHAPES)
-@pytest.mark.parametrize("silu_mul", [False, True])
-def test_skinny_gemm_matches_float32_matmul(n, k, silu_mul):
-    """5-16 rows at the shape's config (or the launcher's fallback; split along K as skinny_split_k picks it) and
-    at one split."""
-    from dflash2.kernels.triton.elementwise import silu_and_mul
-    from dflash2.kernels.triton.skinny_gemm import skinny_config, skinny_gemm
+def test_skinny_gemm_matches_float32_matmul(n, k):
+    """2-16 rows at the shape's config (or DEFAULT_CONFIG; split along K as skinny_split_k picks it) and at one
+    split."""
+    from dflash2.kernels.triton.skinny_gemm import DEFAULT_CONFIG, skinny_config, skinny_gemm
 
     weight = (torch.randn(n, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(n + k))
               * 0.02).bfloat16()
-    for rows in (5, 11, 16):
-        x = _activations(rows, 2 * k if silu_mul else k, seed=rows + k)
-        expected = (silu_and_mul(x) if silu_mul else x).float() @ weight.float().T
-        assert _relative_error(skinny_gemm(x, weight, silu_mul=silu_mul), expected) < 1e-2
-        one_split = {**(skinny_config(n, k) or {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}),
-                     "SPLIT_K": 1}
-        assert _relative_error(skinny_gemm(x, weight, silu_mul=silu_mul, config=one_split), expected) < 1e-2
+    for rows in (2, 5, 11, 16):
+        x = _activations(rows, k, seed=rows + k)
+        expected = x.float() @ weight.float().T
+        assert _relative_error(skinny_gemm(x, weight), expected) < 1e-2
+        one_split = {**(skinny_config(n, k) or DEFAULT_CONFIG), "SPLIT_K": 1}
+        assert _relative_error(skinny_gemm(x, weight, config=one_split), expected) < 1e-2
 
 
 def test_skinny_silu_out_is_the_gemm_then_silu_and_mul():

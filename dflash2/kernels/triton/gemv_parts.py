@@ -2,6 +2,7 @@
 
     _activation     one activation row at some columns as float32, optionally silu(gate) * up of a fused
                     [gate | up] row, rounded as the unfused silu_and_mul would
+    _block_indices  a program's block of row indices, their mask, and the clamped int64 indices it loads with
     prepare_io      the launchers' input check ([M, K], or [M, 2K] with SiLU-mul) and output allocation
     shape_configs   kernel configs per weight shape from a tune's JSON file (DFLASH2_INT4_CONFIGS, ..._GEMM_...)
     multiprocessors a CUDA device's SM count (grid sizes)
@@ -94,6 +95,15 @@ def _l2_prefetch(ptr, count, ASM: tl.constexpr):
             "{ .reg .pred p, q; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.s32 q, $2, 0; "
             "and.pred p, p, q; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [aligned, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _block_indices(first, count, BLOCK: tl.constexpr):
+    """A program's BLOCK indices from `first` (rows of a weight, or of the activations), which of them are < count,
+    and the same indices as int64 with the ones past count clamped to 0 (safe to load from under a mask)."""
+    idx = first + tl.arange(0, BLOCK)
+    ok = idx < count
+    return idx, ok, tl.where(ok, idx, 0).to(tl.int64)
 
 
 @triton.jit

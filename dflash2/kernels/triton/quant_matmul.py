@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
-from dflash2.kernels.triton.gemv_parts import (_activation, _k_range, _store_or_reduce, prepare_io, shape_configs,
-                                                split_counters)
+from dflash2.kernels.triton.gemv_parts import (_activation, _block_indices, _k_range, _store_or_reduce, prepare_io,
+                                                shape_configs, split_counters)
 from dflash2.kernels.triton.int4_gemv import FUSE_NORM, HALF2, int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 from dflash2.quantization.formats import WeightFormat, unpack_int6
@@ -160,9 +160,7 @@ def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
                  USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rows < N
-    rows = tl.where(n_mask, rows, 0).to(tl.int64)
+    out_rows, n_mask, rows = _block_indices(pid_n * BLOCK_N, N, BLOCK_N)
     m_idx = tl.arange(0, BLOCK_M)
     k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
     grouped: tl.constexpr = BITS == 4 or BITS == 6
@@ -192,8 +190,7 @@ def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
         acc += tl.sum(tl.sum(wide, axis=2), axis=1)[None, :]
     if BITS == 8:
         acc *= tl.load(s_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), M, N,
-                     stride_om, pid_n, pid_k, SPLIT_K)
+    _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, out_rows, M, N, stride_om, pid_n, pid_k, SPLIT_K)
 
 
 @triton.jit
@@ -206,11 +203,8 @@ def _gemm_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n, pid % num_n
-    m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rows < N
-    rows64 = tl.where(n_mask, rows, 0).to(tl.int64)
-    m64 = tl.where(m_idx < M, m_idx, 0).to(tl.int64)
+    m_idx, m_ok, m64 = _block_indices(pid_m * BLOCK_M, M, BLOCK_M)
+    rows, n_mask, rows64 = _block_indices(pid_n * BLOCK_N, N, BLOCK_N)
     k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
     grouped: tl.constexpr = BITS == 4 or BITS == 6
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -225,7 +219,7 @@ def _gemm_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
             w = (w - zero[:, :, None]) * scale[:, :, None]
         flat_cols = k0 + tl.arange(0, T * GS)
         a = _activation(x_ptr, m64[:, None], stride_xm, K, flat_cols[None, :],
-                        (m_idx < M)[:, None] & (flat_cols < k_end)[None, :], SILU_MUL)
+                        m_ok[:, None] & (flat_cols < k_end)[None, :], SILU_MUL)
         b = tl.trans(w.reshape(BLOCK_N, T * GS))
         if IEEE:
             acc += tl.dot(a, b, input_precision="ieee")
