@@ -1,10 +1,13 @@
-"""W2's prefill matmuls with int4 weights (llama-3-8b layer shapes, 128 rows): the Triton tl.dot kernel that
-dequantizes tiles (quant_matmul.gemm) over a grid of configs, against cuBLAS on bf16 weights of the same shape;
-prints one JSON line per (shape, config), then each shape's best config, and with --configs-out writes those as
-DFLASH2_GEMM_CONFIGS reads them ({"4:NxK": config}).
+"""W2's prefill matmuls with int4 weights (llama-3-8b layer shapes, 128 rows) over a grid of configs, against
+cuBLAS on bf16 weights of the same shape: `--kernel int4_gemm` (the default) tunes kernels/triton/int4_gemm.py
+(the legacy kernel's table configs run beside it, for comparison), `--kernel legacy` the general tl.dot kernel
+that dequantizes tiles (quant_matmul.gemm's _gemm_kernel). Prints one JSON line per (shape, config), then each
+shape's best config, and with --configs-out writes those as DFLASH2_INT4_GEMM_CONFIGS ({"NxK": config}) or
+DFLASH2_GEMM_CONFIGS ({"4:NxK": config}, legacy) reads them.
 
-    PYTHONPATH=$PWD python3 benchmarks/prefill_gemm_tune.py [--rows 128] [--output t.json] [--configs-out g.json]
-    TRITON_INTERPRET=1 python3 benchmarks/prefill_gemm_tune.py --smoke       (CPU: tiny shape, two configs)
+    PYTHONPATH=$PWD python3 benchmarks/prefill_gemm_tune.py [--kernel int4_gemm|legacy] [--rows 128] \
+        [--output t.json] [--configs-out g.json]
+    TRITON_INTERPRET=1 python3 benchmarks/prefill_gemm_tune.py --smoke [--kernel legacy]   (CPU: tiny shape, two configs)
 
 Why: W2 int4's first token took 16.9 ms against bf16's 6.1 (twelfth session, call 7): 11 ms of a 514 ms request,
 about 2% of the ratio. The default config (BLOCK_M 64) reads every weight twice at 128 rows.
@@ -24,6 +27,7 @@ import torch  # noqa: E402
 
 from benchmarks import gemv_bench  # noqa: E402
 from benchmarks.common import print_tune  # noqa: E402
+from dflash2.kernels.triton import int4_gemm as ig  # noqa: E402
 from dflash2.kernels.triton import quant_matmul as qm  # noqa: E402
 from dflash2.quantization.formats import WeightFormat, dequantize  # noqa: E402
 
@@ -33,23 +37,38 @@ GRID = [c for c in itertools.product((64, 128), (64, 128, 256), (128, 256), (4, 
         if not (c[0] == 128 and c[1] == 256 and c[3] == 4)]  # 128 x 256 on 4 warps: too many registers
 
 
+# int4_gemm: BLOCK_N, BLOCK_M, BLOCK_K, num_warps, num_stages; each compiles for sm_90 without spills and within
+# the H200's 227 KiB of shared memory a block (checked offline). SPLIT_K: int4_gemm's own (about one wave)
+INT4_GEMM_GRID = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 256, 8, 2), (64, 128, 128, 4, 3),
+                  (64, 128, 128, 4, 4), (128, 64, 128, 8, 3), (128, 64, 128, 8, 4), (128, 64, 128, 4, 4),
+                  (128, 64, 256, 8, 3), (256, 64, 128, 8, 3), (64, 64, 128, 4, 4), (64, 64, 256, 4, 4)]
+
+
 def configs() -> list[dict]:
     grid = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "num_warps": w, "num_stages": st,
              "WORDS": 1} for bm, bn, bk, w, st in GRID]
     return [dict(qm.GEMM_CONFIG)] + [c for c in grid if c != qm.GEMM_CONFIG]
 
 
+def int4_gemm_configs(n: int, k: int) -> list[dict]:
+    grid = [{"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+            for bn, bm, bk, w, st in INT4_GEMM_GRID]
+    default = ig.int4_gemm_config(n, k, 1 << 20)
+    return [default] + [c for c in grid if c != default] + [{**grid[0], "SPLIT_K": 1}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--output", default=None)
-    parser.add_argument("--configs-out", default=None, help="the best config per shape, as DFLASH2_GEMM_CONFIGS")
+    parser.add_argument("--configs-out", default=None, help="the best config per shape, as DFLASH2_INT4_GEMM_CONFIGS (legacy: DFLASH2_GEMM_CONFIGS) reads it")
+    parser.add_argument("--kernel", choices=("int4_gemm", "legacy"), default="int4_gemm")
     parser.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shape, two configs")
     args = parser.parse_args()
-    shapes, grid, dtype = SHAPES, configs(), torch.bfloat16
+    shapes, dtype = SHAPES, torch.bfloat16
     if args.smoke:
         gemv_bench.DEVICE = "cpu"
-        shapes, grid, dtype = {"tiny": (64, 256)}, configs()[:2], torch.float32
+        shapes, dtype = {"tiny": (64, 256)}, torch.float32
     fmt = WeightFormat(4, 128)
     results, best = [], {}
     for shape, (n, k) in shapes.items():
@@ -59,7 +78,16 @@ def main() -> None:
         packed = [gemv_bench.random_packed(fmt, n, k) for _ in range(copies)]
         weights = [qm.device_tensors(p, dtype) for p in packed]
         reference = x.float() @ dequantize(fmt, packed[0].tensors).float().T
-        candidates = [("triton_gemm_int4", c, lambda w, c: qm.gemm(x, w, out=out, config=c)) for c in grid]
+        if args.kernel == "legacy":
+            grid = configs()
+            candidates = [("triton_gemm_int4", c, lambda w, c: qm.gemm(x, w, out=out, config=c)) for c in grid]
+        else:
+            grid = int4_gemm_configs(n, k)
+            candidates = [("int4_gemm", c, lambda w, c: ig.int4_gemm(x, w, out=out, config=c)) for c in grid]
+            legacy = [] if args.smoke else [qm.gemm_config(4, n, k, args.rows)]
+            candidates += [("legacy_table", c, lambda w, c: qm.gemm(x, w, out=out, config=c)) for c in legacy]
+        if args.smoke:
+            grid, candidates = grid[:2], candidates[:2]
         if not args.smoke:
             dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16()
                      for _ in range(gemv_bench.copies_for(n * k * 2))]
@@ -72,17 +100,20 @@ def main() -> None:
             if row is None:
                 continue
             results.append(row)
-            if shape not in best or row["us"] < best[shape]["us"]:
+            if kernel != "legacy_table" and (shape not in best or row["us"] < best[shape]["us"]):
                 best[shape] = row
         del weights, packed
     summary = {shape: {"us": row["us"], "config": row["config"],
                        "default_us": next((r["us"] for r in results if r["shape"] == shape
-                                           and r.get("config") == grid[0]), None)} for shape, row in best.items()}
+                                           and r.get("config") == grid[0]), None),
+                       "legacy_us": next((r["us"] for r in results if r["shape"] == shape
+                                          and r["kernel"] == "legacy_table"), None)} for shape, row in best.items()}
     print_tune(results, summary, args.output)
     if args.configs_out:
+        prefix = "4:" if args.kernel == "legacy" else ""
         with open(args.configs_out, "w") as f:
-            json.dump({f"4:{n}x{k}": best[shape]["config"] for shape, (n, k) in shapes.items() if shape in best},
-                      f, indent=1)
+            json.dump({f"{prefix}{n}x{k}": best[shape]["config"] for shape, (n, k) in shapes.items()
+                       if shape in best}, f, indent=1)
 
 
 if __name__ == "__main__":

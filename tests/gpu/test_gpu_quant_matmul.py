@@ -402,3 +402,53 @@ def test_int4_engine_folds_norms(tiny_int4, monkeypatch):
         runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
     assert runs["triton"] == runs["torch"]
+
+
+@pytest.mark.parametrize("n, k", LLAMA3_8B_INT4[:4])
+def test_int4_gemm_on_llama3_8b_shapes(n, k):
+    """The int4 prefill GEMM (kernels/triton/int4_gemm.py) at its default configs and at every config the tune
+    tries (a fast wrong one must not win), bf16, against dequantize() + a float32 matmul; rows that fill no
+    whole block (77) and a split along K."""
+    from benchmarks.prefill_gemm_tune import int4_gemm_configs
+    from dflash2.kernels.triton import quant_matmul as qm
+    from dflash2.kernels.triton.int4_gemm import int4_gemm
+
+    weight = _packed(4, 128, n, k, seed=n + k)
+    reference = _dequantized(weight)
+    tensors = qm.device_tensors(weight, torch.bfloat16)
+    for rows in (5, 77, 128, 300):
+        x = _activations(rows, k, seed=rows + n)
+        expected = x.float() @ reference.T
+        assert _relative_error(qm.gemm(x, tensors), expected) < 5e-3, rows
+    x = _activations(128, k, seed=n)
+    expected = x.float() @ reference.T
+    for config in int4_gemm_configs(n, k) + [{**int4_gemm_configs(n, k)[0], "SPLIT_K": 3}]:
+        assert _relative_error(int4_gemm(x, tensors, config=config), expected) < 5e-3, config
+
+
+def _dequantized(weight) -> torch.Tensor:
+    from dflash2.quantization.formats import dequantize
+
+    return dequantize(weight.fmt, weight.tensors).float()
+
+
+@pytest.mark.parametrize("group_size, k", [(32, 576), (64, 1536), (128, 4096)])
+def test_int4_gemm_group_sizes_and_ragged_k(group_size, k):
+    """Group sizes below 128, and K that is not a whole number of tiles (the bundled model's 576 at 64)."""
+    from dflash2.kernels.triton import quant_matmul as qm
+
+    weight = _packed(4, group_size, 1000, k, seed=k)
+    tensors = qm.device_tensors(weight, torch.bfloat16)
+    x = _activations(40, k, seed=k)
+    assert _relative_error(qm.gemm(x, tensors), x.float() @ _dequantized(weight).T) < 5e-3
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_int4_gemm_graph_replay_matches_eager(split_k):
+    from dflash2.kernels.triton import quant_matmul as qm
+    from dflash2.kernels.triton.int4_gemm import DEFAULT_CONFIG, int4_gemm
+
+    tensors = qm.device_tensors(_packed(4, 128, 4096, 14336), torch.bfloat16)
+    x = _activations(128, 14336, seed=split_k)
+    config = {**DEFAULT_CONFIG, "SPLIT_K": split_k}
+    _assert_graph_replays_as_eager(lambda out=None: int4_gemm(x, tensors, out=out, config=config))

@@ -496,12 +496,13 @@ def test_decode_gemv_tune_smoke(tmp_path):
 
 
 def test_prefill_gemm_tune_writes_configs_the_gemm_takes(tmp_path, monkeypatch):
-    """benchmarks/prefill_gemm_tune.py --smoke (interpreted) times its configs, checks their results, and writes
-    the best per shape; DFLASH2_GEMM_CONFIGS makes gemm() take it for more than GEMM_SMALL_M rows only."""
+    """benchmarks/prefill_gemm_tune.py --kernel legacy --smoke (interpreted) times its configs, checks their
+    results, and writes the best per shape; DFLASH2_GEMM_CONFIGS makes gemm() take it for more than
+    GEMM_SMALL_M rows only."""
     import json
 
     out = tmp_path / "gemm.json"
-    rows = _smoke_tune("prefill_gemm_tune.py", "--rows", "40", "--configs-out", str(out))
+    rows = _smoke_tune("prefill_gemm_tune.py", "--kernel", "legacy", "--rows", "40", "--configs-out", str(out))
     assert len(rows) == 2 and all(r["rel_error"] < 1e-4 for r in rows)
     table = json.loads(out.read_text())
     assert list(table) == ["4:64x256"] and table["4:64x256"] in [r["config"] for r in rows]
@@ -513,4 +514,25 @@ def test_prefill_gemm_tune_writes_configs_the_gemm_takes(tmp_path, monkeypatch):
         assert qm.gemm_config(4, 64, 512, 40) == qm.GEMM_CONFIG and qm.gemm_config(8, 64, 256, 40) == qm.GEMM_CONFIG
     finally:
         monkeypatch.delenv("DFLASH2_GEMM_CONFIGS")
+        shape_configs.cache_clear()
+
+
+def test_prefill_gemm_tune_writes_configs_int4_gemm_takes(tmp_path, monkeypatch):
+    """The default --kernel int4_gemm: its configs timed and checked, the best written as
+    DFLASH2_INT4_GEMM_CONFIGS reads it (BLOCK_M then follows the rows)."""
+    import json
+
+    from dflash2.kernels.triton import int4_gemm as ig
+
+    out = tmp_path / "int4_gemm.json"
+    rows = _smoke_tune("prefill_gemm_tune.py", "--rows", "40", "--configs-out", str(out))
+    assert len(rows) == 2 and all(r["kernel"] == "int4_gemm" and r["rel_error"] < 1e-4 for r in rows)
+    table = json.loads(out.read_text())
+    assert list(table) == ["64x256"] and table["64x256"] in [r["config"] for r in rows]
+    monkeypatch.setenv("DFLASH2_INT4_GEMM_CONFIGS", str(out))
+    shape_configs.cache_clear()
+    try:
+        assert ig.int4_gemm_config(64, 256, 40) == {**table["64x256"], "BLOCK_M": 64}
+    finally:
+        monkeypatch.delenv("DFLASH2_INT4_GEMM_CONFIGS")
         shape_configs.cache_clear()

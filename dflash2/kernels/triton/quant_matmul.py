@@ -3,7 +3,9 @@
     rows M <= GEMV_MAX_M (decode)   _gemv_kernel: streams the weight once; BLOCK_N rows a program, K in tiles,
                                     optionally split along K (SPLIT_K programs per row block; the last one to
                                     finish sums the fp32 partials, so it stays one launch)
-    more rows (prefill)             _gemm_kernel: tiles dequantized in registers, tl.dot, fp32 accumulation
+    more rows (prefill)             _gemm_kernel: tiles dequantized in registers, tl.dot, fp32 accumulation;
+                                    int4 with group scales: int4_gemm.py (the dequantized tile as wgmma's
+                                    register operand, fewer instructions a weight)
     16-bit weights                  the GEMV kernel for one row (`gemv_16bit`; layers/linear.float_matmul picks)
 
 A weight tile is [BLOCK_N, T, GS]: T groups of GS weights along K (int4/int6: GS = group size; int8 and 16:
@@ -34,6 +36,7 @@ import triton.language as tl
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
 from dflash2.kernels.triton.gemv_parts import (_activation, _block_indices, _k_range, _store_or_reduce, prepare_io,
                                                 shape_configs, split_counters)
+from dflash2.kernels.triton.int4_gemm import int4_gemm, int4_gemm_fits
 from dflash2.kernels.triton.int4_gemv import FUSE_NORM, HALF2, int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 from dflash2.quantization.formats import WeightFormat, unpack_int6
@@ -272,7 +275,10 @@ def gemv(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = Non
 
 def gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
          config: dict[str, int] | None = None) -> torch.Tensor:
-    """y = act(x) @ W^T with the weight dequantized tile by tile (tl.dot); for 16/8/6/4 bits."""
+    """y = act(x) @ W^T with the weight dequantized tile by tile (tl.dot); for 16/8/6/4 bits. Without a config
+    or silu_mul, int4 weights with group scales go to int4_gemm (DFLASH2_INT4_GEMM=legacy: here)."""
+    if config is None and not silu_mul and int4_gemm_fits(weight):
+        return int4_gemm(x, weight, out)
     x, out = prepare_io(x, weight, out, silu_mul)
     m, n = out.shape
     if m == 0:
@@ -338,6 +344,8 @@ class TritonWeight:
         self.fmt, self.weight = fmt, weight
         small = "Triton GEMV" + (" (int6 as 4+2-bit planes)" if fmt.bits == 6 else "")
         large = "F.linear" if fmt.bits == 16 else "Triton GEMM (dequantized tiles, tl.dot)"
+        if int4_gemm_fits(weight):
+            large = "Triton int4 GEMM (register-operand wgmma)"
         if "int4" in weight:
             small = "Triton int4 GEMV (repacked words)"
         self.kernel = f"{small} for <= {GEMV_MAX_M} rows, {large} above ({fmt.name})"
