@@ -40,11 +40,19 @@ from dflash2.kernels.triton.gemv_parts import (_block_indices, _k_range, _store_
                                                shape_configs, split_counters)
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
-# a config: BLOCK_N weight rows x BLOCK_M activation rows a program, BLOCK_K columns (whole groups) a step
-DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
-# (N, K) -> config for the llama-3-8b shapes at 128 rows (benchmarks/prefill_gemm_tune.py --kernel int4_gemm);
-# a tune's table from DFLASH2_INT4_GEMM_CONFIGS ({"NxK": config}) takes precedence
-SHAPE_CONFIGS: dict[tuple[int, int], dict[str, int]] = {}
+# a config: BLOCK_N weight rows x BLOCK_M activation rows a program, BLOCK_K columns (whole groups) a step;
+# optional SPLIT_K and maxnreg (a register cap, passed to the launch). The tune at 128 rows on the H200
+# (benchmarks/prefill_gemm_tune.py, twenty-first session, results/s21/call1_tune.log; us, against the legacy
+# kernel's tuned table and cuBLAS on bf16 weights): qkv 31.59 / 33.53 / 16.61, o_proj 23.37 / 28.19 / 13.96,
+# gate_up 86.47 / 122.72 / 65.67, down 77.71 / 95.65 / 37.06. One warpgroup a program at 172 registers and 108 KiB
+# of shared memory lets two programs share an SM; 128 x 128 tiles on 8 warps (one program an SM) took 37.3 /
+# 28.6 / 100.5 / 84.4.
+DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+# (N, K) -> config where the tune found better than DEFAULT_CONFIG (llama-3-8b's o_proj); a tune's table from
+# DFLASH2_INT4_GEMM_CONFIGS ({"NxK": config}, prefill_gemm_tune.py --configs-out) takes precedence
+SHAPE_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
+    (4096, 4096): {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+}
 # DFLASH2_INT4_GEMM=legacy keeps int4 prefill on quant_matmul._gemm_kernel
 ENABLED = os.environ.get("DFLASH2_INT4_GEMM", "on") != "legacy"
 _ASM = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX on the GPU; plain ops under the interpreter
@@ -184,7 +192,8 @@ def int4_gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None 
         x, words, scales, zeros, out, ws, counters, m, n, k, x.stride(0), words.stride(0), scales.stride(0),
         out.stride(0), GS=gs, T=t, BLOCK_N=config["BLOCK_N"], BLOCK_M=block_m, SPLIT_K=split_k,
         EVEN_K=k % (gs * t) == 0, IEEE=ieee,
-        ASM=_ASM, num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_args())
+        ASM=_ASM, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}), **pdl_args())
     return out
 
 
