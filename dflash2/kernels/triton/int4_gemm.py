@@ -48,10 +48,12 @@ from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 # of shared memory lets two programs share an SM; 128 x 128 tiles on 8 warps (one program an SM) took 37.3 /
 # 28.6 / 100.5 / 84.4.
 DEFAULT_CONFIG = {"BLOCK_N": 64, "BLOCK_M": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-# (N, K) -> config where the tune found better than DEFAULT_CONFIG (llama-3-8b's o_proj); a tune's table from
-# DFLASH2_INT4_GEMM_CONFIGS ({"NxK": config}, prefill_gemm_tune.py --configs-out) takes precedence
+# (N, K) -> config where the tune found better than DEFAULT_CONFIG: llama-3-8b's o_proj (23.19 against 24.99 us)
+# and qkv without the split the SMs would get (27.48 against 31.27; call 2, results/s21/call2_tune.log). A tune's
+# table from DFLASH2_INT4_GEMM_CONFIGS ({"NxK": config}, prefill_gemm_tune.py --configs-out) takes precedence
 SHAPE_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (4096, 4096): {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    (6144, 4096): {**DEFAULT_CONFIG, "SPLIT_K": 1},
 }
 # DFLASH2_INT4_GEMM=legacy keeps int4 prefill on quant_matmul._gemm_kernel
 ENABLED = os.environ.get("DFLASH2_INT4_GEMM", "on") != "legacy"
