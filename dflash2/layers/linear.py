@@ -43,12 +43,6 @@ class Linear(nn.Module):
         """Whether forward(x, silu_out=True) is one kernel: the skinny GEMM's rows, and a config for this shape."""
         return skinny_config_for(x, self.weight, self.bias) is not None
 
-    def gemv_tensors(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """The weight, where forward runs the Triton GEMV on it for `rows` rows (QuantLinear.gemv_tensors)."""
-        if self.weight.is_cuda and self.bias is None and rows <= DECODE_GEMV_MAX_ROWS:
-            return (self.weight,)
-        return ()
-
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 

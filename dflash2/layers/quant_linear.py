@@ -67,11 +67,6 @@ class QuantLinear(nn.Module):
         for `rows` activation rows (the int4 GEMV, unless DFLASH2_FUSE_NORM=0)."""
         return self.bias is None and getattr(self.runtime, "fuses_norm", lambda rows: False)(rows)
 
-    def gemv_tensors(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """The weight tensors forward streams for `rows` input rows where its runtime runs a GEMV on them (the
-        int4 GEMV's words and scales), for a kernel before it to ask L2 for; () otherwise."""
-        return getattr(self.runtime, "gemv_tensors", lambda rows: ())(rows) if self.bias is None else ()
-
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.fmt, self.packed().tensors, dtype)
 

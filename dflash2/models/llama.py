@@ -70,8 +70,6 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         fused = q.is_cuda and getattr(backend, "fuses_rotary", False)  # rotary applied while writing the cache
-        # the o_proj GEMV's weights, which decode attention asks L2 for once its own loads are done
-        extra = {"l2_next": self.o_proj_l2_next(num_tokens)} if getattr(backend, "prefetches_next", False) else {}
         qk_norm = None
         if self.q_norm is not None:
             if fused:  # Qwen3's q/k norms in the same launch
@@ -83,15 +81,9 @@ class LlamaAttention(nn.Module):
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
         if fused:
-            return backend.forward_rotary(q, k, v, cache, ctx.attention, self.scale, rotary.cos, rotary.sin, qk_norm,
-                                          **extra)
+            return backend.forward_rotary(q, k, v, cache, ctx.attention, self.scale, rotary.cos, rotary.sin, qk_norm)
         q, k = rotary(ctx.positions, q, k)
-        return backend.forward(q, k, v, cache, ctx.attention, self.scale, **extra)
-
-    def o_proj_l2_next(self, rows: int) -> tuple[tuple[torch.Tensor, int], ...]:
-        """(tensor, bytes) of what o_proj streams for `rows` rows where that is a GEMV (decode attention's
-        l2_next); () where it is not."""
-        return tuple((t, t.numel() * t.element_size()) for t in self.o_proj.gemv_tensors(rows))
+        return backend.forward(q, k, v, cache, ctx.attention, self.scale)
 
     @property
     def qkv_weight(self) -> torch.Tensor:  # the fused float weight of a plain checkpoint (tests read it)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
-from dflash2.kernels.triton.gemv_parts import _l2_prefetch, multiprocessors, split_counters
+from dflash2.kernels.triton.gemv_parts import multiprocessors, split_counters
 from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_imma_tiles, _int8_tile,
                                                 int8_path, int8_sub_tiles)
 from dflash2.kernels.triton.kv_write import _rotated_rows, rotary_write_kv, scale_args, write_kv
@@ -152,14 +152,13 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
                          stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
-                         scale, tokens_per_page, l2_a, l2_a_bytes, l2_b, l2_b_bytes, l2_c, l2_c_bytes,
+                         scale, tokens_per_page,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          SPLITS_PAD: tl.constexpr,
                          PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_LOOP: tl.constexpr,
                          INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
-                         ROTARY: tl.constexpr = False, PAGES_EARLY: tl.constexpr = False,
-                         L2_NEXT: tl.constexpr = False, ASM: tl.constexpr = False):
+                         ROTARY: tl.constexpr = False, PAGES_EARLY: tl.constexpr = False):
     """LATE_RELEASE (DECODE_LATE_RELEASE): the next kernel may launch once the partial is stored, not right after
     the wait, so that its early weight loads stay off this kernel's latency-bound loads.
     ROTARY (a float cache; decode_attention's `rotary`): q and the step's k and v come un-rotated and unwritten
@@ -167,9 +166,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     rotates k, writes k and v into the cache and adds that one token to its softmax from registers, so its KV
     loop, like every other split's, reads only positions earlier steps wrote.
     PAGES_EARLY (not int8): the first KV tile's page-table entries are read before the wait (the host writes
-    the page table before the step's first kernel), each next tile's with the tile before.
-    L2_NEXT (decode_attention's `l2_next`): once its KV loop is done, each program of row 0 that had tokens asks
-    L2 for its share of up to three byte ranges (the next kernel's weights: ATTN_L2_NEXT_MAX_BYTES)."""
+    the page table before the step's first kernel), each next tile's with the tile before."""
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
     # batch ordered longest-first (the runner's order) starts its longest programs first
     kv_head = tl.program_id(0)
@@ -260,13 +257,6 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
             acc = acc * alpha[:, None] + p_new.to(q.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
             m_i = m_new
     empty = start >= length
-    if L2_NEXT:  # after this program's own loads: they do not queue behind the prefetches
-        if (b == 0) & (start < length):
-            parts = tl.cdiv(length, per_split) * tl.num_programs(0)  # row 0's programs with tokens
-            part = split * tl.num_programs(0) + kv_head
-            _l2_share(l2_a, l2_a_bytes, part, parts, ASM)
-            _l2_share(l2_b, l2_b_bytes, part, parts, ASM)
-            _l2_share(l2_c, l2_c_bytes, part, parts, ASM)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(l_i))
     out_offs = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
@@ -282,14 +272,6 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                           stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
                           GROUP, GROUP_P2, HEAD_DIM, SPLITS_PAD)
             tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _l2_share(ptr, total, part, parts, ASM: tl.constexpr):
-    """Part `part` of `parts` of the byte range [ptr, ptr + total) asked of L2 (whole 16-byte units)."""
-    share = tl.cdiv(tl.cdiv(total, parts), 16) * 16
-    first = part.to(tl.int64) * share
-    _l2_prefetch(ptr + first, tl.minimum(share, total - first), ASM)
 
 
 @triton.jit
@@ -403,11 +385,6 @@ DECODE_LATE_RELEASE = os.environ.get("DFLASH2_DECODE_RELEASE", "1") != "0"
 # measured slower: 559.5 / 560.6. W1 (one split, long loops) lost 10% with the pages early there too: 28.0k and
 # 28.1k out tok/s against 31.1k and 31.3k.
 DECODE_ROTARY = os.environ.get("DFLASH2_DECODE_ROTARY", "1") != "0"
-# Decode attention asks L2 for the next kernel's weights (`l2_next`: the o_proj GEMV's, at up to GEMV_MAX_M rows)
-# once its own KV loads are done: attention is latency-bound, so HBM is mostly idle while it runs, and the GEMV
-# after it then reads from L2. Only where the ranges total at most this many bytes (the H200's L2 is 50 MB and
-# the weights must still be there when the GEMV runs); DFLASH2_ATTN_L2_NEXT_MB=0 turns it off.
-ATTN_L2_NEXT_MAX_BYTES = int(float(os.environ.get("DFLASH2_ATTN_L2_NEXT_MB", "16")) * (1 << 20))
 DECODE_PAGES_EARLY = os.environ.get("DFLASH2_DECODE_PAGES_EARLY", "1") != "0"
 
 
@@ -426,14 +403,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, config: dict | None = None,
-                     rotary: tuple[torch.Tensor, ...] | None = None,
-                     l2_next: tuple[tuple[torch.Tensor, int], ...] = ()) -> torch.Tensor:
+                     rotary: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """q [B, H, D] over each request's first lengths[b] cached positions -> [B, H, D]. `config` overrides
     DECODE_CONFIG (benchmarks/tune_decode.py). With `rotary` = (k [B, KV heads, D], v, cos, sin) on a float
     cache, q and k are un-rotated and the step's position (lengths[b] - 1) is not in the cache yet: the kernel
-    rotates q and k (rotate-half, the tables' rows by position) and writes k and v there. `l2_next`: up to three
-    (tensor, bytes from its start) that the next kernel reads, asked of L2 once the KV loads are done
-    (ATTN_L2_NEXT_MAX_BYTES in all at most; a hint, which changes no result)."""
+    rotates q and k (rotate-half, the tables' rows by position) and writes k and v there."""
     batch, num_heads, dim = q.shape
     config = default_decode_config(q, k_cache) if config is None else config
     kind, k_scales, v_scales, *scale_strides = scale_args(k_cache, k_scale, v_scale)
@@ -451,7 +425,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     counters = split_counters(q.device, batch * num_kv_heads)  # a dict lookup; read only with splits
     block_n = config["BLOCK_N"] if dim <= 128 else 32
     loop = int8_path(q, config) if kind == 1 else ""
-    l2_ranges = _l2_ranges(l2_next, q)
     # imma_t: heads as the mma's N side (no 16-row padding), one token sub-tile a warp
     group_pad = triton.next_power_of_2(group) if loop == "imma_t" else max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
@@ -460,31 +433,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *scale_strides, page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        cos.stride(0), scale, k_cache.shape[1], *l2_ranges,
+        cos.stride(0), scale, k_cache.shape[1],
         GROUP=group, GROUP_PAD=group_pad, GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
         num_warps=config["num_warps"], num_stages=config["num_stages"], LATE_RELEASE=DECODE_LATE_RELEASE,
-        ROTARY=rotary is not None, PAGES_EARLY=DECODE_PAGES_EARLY and kind != 1 and num_splits > 1,
-        L2_NEXT=sum(l2_ranges[1::2]) > 0, ASM=not _INTERPRETED, **pdl_args())
+        ROTARY=rotary is not None, PAGES_EARLY=DECODE_PAGES_EARLY and kind != 1 and num_splits > 1, **pdl_args())
     return out
-
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _l2_ranges(l2_next: tuple[tuple[torch.Tensor, int], ...], any_tensor: torch.Tensor) -> list:
-    """decode_attention's l2_next as the kernel's three (uint8 tensor, bytes) pairs (unused ones: 0 bytes); all
-    zero where there are none or they exceed ATTN_L2_NEXT_MAX_BYTES together."""
-    if len(l2_next) > 3:
-        raise ValueError(f"decode attention prefetches at most 3 ranges, got {len(l2_next)}")
-    ranges = [(t.view(torch.uint8) if t.is_contiguous() else None, min(int(n), t.numel() * t.element_size()))
-              for t, n in l2_next]
-    total = sum(n for _, n in ranges)
-    if not ranges or any(t is None for t, _ in ranges) or total > ATTN_L2_NEXT_MAX_BYTES or not total:
-        ranges = []
-    ranges += [(any_tensor, 0)] * (3 - len(ranges))
-    return [value for pair in ranges for value in pair]
 
 
 def prefill_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
@@ -516,32 +471,29 @@ class TritonAttention:
         self.graph_num_splits: int | None = None  # fixed while capturing a graph
 
     fuses_rotary = True
-    prefetches_next = True  # forward / forward_rotary take l2_next (decode_attention's)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, scale: float, l2_next: tuple = ()) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, cache.k, cache.v, meta.page_table, meta.token_slots, meta.positions,
                  cache.k_scale, cache.v_scale)
-        return self._attend(q, cache, meta, scale, l2_next=l2_next)
+        return self._attend(q, cache, meta, scale)
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                        meta: AttentionMetadata, scale: float, cos: torch.Tensor, sin: torch.Tensor,
-                       qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                       l2_next: tuple = ()) -> torch.Tensor:
+                       qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """forward() for un-rotated q and k: the rotary embedding (and Qwen3's q/k norms, `qk_norm`) is
         applied while writing the cache; under DECODE_ROTARY (a float cache, no q/k norms) decode attention
         does it for the decode rows."""
         nd = meta.num_decode_tokens
         if not (DECODE_ROTARY and nd and qk_norm is None and cache.k_scale is None):
             rotary_write_kv(q, k, v, cache, cos, sin, meta, qk_norm)
-            return self._attend(q, cache, meta, scale, l2_next=l2_next)
+            return self._attend(q, cache, meta, scale)
         rotary_write_kv(q, k, v, cache, cos, sin, meta, first_row=nd)  # the prefill rows
-        return self._attend(q, cache, meta, scale, rotary=(k[:nd], v[:nd], cos, sin), l2_next=l2_next)
+        return self._attend(q, cache, meta, scale, rotary=(k[:nd], v[:nd], cos, sin))
 
     def _attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-                rotary: tuple[torch.Tensor, ...] | None = None, l2_next: tuple = ()) -> torch.Tensor:
-        """Decode rows, then prefill rows; `rotary` and `l2_next`: decode_attention's, for the decode rows (the
-        weights in l2_next are asked for only in a decode-only step)."""
+                rotary: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """Decode rows, then prefill rows; `rotary`: decode_attention's, for the decode rows."""
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
@@ -550,7 +502,7 @@ class TritonAttention:
                                                                 q.shape[1] // num_kv_heads)
             decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots, meta.decode_lengths,
                              scale, splits, out=out[:nd], k_scale=cache.k_scale, v_scale=cache.v_scale,
-                             rotary=rotary, l2_next=l2_next if meta.prefill_block_segments is None else ())
+                             rotary=rotary)
         if meta.prefill_block_segments is not None:  # set whenever the step has prefill chunks
             prefill_attention(q, cache, meta, scale, out, row_offset=nd)
         return out

@@ -363,13 +363,6 @@ class TritonWeight:
             self.weight["int4"] = pair_gate_up(self.weight["int4"])
             self.fuses_silu_out = True
 
-    def gemv_tensors(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """What matmul streams for `rows` rows where that is the int4 GEMV (its words and scales): a kernel
-        before it may ask L2 for them (QuantLinear.gemv_tensors); () otherwise."""
-        if rows <= GEMV_MAX_M and "int4" in self.weight:
-            return (self.weight["int4"]["words"], self.weight["int4"]["sz"])
-        return ()
-
     def fuses_norm(self, rows: int) -> bool:
         """Whether matmul(norm=, add_to=) runs the RMSNorm and the residual add inside the GEMV for `rows`
         activation rows (the int4 GEMV, unless DFLASH2_FUSE_NORM=0)."""
