@@ -110,6 +110,7 @@ class EngineLoop:
         logger.info("engine ready: model %s (%d objects left out of garbage collection, thresholds %s)",
                     self.engine.model.name, frozen, thresholds)
         while True:
+            self.engine.wait_launch_point()  # at once unless --plan-next-step-at: then what came meanwhile
             if not self._drain_commands(block=not self.engine.has_unfinished()):
                 break
             if self.engine.has_unfinished():
