@@ -143,6 +143,7 @@ class Engine:
         # where the latest step's host time went (server metrics read them): Scheduler.plan(), building inputs
         # and launching the kernels, and waiting for a step's results (the device) and committing them
         self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
+        self.launch_points_waited = self.launch_points_late = 0  # wait_launch_point: calls, and those too late
         logger.info("model %s: %d layers, KV %s, %d pages of %d tokens (%d tokens), max_model_len %d",
                     self.model.name, self.model.arch.num_layers, layout.dtype, num_pages, layout.tokens_per_page,
                     num_pages * layout.tokens_per_page, self.max_model_len)
@@ -182,8 +183,11 @@ class Engine:
         """Block until the step in flight has passed its launch point (EngineConfig.plan_next_step_at); at once
         when there is none. A caller that takes in requests between steps calls it first, so that what arrived
         while the step ran its first layers joins the next one."""
-        if self._in_flight is not None:
-            self.runner.wait(self._in_flight[1].launch_point)
+        if self._in_flight is not None and self._in_flight[1].launch_point is not None:
+            point = self._in_flight[1].launch_point
+            self.launch_points_late += point.query()  # passed before the caller got here: the host is late
+            self.launch_points_waited += 1
+            self.runner.wait(point)
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

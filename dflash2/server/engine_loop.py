@@ -118,6 +118,9 @@ class EngineLoop:
             self.observer.tick(time.monotonic())
         for request_id in list(self._tracked):
             self._abort(request_id)
+        if self.engine.launch_points_waited:
+            logger.info("launch points: %d waited for, %d of them passed before the loop got there",
+                        self.engine.launch_points_waited, self.engine.launch_points_late)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply every queued command; False once told to stop."""
