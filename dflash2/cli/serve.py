@@ -47,11 +47,6 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
              help="overlap only steps of at most this many tokens: a longer (prefill) step is committed before "
                   "the next is planned, so a request arriving during it runs in the next step (decode steps "
                   "keep the overlap; default: every step overlaps)")
-    add_flag(parser, "--plan-next-step-at", type=float, default=0.0,
-             help="on the GPU, plan and launch the next step once the step running has done this fraction of "
-                  "its layers (0 < F < 1), so that a request arriving in its first part runs in the very next "
-                  "step; the default 0 plans it right after the step running was launched (one step queued "
-                  "ahead: a request waits for the step running and the one behind it)")
     add_flag(parser, "--max-batch-size", type=int, default=None, help="alias of --max-num-seqs")
     add_flag(parser, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
     add_flag(parser, "--cuda-graph-max-prefill-tokens", type=int, default=2048,
@@ -116,10 +111,6 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if args.overlap_max_step_tokens < 1:
             raise ValueError(f"--overlap-max-step-tokens must be >= 1, got {args.overlap_max_step_tokens}")
         kwargs["overlap_max_step_tokens"] = args.overlap_max_step_tokens
-    if not 0.0 <= args.plan_next_step_at < 1.0:
-        raise ValueError(f"--plan-next-step-at must be in [0, 1), got {args.plan_next_step_at:g}")
-    if args.plan_next_step_at:
-        kwargs["plan_next_step_at"] = args.plan_next_step_at
     if args.cuda_graph_max_prefill_tokens < 0:
         raise ValueError(f"--cuda-graph-max-prefill-tokens must be >= 0, got {args.cuda_graph_max_prefill_tokens}")
     kwargs["cuda_graph_max_prefill_tokens"] = args.cuda_graph_max_prefill_tokens

@@ -72,12 +72,6 @@ class EngineConfig:
     # request that arrives while it runs joins the very next step instead of the one after (the device idles
     # for that step's host work); None: every step overlaps the next one's planning and launch
     overlap_max_step_tokens: int | None = None
-    # overlapped, on CUDA: each step records a launch point once this fraction of its layers has run, and a
-    # caller that takes in requests between steps (the server) waits for it (wait_launch_point) before it plans
-    # the next step, so a request arriving in the first part of step N joins N + 1 instead of N + 2; the host's
-    # plan and launch must then fit in the rest of the step, else the device idles. 0: no launch point (the
-    # next step is planned right after this one is launched)
-    plan_next_step_at: float = 0.0
     low_priority_values_first: bool = False  # vLLM's convention: a smaller number is more urgent
     # a streamed request's output comes every this many tokens (its first and last at once): fewer outputs
     # to build and to write under load (vLLM's --stream-interval)
@@ -90,9 +84,6 @@ class EngineConfig:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.overlap_max_step_tokens is not None and self.overlap_max_step_tokens < 1:
             raise ValueError(f"overlap_max_step_tokens must be >= 1, got {self.overlap_max_step_tokens}")
-        if not 0.0 <= self.plan_next_step_at < 1.0:
-            raise ValueError(f"plan_next_step_at is a fraction of a step's layers in [0, 1), got "
-                             f"{self.plan_next_step_at}")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -119,8 +110,7 @@ class Engine:
         num_host_pages = config.cache.swap_space_bytes // config.cache.page_bytes
         options = RunnerOptions(attention_backend=backend, seed=config.seed,
                                 max_slots=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-                                enforce_eager=config.enforce_eager, num_host_pages=num_host_pages,
-                                launch_point_fraction=config.plan_next_step_at if self._overlaps(device) else 0.0)
+                                enforce_eager=config.enforce_eager, num_host_pages=num_host_pages)
         num_pages = self._num_pages(layout, device, options)
         self.pool = PagePool(num_pages, layout.page_bytes)
         host_pool = HostPagePool(num_host_pages) if num_host_pages else None
@@ -134,7 +124,7 @@ class Engine:
             sched = config.scheduler
             self.runner.capture_graphs(graph_batch_sizes(sched.max_num_seqs),
                                        mixed_graph_shapes(sched.max_num_seqs, self._graph_prefill_tokens()))
-        self.overlap = self._overlaps(device)
+        self.overlap = config.overlap if config.overlap is not None else device.type == "cuda"
         self.trace = StepTrace.from_env(device)  # one JSON line a step, if DFLASH2_STEP_TRACE names a file
         self._in_flight: tuple[StepPlan, PendingStep] | None = None
         self.requests: dict[str, Request] = {}
@@ -143,7 +133,6 @@ class Engine:
         # where the latest step's host time went (server metrics read them): Scheduler.plan(), building inputs
         # and launching the kernels, and waiting for a step's results (the device) and committing them
         self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
-        self.launch_points_waited = self.launch_points_late = 0  # wait_launch_point: calls, and those too late
         logger.info("model %s: %d layers, KV %s, %d pages of %d tokens (%d tokens), max_model_len %d",
                     self.model.name, self.model.arch.num_layers, layout.dtype, num_pages, layout.tokens_per_page,
                     num_pages * layout.tokens_per_page, self.max_model_len)
@@ -178,16 +167,6 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
-
-    def wait_launch_point(self) -> None:
-        """Block until the step in flight has passed its launch point (EngineConfig.plan_next_step_at); at once
-        when there is none. A caller that takes in requests between steps calls it first, so that what arrived
-        while the step ran its first layers joins the next one."""
-        if self._in_flight is not None and self._in_flight[1].launch_point is not None:
-            point = self._in_flight[1].launch_point
-            self.launch_points_late += point.query()  # passed before the caller got here: the host is late
-            self.launch_points_waited += 1
-            self.runner.wait(point)
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -234,9 +213,6 @@ class Engine:
         if urgent_first_token:  # deliver it now rather than after the next step's launch (an eager step's
             outputs += self._finish_in_flight()  # host time): the device idles for one launch, only here
         return outputs
-
-    def _overlaps(self, device: torch.device) -> bool:
-        return self.config.overlap if self.config.overlap is not None else device.type == "cuda"
 
     def _commit_alone(self, plan: StepPlan) -> bool:
         limit = self.config.overlap_max_step_tokens

@@ -183,8 +183,6 @@ class StepGraphs:
         self.mixed_logits: torch.Tensor | None = None
         self.steps: dict[GraphShape, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {}  # capture=False
         self.replays: Counter[GraphShape] = Counter()
-        # each graph's launch point (ModelRunner.launch_point_layer): an external event its replay records
-        self.launch_points: dict[GraphShape, torch.cuda.Event] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         for shape in reversed(self.shapes):  # largest first, so smaller graphs reuse its memory
             self._capture(shape)
@@ -260,9 +258,6 @@ class StepGraphs:
         self._fill_idle(shape, v)
         context = ForwardContext(positions=v["positions"], attention=self._metadata(shape, v),
                                  kv_caches=runner.kv_caches, attention_backend=runner.attention)
-        if self.capture and runner.launch_point_layer:  # recorded by every replay (an event record node)
-            self.launch_points[shape] = torch.cuda.Event(external=True)
-            context.layer_event = (runner.launch_point_layer, self.launch_points[shape])
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             ids = v["ids"]

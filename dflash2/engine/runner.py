@@ -40,9 +40,6 @@ class RunnerOptions:
     max_model_len: int
     enforce_eager: bool = False
     num_host_pages: int = 0  # pinned host pages for swapped-out KV
-    # a step's launch point: an event once this fraction of its layers is queued (CUDA; 0: none). The server
-    # waits for it before planning the next step (EngineConfig.plan_next_step_at)
-    launch_point_fraction: float = 0.0
 
 
 @dataclass
@@ -64,7 +61,6 @@ class PendingStep:
     logprob_job: tuple | None = None
     prompt_logprob_jobs: list[tuple] = field(default_factory=list)
     trace: dict | None = None  # the step's StepTrace record (DFLASH2_STEP_TRACE), written once collected
-    launch_point: torch.cuda.Event | None = None  # passed once the step has run its first launch_point_layer layers
 
 
 class ModelRunner:
@@ -97,8 +93,6 @@ class ModelRunner:
                                        pin_memory=True) if self.device.type == "cuda" else None
         self.eos_token_ids: tuple[int, ...] = model.arch.eos_token_ids
         self.graphs: StepGraphs | None = None
-        self.launch_point_layer = launch_point_layer(model.arch.num_layers, options.launch_point_fraction) \
-            if self.device.type == "cuda" else 0
         # set while collect() waits for the device (the GIL is free then): the engine process's metrics
         # renderer runs only in such waits, never beside the host's own work (server/engine_process.py)
         self.host_waits: threading.Event | None = None
@@ -130,23 +124,17 @@ class ModelRunner:
         host = _HostBatch.build(ordered, len(decodes))
         shape = self.graphs.shape_for(host, len(decodes)) if self.graphs is not None else None
         greedy = None
-        launch_point = None
         if shape is not None:
             logits, greedy = self.graphs.run(shape, host, len(decodes))
-            launch_point = self.graphs.launch_points.get(shape)
             hidden = None
         else:
             token_ids = self._resolve(to_device(host.token_ids, torch.long, self.device), host.has_placeholders)
             meta = self._metadata(host, len(decodes))
-            if self.launch_point_layer:
-                launch_point = torch.cuda.Event()
             context = ForwardContext(positions=meta.positions, attention=meta, kv_caches=self.kv_caches,
-                                     attention_backend=self.attention,
-                                     layer_event=(self.launch_point_layer, launch_point) if launch_point else None)
+                                     attention_backend=self.attention)
             hidden = self.model.module(token_ids, context)
             logits = self.model.module.compute_logits(hidden[host.sample_rows]) if host.sample_rows else None
         pending = self._sample(logits, [ordered[i] for i in host.sample_chunks], requests, greedy)
-        pending.launch_point = launch_point
         for chunk_index, first_row in host.logit_chunks:
             chunk = ordered[chunk_index]
             job = self._prompt_logprob_job(chunk, hidden, first_row, requests[chunk.request_id])
@@ -154,23 +142,18 @@ class ModelRunner:
                 pending.prompt_logprob_jobs.append(job)
         return pending
 
-    def wait(self, event: torch.cuda.Event | None) -> None:
-        """Block until the device has passed `event` (None: return at once), with host_waits set meanwhile."""
-        if event is None:
-            return
-        waits = self.host_waits
-        if waits is None:
-            event.synchronize()
-            return
-        waits.set()
-        try:
-            event.synchronize()
-        finally:
-            waits.clear()
-
     def collect(self, pending: PendingStep) -> StepResult:
         result = StepResult()
-        self.wait(pending.done)
+        if pending.done is not None:
+            waits = self.host_waits
+            if waits is None:
+                pending.done.synchronize()
+            else:
+                waits.set()
+                try:
+                    pending.done.synchronize()
+                finally:
+                    waits.clear()
         if pending.tokens_host is not None:
             result.sampled = dict(zip(pending.sample_ids, pending.tokens_host.tolist()))
         if pending.logprob_job is not None:
@@ -387,16 +370,6 @@ class _HostBatch:
         has_placeholders = bool(token_ids) and min(token_ids) < 0
         return _HostBatch(token_ids, positions, token_slots, decode_lengths, segments, sample_rows, sample_chunks,
                           logit_chunks, has_placeholders)
-
-
-def launch_point_layer(num_layers: int, fraction: float) -> int:
-    """After how many of a step's layers its launch point comes: `fraction` of them, at least one and at most all
-    but one; 0 (no launch point) for a fraction of 0."""
-    if not 0.0 <= fraction < 1.0:
-        raise ValueError(f"the launch point is a fraction of the layers in [0, 1), got {fraction}")
-    if fraction == 0.0 or num_layers < 2:
-        return 0
-    return min(num_layers - 1, max(1, round(num_layers * fraction)))
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:

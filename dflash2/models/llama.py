@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -31,10 +30,6 @@ class ForwardContext:
     attention: AttentionMetadata
     kv_caches: list  # per layer: a KVCache (K/V page views and scales), or what the backend takes
     attention_backend: object
-    # (k, event): event.record() once the first k layers are queued (a CUDA event; inside a graph capture an
-    # external one): the step's launch point, which the server waits for before it plans the next step
-    # (EngineConfig.plan_next_step_at)
-    layer_event: tuple[int, Any] | None = None
 
 
 def _format(quant: QuantConfig | None, group: str, in_features: int, layer: int | None = None) -> WeightFormat | None:
@@ -181,11 +176,8 @@ class LlamaForCausalLM(nn.Module):
         """token_ids [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(token_ids)
         residual = None
-        event_after = ctx.layer_event[0] if ctx.layer_event is not None else -1
-        for index, layer in enumerate(self.layers):
+        for layer in self.layers:
             x, residual = layer(x, residual, self.rotary, ctx)
-            if index + 1 == event_after:
-                ctx.layer_event[1].record()
         return self.norm(residual) if x is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -110,7 +110,6 @@ class EngineLoop:
         logger.info("engine ready: model %s (%d objects left out of garbage collection, thresholds %s)",
                     self.engine.model.name, frozen, thresholds)
         while True:
-            self.engine.wait_launch_point()  # at once unless --plan-next-step-at: then what came meanwhile
             if not self._drain_commands(block=not self.engine.has_unfinished()):
                 break
             if self.engine.has_unfinished():
@@ -118,9 +117,6 @@ class EngineLoop:
             self.observer.tick(time.monotonic())
         for request_id in list(self._tracked):
             self._abort(request_id)
-        if self.engine.launch_points_waited:
-            logger.info("launch points: %d waited for, %d of them passed before the loop got there",
-                        self.engine.launch_points_waited, self.engine.launch_points_late)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply every queued command; False once told to stop."""

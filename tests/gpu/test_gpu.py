@@ -157,43 +157,6 @@ def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama, decode_rot
     assert runs["eager"] == [hf_greedy(hf_model, p, q.max_tokens) for p, q in zip(prompts, params)]
 
 
-@pytest.mark.parametrize("eager", [False, True])
-def test_launch_points_change_no_token_and_pass_before_the_step_ends(tiny_llama, eager):
-    """plan_next_step_at: every launched step (a graph replay's external event, or an eager step's event) has a
-    launch point; a loop that waits for it before each step, as the server's does, gives the tokens of the
-    default engine (and transformers'); the point passes before the step's end, and the step is still running
-    or done then, never behind it."""
-    from dflash2 import LLM, SamplingParams
-    from tests.tiny_models import hf_greedy
-
-    hf_model, directory = tiny_llama
-    rng = random.Random(3)
-    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(8)]
-    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
-    common = dict(device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128, kv_cache_memory="64MiB",
-                  page_bytes=4096, prefill_chunk_size=16, max_num_batched_tokens=32, enforce_eager=eager)
-    llm = LLM(directory, plan_next_step_at=0.5, **common)
-    engine = llm.engine
-    assert engine.runner.launch_point_layer == 1  # the tiny model's 2 layers
-    for i, prompt in enumerate(prompts):
-        engine.add_request({"prompt_token_ids": prompt}, params, request_id=str(i))
-    got: dict[str, list[int]] = {}
-    points = 0
-    while engine.has_unfinished():
-        engine.wait_launch_point()
-        if engine._in_flight is not None:
-            pending = engine._in_flight[1]
-            if pending.launch_point is not None:
-                assert pending.launch_point.query()
-                points += 1
-        for output in engine.step():
-            if output.finished:
-                got[output.request_id] = output.outputs[0].token_ids
-    assert points > 10
-    assert [got[str(i)] for i in range(len(prompts))] == [hf_greedy(hf_model, p, 12) for p in prompts]
-    assert engine.pool.num_used == 0
-
-
 def test_graph_greedy_tokens_match_eager_sampling(tiny_llama, monkeypatch):
     """Without min_tokens or penalties a graph step's tokens are the graph's own argmax (nothing launched after
     the replay to sample): the same tokens as eager steps, whose sampler takes the argmax after the forward;

@@ -21,7 +21,6 @@ SERVER_FLAGS = {
     "--kv-cache-memory": "8MiB", "--preemption-threshold": "50", "--priority-aging-seconds": "30",
     "--low-priority-values-first": None, "--max-queue-len": "7", "--stream-interval": "4",
     "--disable-overlap-schedule": None, "--overlap-max-step-tokens": "256", "--single-process": None,
-    "--plan-next-step-at": "0.5",
 }
 BENCH_FLAGS = {
     "--url": "http://127.0.0.1:1", "--dataset": "d.jsonl", "--concurrency": "3", "--request-rate": "2.5",
@@ -71,11 +70,9 @@ def test_priority_flags_reach_the_engine_and_the_queue_bound_the_server():
             kwargs["kv_cache_memory"]) == (50, 30.0, True, "8MiB")
     assert server_config(args).max_queue_len == 7 and kwargs["stream_interval"] == 4
     assert kwargs["overlap"] is False and kwargs["overlap_max_step_tokens"] == 256
-    assert kwargs["plan_next_step_at"] == 0.5
     defaults = build_parser().parse_args(["serve"])
     assert "overlap" not in llm_kwargs(defaults)  # the engine's default: overlapped on the GPU
     assert "overlap_max_step_tokens" not in llm_kwargs(defaults)
-    assert "plan_next_step_at" not in llm_kwargs(defaults)
     assert (llm_kwargs(defaults)["preemption_threshold"], llm_kwargs(defaults)["priority_aging_seconds"],
             llm_kwargs(defaults)["low_priority_values_first"], server_config(defaults).max_queue_len,
             llm_kwargs(defaults)["stream_interval"]) == (1, None, False, None, 1)
@@ -102,8 +99,6 @@ def test_defaults_bind_localhost_and_bundled_model():
     (["--max-queue-len", "0"], "--max-queue-len"),
     (["--stream-interval", "0"], "--stream-interval"),
     (["--overlap-max-step-tokens", "0"], "--overlap-max-step-tokens"),
-    (["--plan-next-step-at", "1"], "--plan-next-step-at"),
-    (["--plan-next-step-at", "-0.5"], "--plan-next-step-at"),
 ])
 def test_unbuilt_features_are_startup_errors(flags, named, capsys):
     assert main(["serve", *flags]) != 0

@@ -49,11 +49,6 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running)
 
-    launch_points_waited = 0
-
-    def wait_launch_point(self) -> None:  # no launch points here (plan_next_step_at 0)
-        pass
-
     def step(self) -> list[RequestOutput]:
         if self.fail_step:
             raise RuntimeError("device lost")
