@@ -251,3 +251,11 @@ def test_int8_decode_loops_match_reference(path, dtype, num_splits):
     got = tri.decode_attention(q, *args, 0.25, num_splits, k_scale=k_scale, v_scale=v_scale, config=config)
     error = float((got.float() - expected).norm() / expected.norm())
     assert error < (2e-4 if dtype == torch.float32 else 6e-3), error
+
+
+def test_decode_config_switch_is_three_positive_integers():
+    """DFLASH2_DECODE_CONFIG (a measuring switch) gives decode attention's tile config, or a clear error."""
+    assert tri._config_from_env("16,2,3") == {"BLOCK_N": 16, "num_warps": 2, "num_stages": 3}
+    for bad in ("16,2", "16,2,x", "0,2,2", "16,-2,2", ""):
+        with pytest.raises(ValueError, match="DFLASH2_DECODE_CONFIG"):
+            tri._config_from_env(bad)
