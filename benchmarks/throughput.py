@@ -181,11 +181,10 @@ def main() -> None:
 
         DECODE_CONFIG["BLOCK_N"] = args.decode_block_n
     for spec in args.decode_config:
-        from dflash2.kernels.triton.attention import DECODE_CONFIGS
+        from dflash2.kernels.triton.attention import DECODE_CONFIGS, parse_decode_config
 
         label, _, values = spec.partition("=")
-        block_n, warps, stages = (int(v) for v in values.split(","))
-        DECODE_CONFIGS[label] = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        DECODE_CONFIGS[label] = parse_decode_config(values, f"--decode-config {label}")
     llm = LLM(args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               prefill_chunk_size=args.prefill_chunk_size,

@@ -255,7 +255,7 @@ def test_int8_decode_loops_match_reference(path, dtype, num_splits):
 
 def test_decode_config_switch_is_three_positive_integers():
     """DFLASH2_DECODE_CONFIG (a measuring switch) gives decode attention's tile config, or a clear error."""
-    assert tri._config_from_env("16,2,3") == {"BLOCK_N": 16, "num_warps": 2, "num_stages": 3}
+    assert tri.parse_decode_config("16,2,3") == {"BLOCK_N": 16, "num_warps": 2, "num_stages": 3}
     for bad in ("16,2", "16,2,x", "0,2,2", "16,-2,2", ""):
         with pytest.raises(ValueError, match="DFLASH2_DECODE_CONFIG"):
-            tri._config_from_env(bad)
+            tri.parse_decode_config(bad)

@@ -37,16 +37,17 @@ PREFILL_BLOCK_M = 64
 DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}  # best of benchmarks/tune_decode.py on H200
 
 
-def _config_from_env(value: str) -> dict[str, int]:
-    """DFLASH2_DECODE_CONFIG="BLOCK_N,num_warps,num_stages" (for measuring), three positive integers."""
+def parse_decode_config(value: str, source: str = "DFLASH2_DECODE_CONFIG") -> dict[str, int]:
+    """"BLOCK_N,num_warps,num_stages" (three positive integers) as a decode config; `source` names where the text
+    came from in the error (the DFLASH2_DECODE_CONFIG switch, throughput.py's --decode-config)."""
     parts = value.split(",")
     if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"DFLASH2_DECODE_CONFIG={value!r}: expected BLOCK_N,num_warps,num_stages, e.g. 32,2,2")
+        raise ValueError(f"{source}={value!r}: expected BLOCK_N,num_warps,num_stages, e.g. 32,2,2")
     return dict(zip(("BLOCK_N", "num_warps", "num_stages"), (int(p) for p in parts)))
 
 
-if os.environ.get("DFLASH2_DECODE_CONFIG"):
-    DECODE_CONFIG = _config_from_env(os.environ["DFLASH2_DECODE_CONFIG"])
+if os.environ.get("DFLASH2_DECODE_CONFIG"):  # for measuring
+    DECODE_CONFIG = parse_decode_config(os.environ["DFLASH2_DECODE_CONFIG"])
 # per KV kind ("int8-<loop>" for int8) where tuning found better; else DECODE_CONFIG. int8 imma_t: picked on W1
 # itself, because the kernel tune (benchmarks/tune_decode.py, layer 0 alone, even with W1's own prompts in
 # engine-like pages) has ranked its configs unlike W1 three sessions running: on the H200, W1's int8 decode phase
