@@ -25,6 +25,7 @@ ids may be placeholders, resolved inside the graph from the runner's future-toke
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import logging
 from collections import Counter
@@ -45,17 +46,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dflash2")
 
 MIN_PREFILL_BUCKET = 16
-
-
-def resolve_placeholders(token_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
-    """token_ids with each placeholder -(i + 1) replaced by the token the previous step left in future slot i
-    (one Triton launch on CUDA unless DFLASH2_STEP_EDGES=0: kernels/triton/step_edges.py)."""
-    if token_ids.is_cuda:
-        from dflash2.kernels.triton import step_edges
-
-        if step_edges.STEP_EDGES:
-            return step_edges.resolve_tokens(token_ids, future_tokens)
-    return torch.where(token_ids < 0, future_tokens[(-token_ids - 1).clamp(min=0)], token_ids)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -96,12 +86,15 @@ class GraphShape:
     prefill_tokens: int  # P
     max_segments: int  # S
     num_blocks: int  # B
+    # one decode row over a short context (at most the backend's short_max_tokens): its decode attention runs
+    # the backend's short split count and config (kernels/triton/attention.py's SHORT_*)
+    short: bool = False
 
     @staticmethod
-    def of(decodes: int, prefill_tokens: int, max_slots: int, block_m: int) -> "GraphShape":
+    def of(decodes: int, prefill_tokens: int, max_slots: int, block_m: int, short: bool = False) -> "GraphShape":
         segments = min(max_slots, prefill_tokens)
         blocks = -(-prefill_tokens // block_m) + segments if prefill_tokens else 0
-        return GraphShape(decodes, prefill_tokens, segments, blocks)
+        return GraphShape(decodes, prefill_tokens, segments, blocks, short)
 
     @property
     def tokens(self) -> int:
@@ -166,8 +159,13 @@ class StepGraphs:
         max_slots = runner.options.max_slots
         shapes = [GraphShape.of(d, 0, max_slots, self.block_m) for d in decode_sizes]
         shapes += [GraphShape.of(d, p, max_slots, self.block_m) for d, p in mixed_shapes]
-        self.shapes = sorted(set(shapes), key=lambda s: (s.tokens, s.decodes))
-        self._by_size = {(s.decodes, s.prefill_tokens): s for s in self.shapes}
+        # a single stream over a short context: a graph of its own where the backend has a short decode
+        short = getattr(runner.attention, "short_decode", lambda dtype: False)(runner.layout.dtype)
+        self.short_max_tokens = runner.attention.short_max_tokens if short and 1 in decode_sizes else 0
+        if self.short_max_tokens:
+            shapes.append(GraphShape.of(1, 0, max_slots, self.block_m, short=True))
+        self.shapes = sorted(set(shapes), key=lambda s: (s.tokens, s.decodes, s.short))
+        self._by_size = {(s.decodes, s.prefill_tokens, s.short): s for s in self.shapes}
         self._decode_sizes = sorted(set(decode_sizes))
         self._mixed_decodes = sorted({d for d, _ in mixed_shapes})
         self._mixed_prefills = sorted({p for _, p in mixed_shapes})
@@ -196,13 +194,15 @@ class StepGraphs:
             return None
         prefill_tokens = len(host.token_ids) - num_decodes
         if not prefill_tokens:
+            if num_decodes == 1 and host.decode_lengths[0] <= self.short_max_tokens:
+                return self._by_size[(1, 0, True)]
             decodes = _round_up(num_decodes, self._decode_sizes)
-            return None if decodes is None else self._by_size[(decodes, 0)]
+            return None if decodes is None else self._by_size[(decodes, 0, False)]
         decodes = _round_up(num_decodes, self._mixed_decodes)
         prefills = _round_up(prefill_tokens, self._mixed_prefills)
         if decodes is None or prefills is None:
             return None
-        shape = self._by_size[(decodes, prefills)]
+        shape = self._by_size[(decodes, prefills, False)]
         return shape if len(host.segments) <= shape.max_segments else None
 
     def run(self, shape: GraphShape, host: "_HostBatch", num_decodes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,7 +261,9 @@ class StepGraphs:
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             ids = v["ids"]
-            hidden = module(resolve_placeholders(ids, runner.future_tokens), context)
+            # the short graph's decode attention (captured or run eagerly): the backend's short splits and config
+            with runner.attention.short_decoding() if shape.short else contextlib.nullcontext():
+                hidden = module(ids, context, future_tokens=runner.future_tokens)
             if not shape.prefill_tokens:
                 logits = module.compute_logits(hidden)
                 return logits, greedy_argmax(logits)

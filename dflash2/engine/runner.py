@@ -14,19 +14,21 @@ step can feed them back as inputs before the host has seen them: a negative inpu
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from dflash2.engine.graphs import StepGraphs, resolve_placeholders
+from dflash2.engine.graphs import StepGraphs
 from dflash2.engine.kv.layout import KVLayout
 from dflash2.engine.plan import ScheduledChunk, StepPlan
 from dflash2.engine.sampler import Logprob, Sampler, SamplingRow, prompt_logprobs, sampled_logprobs
 from dflash2.engine.transfer import to_device
 from dflash2.kernels.attention_metadata import AttentionMetadata, PrefillSegment
 from dflash2.kernels.dispatch import attention_backend
+from dflash2.layers.embedding import resolve_placeholders
 from dflash2.loading.model_loader import LoadedModel
 from dflash2.models.llama import ForwardContext
 from dflash2.request import Request
@@ -63,6 +65,11 @@ class PendingStep:
     trace: dict | None = None  # the step's StepTrace record (DFLASH2_STEP_TRACE), written once collected
 
 
+# The sampled tokens' copy to the host on a stream of its own (DFLASH2_TOKEN_COPY_STREAM=0: on the main stream,
+# where the next step's first kernels wait behind it and its launch gap).
+TOKEN_COPY_STREAM = os.environ.get("DFLASH2_TOKEN_COPY_STREAM", "1") != "0"
+
+
 class ModelRunner:
     def __init__(self, model: LoadedModel, layout: KVLayout, num_pages: int, options: RunnerOptions) -> None:
         self.model = model
@@ -91,6 +98,11 @@ class ModelRunner:
         # a step only with at most one other in flight)
         self.tokens_host = torch.empty(2 * options.max_slots, dtype=torch.long,
                                        pin_memory=True) if self.device.type == "cuda" else None
+        # ... copied on a stream of their own (TOKEN_COPY_STREAM), so the next step's kernels need not queue
+        # behind the copy and its launch gap on the main stream
+        self.token_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" and TOKEN_COPY_STREAM
+                             else None)
+        self._sampled = torch.cuda.Event() if self.token_stream is not None else None  # recorded each step
         self.eos_token_ids: tuple[int, ...] = model.arch.eos_token_ids
         self.graphs: StepGraphs | None = None
         # set while collect() waits for the device (the GIL is free then): the engine process's metrics
@@ -300,9 +312,16 @@ class ModelRunner:
         if self.device.type != "cuda":
             return PendingStep(sample_ids, placeholders, token_ids, None, logprob_job)
         tokens_host = self.tokens_host[base:base + len(chunks)]
-        tokens_host.copy_(token_ids, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        if self.token_stream is None:
+            tokens_host.copy_(token_ids, non_blocking=True)
+            done.record()
+        else:  # from the future slots just written (the graph's own buffer is rewritten by its next replay)
+            self._sampled.record()  # the wait below is enqueued on this record (a later one does not move it)
+            with torch.cuda.stream(self.token_stream):
+                self.token_stream.wait_event(self._sampled)
+                tokens_host.copy_(self.future_tokens[base:base + len(chunks)], non_blocking=True)
+                done.record()
         return PendingStep(sample_ids, placeholders, tokens_host, done, logprob_job)
 
     def _sampling_row(self, request: Request) -> SamplingRow:

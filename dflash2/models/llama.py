@@ -172,9 +172,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if tied else make_linear(hidden, vocab, head_format)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_positions)
 
-    def forward(self, token_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """token_ids [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(token_ids)
+    def forward(self, token_ids: torch.Tensor, ctx: ForwardContext,
+                future_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """token_ids [T] -> final hidden states [T, hidden]. With future_tokens, a placeholder id -(i + 1) stands
+        for future_tokens[i] (a step graph's ids: resolved in the embedding's launch where it can)."""
+        x = self.embed_tokens(token_ids, future_tokens)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, self.rotary, ctx)

@@ -306,3 +306,37 @@ def test_resolve_tokens_on_the_gpu():
     future = torch.arange(100, 164, device="cuda")
     ids = torch.tensor([3, -1, -64, 0, -7, 12], device="cuda")
     assert step_edges.resolve_tokens(ids, future).tolist() == [3, 100, 163, 0, 106, 12]
+
+
+def test_embed_tokens_on_the_gpu():
+    from dflash2.kernels.triton import step_edges
+
+    table = torch.randn(1000, 4096, device="cuda").bfloat16()
+    future = torch.arange(100, 164, device="cuda")
+    ids = torch.tensor([3, -1, -64, 0, -7, 999], device="cuda")
+    resolved = torch.tensor([3, 100, 163, 0, 106, 999], device="cuda")
+    assert torch.equal(step_edges.embed_tokens(ids, table, torch.bfloat16, future), table[resolved])
+
+
+@pytest.mark.parametrize("length", [1, 100, 128, 129, 384, 512, 1000, 5000])
+def test_short_decode_matches_reference(length):
+    """The short graph's decode (W2): SHORT_SPLITS splits of SHORT_CONFIG's 128-token tiles, the splits past the
+    length gone before their wait (no ticket), several tiles a split past SHORT_MAX_TOKENS; twice (the tickets
+    reset), llama-3-8b's heads."""
+    from dflash2.kernels.torch_ref import attention as ref
+    from dflash2.kernels.triton import attention as tri
+
+    tokens_per_page, kv_heads, group, dim = 16, 8, 4, 128
+    num_pages = -(-length // tokens_per_page) + 4
+    k_cache, v_cache = _cache(num_pages, tokens_per_page, kv_heads, dim, seed=length)
+    table = _table([length], tokens_per_page, num_pages, seed=length)
+    q = torch.randn(1, kv_heads * group, dim, device="cuda").bfloat16()
+    slots = torch.zeros(1, dtype=torch.int32, device="cuda")
+    lens = torch.tensor([length], dtype=torch.int32, device="cuda")
+    expected = ref.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, slots, lens, length,
+                                    dim ** -0.5)
+    for _ in range(2):
+        got = tri.decode_attention(q, k_cache, v_cache, table, slots, lens, dim ** -0.5, tri.SHORT_SPLITS,
+                                   config=tri.SHORT_CONFIG)
+        error = (got.float() - expected).norm() / expected.norm()
+        assert error < 1e-2, error

@@ -41,3 +41,20 @@ def test_greedy_argmax_rejects_what_it_cannot_take():
         step_edges.greedy_argmax(torch.zeros(65, 128))
     with pytest.raises(ValueError, match="contiguous"):
         step_edges.greedy_argmax(torch.zeros(128, 4).t())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_embed_tokens_resolves_placeholders_and_gathers_rows(dtype):
+    """The graph's lookup: placeholders -(i + 1) resolved from the future slots and the 16-bit table's rows
+    gathered in one launch, bit for bit the rows torch's embedding gives (hidden 600: a masked last block)."""
+    table = torch.randn(50, 600, generator=torch.Generator().manual_seed(1)).to(dtype)
+    future = torch.tensor([11, 22, 33, 44], dtype=torch.long)
+    ids = torch.tensor([5, -1, 7, -4, -2, 0, 49], dtype=torch.long)
+    resolved = torch.tensor([5, 11, 7, 44, 22, 0, 49])
+    got = step_edges.embed_tokens(ids, table, dtype, future)
+    assert got.dtype == dtype and torch.equal(got.view(torch.int16), table[resolved].view(torch.int16))
+    plain = step_edges.embed_tokens(resolved, table, torch.float32)  # no future slots: ids as they are
+    assert torch.equal(plain, table[resolved].float())
+    assert step_edges.embed_tokens(ids[:0], table, dtype, future).shape == (0, 600)
+    with pytest.raises(ValueError, match="unit last stride"):
+        step_edges.embed_tokens(ids, table.t(), dtype, future)

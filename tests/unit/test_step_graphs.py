@@ -89,3 +89,30 @@ def test_padded_step_shapes_give_the_torch_backends_tokens(tmp_path, length):
     assert any(not s.prefill_tokens for s in used) and any(not s.decodes for s in used)
     again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # from cached prefixes
     assert again == expected and llm.engine.kv.num_prefix_hits > 0
+
+
+def test_a_single_short_stream_takes_the_short_graph_until_it_grows(tmp_path):
+    """One stream decodes in the short graph (the Triton backend's SHORT_SPLITS x SHORT_CONFIG attention) while
+    its length is at most short_max_tokens (lowered to 9 here), then in the plain one-row graph: the torch
+    backend's greedy tokens throughout. The tiny model is float32, whose cache the short decode does not take by
+    itself: the instance is told it does."""
+    from dflash2 import LLM, SamplingParams
+    from tests.tiny_models import build_tiny_model
+
+    build_tiny_model("qwen3", str(tmp_path))
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    options = dict(page_bytes=4096, prefill_chunk_size=8, max_num_batched_tokens=16, kv_cache_memory=64 * 4096,
+                   max_model_len=64, max_num_seqs=4)
+    expected = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **options).generate(prompts, params)]
+    llm = LLM(str(tmp_path), attention_backend="triton", **options)
+    runner = llm.engine.runner
+    runner.attention.short_decode = lambda dtype: True
+    runner.attention.short_max_tokens = 9
+    runner.graphs = StepGraphs(runner, graph_batch_sizes(4), mixed_graph_shapes(4, 16), capture=False)
+    assert runner.graphs.short_max_tokens == 9
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    used = runner.graphs.replays
+    short = [s for s in used if s.short]
+    assert [(s.decodes, s.prefill_tokens) for s in short] == [(1, 0)] and used[short[0]] == 4  # lengths 6-9
+    assert used[GraphShape.of(1, 0, runner.options.max_slots, runner.graphs.block_m)] == 5  # lengths 10-14

@@ -253,6 +253,36 @@ def test_int8_decode_loops_match_reference(path, dtype, num_splits):
     assert error < (2e-4 if dtype == torch.float32 else 6e-3), error
 
 
+@pytest.mark.parametrize("length", [1, 5, 128, 129, 300, 512, 700])
+def test_short_decode_merges_only_the_used_splits(length):
+    """The short graph's decode (SHORT_SPLITS splits of SHORT_CONFIG's 128-token tiles): the splits past the
+    length leave before their wait and take no ticket, the used ones merge; past SHORT_MAX_TOKENS (700) a split
+    loops over several tiles. Against the reference (fp16: the interpreter's bf16 dots are not numbers to
+    compare), twice (the tickets reset)."""
+    assert (tri.SHORT_SPLITS, tri.SHORT_CONFIG, tri.SHORT_MAX_TOKENS) == (
+        4, {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1}, 512)
+    group = 4
+    k_cache, v_cache = (c.half() for c in make_cache(160, seed=length))
+    table = page_table_for([length], 160, seed=3)
+    q = torch.randn(1, NUM_KV_HEADS * group, HEAD_DIM, generator=torch.Generator().manual_seed(length)).half()
+    slots = torch.zeros(1, dtype=torch.int32)
+    lens = torch.tensor([length], dtype=torch.int32)
+    expected = ref.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, slots, lens, length, 0.25)
+    for _ in range(2):
+        got = tri.decode_attention(q, k_cache, v_cache, table, slots, lens, 0.25, tri.SHORT_SPLITS,
+                                   config=tri.SHORT_CONFIG)
+        torch.testing.assert_close(got.float(), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_short_decoding_sets_the_split_count_and_config_inside_only():
+    attention = tri.TritonAttention(num_sms=132)
+    assert attention.short_decode(torch.bfloat16) and attention.short_decode(torch.float16)
+    assert not attention.short_decode(torch.float32) and not attention.short_decode(torch.int8)
+    with attention.short_decoding():
+        assert (attention.graph_num_splits, attention.graph_decode_config) == (tri.SHORT_SPLITS, tri.SHORT_CONFIG)
+    assert (attention.graph_num_splits, attention.graph_decode_config) == (None, None)
+
+
 def test_decode_config_switch_is_three_positive_integers():
     """DFLASH2_DECODE_CONFIG (a measuring switch) gives decode attention's tile config, or a clear error."""
     assert tri.parse_decode_config("16,2,3") == {"BLOCK_N": 16, "num_warps": 2, "num_stages": 3}

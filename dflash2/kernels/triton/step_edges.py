@@ -3,6 +3,9 @@ turns them off).
 
     resolve_tokens   token ids with the placeholders -(i + 1) replaced by future slot i's token (the previous
                      step's sample): torch's where / neg / clamp / index are six launches
+    embed_tokens     the same resolve and the embedding rows of a 16-bit table in one launch, which lets the first
+                     layer's kernel launch right after its wait (programmatic dependent launch: the first GEMV
+                     requests its weights while the rows are gathered); a step graph's lookup
     greedy_argmax    the argmax of each logits row (first index among equal maxima, as torch.argmax): every
                      program takes a chunk of a row and parks its best, and the row's last program to finish
                      (a ticket) picks the best chunk; torch's chunked max and argmax are five launches
@@ -38,6 +41,39 @@ def _resolve_kernel(ids_ptr, future_ptr, out_ptr, n, BLOCK: tl.constexpr, USE_PD
     placeholder = ids < 0
     future = tl.load(future_ptr + tl.where(placeholder, -ids - 1, 0), mask=mask & placeholder, other=0)
     tl.store(out_ptr + offs, tl.where(placeholder, future, ids).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _embed_kernel(ids_ptr, future_ptr, table_ptr, out_ptr, hidden, stride_table, stride_out,
+                  RESOLVE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    # right after the wait the next kernel (the first layer's) may launch: it requests its weights while the
+    # rows are gathered
+    pdl_start(USE_PDL)
+    t = tl.program_id(0)
+    token = tl.load(ids_ptr + t)
+    if RESOLVE:  # a placeholder -(i + 1): the previous step's token in future slot i
+        token = tl.where(token < 0, tl.load(future_ptr + tl.maximum(-token - 1, 0)), token)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    row = tl.load(table_ptr + token.to(tl.int64) * stride_table + cols, mask=mask)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, row.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def embed_tokens(token_ids: torch.Tensor, table: torch.Tensor, dtype: torch.dtype,
+                 future_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of `table` [vocab, hidden] (unit last stride) for token_ids [T], as `dtype`, in one launch; with
+    `future_tokens`, each placeholder -(i + 1) is first replaced by future_tokens[i] (resolve_tokens)."""
+    if table.stride(1) != 1:
+        raise ValueError(f"embed_tokens takes a table with unit last stride, got strides {table.stride()}")
+    count, hidden = token_ids.numel(), table.shape[1]
+    out = torch.empty((count, hidden), dtype=dtype, device=table.device)
+    if count:
+        block = min(1024, triton.next_power_of_2(hidden))
+        future = token_ids if future_tokens is None else future_tokens
+        _embed_kernel[(count, triton.cdiv(hidden, block))](token_ids, future, table, out, hidden, table.stride(0),
+                                                           out.stride(0), RESOLVE=future_tokens is not None,
+                                                           BLOCK=block, **pdl_args())
+    return out
 
 
 def resolve_tokens(token_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
