@@ -33,14 +33,20 @@ ARGMAX_MAX_CHUNKS = 64  # what the last program merges in one tile (vocabularies
 
 
 @triton.jit
+def _resolved(ids, future_ptr, mask):
+    """ids with each placeholder -(i + 1) replaced by future slot i's token (the previous step's sample)."""
+    placeholder = ids < 0
+    future = tl.load(future_ptr + tl.where(placeholder, -ids - 1, 0), mask=mask & placeholder, other=0)
+    return tl.where(placeholder, future, ids)
+
+
+@triton.jit
 def _resolve_kernel(ids_ptr, future_ptr, out_ptr, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
-    placeholder = ids < 0
-    future = tl.load(future_ptr + tl.where(placeholder, -ids - 1, 0), mask=mask & placeholder, other=0)
-    tl.store(out_ptr + offs, tl.where(placeholder, future, ids).to(out_ptr.dtype.element_ty), mask=mask)
+    ids = _resolved(tl.load(ids_ptr + offs, mask=mask, other=0), future_ptr, mask)
+    tl.store(out_ptr + offs, ids.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -51,8 +57,8 @@ def _embed_kernel(ids_ptr, future_ptr, table_ptr, out_ptr, hidden, stride_table,
     pdl_start(USE_PDL)
     t = tl.program_id(0)
     token = tl.load(ids_ptr + t)
-    if RESOLVE:  # a placeholder -(i + 1): the previous step's token in future slot i
-        token = tl.where(token < 0, tl.load(future_ptr + tl.maximum(-token - 1, 0)), token)
+    if RESOLVE:
+        token = _resolved(token, future_ptr, True)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     row = tl.load(table_ptr + token.to(tl.int64) * stride_table + cols, mask=mask)
