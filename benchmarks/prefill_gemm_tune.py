@@ -6,7 +6,7 @@ shape's best config, and with --configs-out writes those as DFLASH2_INT4_GEMM_CO
 DFLASH2_GEMM_CONFIGS ({"4:NxK": config}, legacy) reads them.
 
     PYTHONPATH=$PWD python3 benchmarks/prefill_gemm_tune.py [--kernel int4_gemm|legacy] [--rows 128] \
-        [--output t.json] [--configs-out g.json]
+        [--output t.json] [--configs-out g.json] [--shapes down,o_proj] [--splits 1,2,4]
     TRITON_INTERPRET=1 python3 benchmarks/prefill_gemm_tune.py --smoke [--kernel legacy]   (CPU: tiny shape, two configs)
 
 Why: W2 int4's first token took 16.9 ms against bf16's 6.1 (twelfth session, call 7): 11 ms of a 514 ms request,
@@ -53,12 +53,16 @@ def configs() -> list[dict]:
     return [dict(qm.GEMM_CONFIG)] + [c for c in grid if c != qm.GEMM_CONFIG]
 
 
-def int4_gemm_configs(n: int, k: int) -> list[dict]:
+def int4_gemm_configs(n: int, k: int, splits: list[int] | None = None) -> list[dict]:
+    """The grid (with int4_gemm's own split along K), or with `splits` the shape's default config at each of
+    those SPLIT_K values (its own split first)."""
+    default = ig.int4_gemm_config(n, k, 1 << 20)
+    if splits:
+        return [default] + [{**default, "SPLIT_K": s} for s in splits if s != default.get("SPLIT_K")]
     grid = [{"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
             for bn, bm, bk, w, st in INT4_GEMM_GRID]
     grid += [{"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk, "num_warps": w, "num_stages": st, "maxnreg": r}
              for (bn, bm, bk, w, st), r in CAPPED]
-    default = ig.int4_gemm_config(n, k, 1 << 20)
     return [default] + [c for c in grid if c != default] + [{**default, "SPLIT_K": 1}]
 
 
@@ -68,9 +72,15 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     parser.add_argument("--configs-out", default=None, help="the best config per shape, as DFLASH2_INT4_GEMM_CONFIGS (legacy: DFLASH2_GEMM_CONFIGS) reads it")
     parser.add_argument("--kernel", choices=("int4_gemm", "legacy"), default="int4_gemm")
+    parser.add_argument("--splits", default=None,
+                        help="comma-separated SPLIT_K values: each shape's default config at each (int4_gemm)")
+    parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     parser.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shape, two configs")
     args = parser.parse_args()
     shapes, dtype = SHAPES, torch.bfloat16
+    if args.shapes:
+        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    splits = [int(v) for v in args.splits.split(",")] if args.splits else None
     if args.smoke:
         gemv_bench.DEVICE = "cpu"
         shapes, dtype = {"tiny": (64, 256)}, torch.float32
@@ -87,9 +97,9 @@ def main() -> None:
             grid = configs()
             candidates = [("triton_gemm_int4", c, lambda w, c: qm.gemm(x, w, out=out, config=c)) for c in grid]
         else:
-            grid = int4_gemm_configs(n, k)
+            grid = int4_gemm_configs(n, k, splits)
             candidates = [("int4_gemm", c, lambda w, c: ig.int4_gemm(x, w, out=out, config=c)) for c in grid]
-            legacy = [] if args.smoke else [qm.gemm_config(4, n, k, args.rows)]
+            legacy = [] if args.smoke or splits else [qm.gemm_config(4, n, k, args.rows)]
             candidates += [("legacy_table", c, lambda w, c: qm.gemm(x, w, out=out, config=c)) for c in legacy]
         if args.smoke:
             grid, candidates = grid[:2], candidates[:2]

@@ -16,6 +16,8 @@ static input block (int64), laid out as
     [ query starts ]                   S + 2: each chunk's first prefill row, then P' (real prefill rows) twice
     [ context lengths | slots ]        S + 1 each
     [ block segments | block starts ]  B each: the prefill kernel's query blocks
+    [ future base ]                    1: where the step's sampled tokens go in the runner's future slots (the
+                                       graph's argmax stores its greedy tokens there; runner._sample)
 
 with S = min(max_slots, P) chunks at most and B = ceil(P / block_m) + S blocks. Padding rows belong to the
 spare slot `pad_slot` (all its pages are the scratch page) at position 0 with length 1; padding blocks point
@@ -111,14 +113,15 @@ class GraphShape:
         if self.prefill_tokens:
             sections += [("logit_rows", self.logit_rows), ("query_starts", s + 2), ("context_lens", s + 1),
                          ("segment_slots", s + 1), ("block_segments", b), ("block_starts", b)]
-        return sections
+        return sections + [("future_base", 1)]
 
     @property
     def size(self) -> int:
         return sum(n for _, n in self.sections)
 
 
-def pack_inputs(shape: GraphShape, host: "_HostBatch", num_decodes: int, pad_slot: int, block_m: int) -> list[int]:
+def pack_inputs(shape: GraphShape, host: "_HostBatch", num_decodes: int, pad_slot: int, block_m: int,
+                future_base: int = 0) -> list[int]:
     """The step's host batch (decode rows first, then prefill chunks) laid out as `shape`'s input block."""
     d, p_real = num_decodes, len(host.token_ids) - num_decodes
     pad_d, pad_p = shape.decodes - d, shape.prefill_tokens - p_real
@@ -129,7 +132,7 @@ def pack_inputs(shape: GraphShape, host: "_HostBatch", num_decodes: int, pad_slo
     packed = (rows(host.token_ids, 0, 0) + rows(host.positions, 0, 0) + rows(host.token_slots, pad_slot, pad_slot)
               + host.decode_lengths + [1] * pad_d)
     if not shape.prefill_tokens:
-        return packed
+        return packed + [future_base]
     segments = host.segments
     s_cap, real = shape.max_segments, len(segments)
     logit_rows = [r if r < d else r + pad_d for r in host.sample_rows]
@@ -139,7 +142,7 @@ def pack_inputs(shape: GraphShape, host: "_HostBatch", num_decodes: int, pad_slo
     return (packed + logit_rows + [0] * (shape.logit_rows - len(logit_rows)) + starts
             + [seg.context_len for seg in segments] + [0] * (s_cap + 1 - real)
             + [seg.slot for seg in segments] + [pad_slot] * (s_cap + 1 - real)
-            + [b[0] for b in blocks] + [b[1] for b in blocks])
+            + [b[0] for b in blocks] + [b[1] for b in blocks] + [future_base])
 
 
 def _round_up(value: int, sizes: list[int]) -> int | None:
@@ -208,7 +211,8 @@ class StepGraphs:
     def run(self, shape: GraphShape, host: "_HostBatch", num_decodes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay `shape`'s graph for this step: logits [rows sampled, vocab] in host.sample_rows order, and
         their greedy tokens. Both are the graph's buffers, rewritten by its next replay."""
-        copy_ints_(self.inputs, pack_inputs(shape, host, num_decodes, self.runner.pad_slot, self.block_m))
+        copy_ints_(self.inputs, pack_inputs(shape, host, num_decodes, self.runner.pad_slot, self.block_m,
+                                            self.runner.future_base))
         self.replays[shape] += 1
         rows = len(host.sample_rows)
         if not self.capture:
@@ -259,6 +263,9 @@ class StepGraphs:
         context = ForwardContext(positions=v["positions"], attention=self._metadata(shape, v),
                                  kv_caches=runner.kv_caches, attention_backend=runner.attention)
 
+        # the greedy tokens also go to the runner's future slots, at the step's base (one copy fewer a step)
+        future = (runner.future_tokens, v["future_base"])
+
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             ids = v["ids"]
             # the short graph's decode attention (captured or run eagerly): the backend's short splits and config
@@ -266,13 +273,13 @@ class StepGraphs:
                 hidden = module(ids, context, future_tokens=runner.future_tokens)
             if not shape.prefill_tokens:
                 logits = module.compute_logits(hidden)
-                return logits, greedy_argmax(logits)
+                return logits, greedy_argmax(logits, future)
             logits = module.compute_logits(hidden.index_select(0, v["logit_rows"]))
             if self.mixed_logits is None:  # the first (largest) mixed warm-up, outside any capture
                 self.mixed_logits = logits.new_empty((self.mixed_rows, logits.shape[1]))
             out = self.mixed_logits[: logits.shape[0]]
             out.copy_(logits)
-            return out, greedy_argmax(out)
+            return out, greedy_argmax(out, future)
 
         return step
 

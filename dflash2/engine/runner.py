@@ -92,7 +92,7 @@ class ModelRunner:
         self.attention = attention_backend(options.attention_backend)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(options.seed))
         self.future_tokens = torch.zeros(2 * options.max_slots, dtype=torch.long, device=self.device)
-        self._future_base = 0
+        self.future_base = 0  # where the next sampled tokens go: 0 or max_slots (alternating)
         # the sampled tokens' copies to the host, in the same alternating halves as future_tokens: a half is
         # written again two sampling steps later, after the step that used it was collected (the engine launches
         # a step only with at most one other in flight)
@@ -304,9 +304,10 @@ class ModelRunner:
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         # the graph's greedy buffer is rewritten by its next replay: not for a logprob job read at collect
         token_ids = self.sampler.sample_device(logits, rows, None if wants_logprobs else greedy)
-        base = self._future_base
-        self._future_base = self.options.max_slots - base  # alternate halves: 0, max_slots, 0, ...
-        self.future_tokens[base:base + len(chunks)] = token_ids
+        base = self.future_base
+        self.future_base = self.options.max_slots - base  # alternate halves: 0, max_slots, 0, ...
+        if greedy is None or token_ids is not greedy:  # a step graph stored its greedy tokens there itself
+            self.future_tokens[base:base + len(chunks)] = token_ids
         placeholders = [-(base + i + 1) for i in range(len(chunks))]
         logprob_job = (logits.clone(), token_ids, rows) if wants_logprobs else None  # graph logits get reused
         if self.device.type != "cuda":

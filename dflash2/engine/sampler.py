@@ -121,8 +121,10 @@ class Sampler:
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim (first index among equal maxima, like torch.argmax).
+def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """argmax over the last dim (first index among equal maxima, like torch.argmax). future = (slots, base), a
+    step graph's: row r's token is also stored into slots[base + r] for r < len(slots) / 2 (base: int64 [1],
+    the runner's future-token half), which the runner then does not copy.
 
     On CUDA a single-row argmax over a large vocabulary runs as one thread block; reducing chunks first and
     then the chunk winners spreads the work over the GPU (about 28 us down to a few for 128k entries).
@@ -132,7 +134,18 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
         from dflash2.kernels.triton import step_edges
 
         if step_edges.STEP_EDGES and vocab <= step_edges.ARGMAX_MAX_CHUNKS * step_edges.ARGMAX_BLOCK:
-            return step_edges.greedy_argmax(logits)  # one launch (DFLASH2_STEP_EDGES=0: the two reductions)
+            return step_edges.greedy_argmax(logits, future)  # one launch (DFLASH2_STEP_EDGES=0: the reductions)
+    tokens = _argmax(logits)
+    if future is not None:
+        slots, base = future
+        kept = min(rows, slots.numel() // 2)
+        slots.index_copy_(0, base + torch.arange(kept, device=slots.device), tokens[:kept])
+    return tokens
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim in torch ops: on CUDA the chunks' maxima, then the best chunk."""
+    rows, vocab = logits.shape
     chunk = 1024
     while chunk > 1 and vocab % chunk:
         chunk //= 2

@@ -36,6 +36,19 @@ def test_greedy_argmax_matches_torch(vocab):
         assert torch.equal(step_edges.greedy_argmax(logits[3:]), logits[3:].argmax(dim=-1))
 
 
+def test_greedy_argmax_stores_future_slots():
+    """future = (slots, base): row r's token also goes to slots[base + r], only within that half of the slots
+    (rows past it are a padded graph's: no real request's); the other half is left as it was."""
+    logits = torch.randn(5, 5000, generator=torch.Generator().manual_seed(3))
+    for base in (0, 4):
+        slots = torch.full((8,), -7, dtype=torch.long)
+        got = step_edges.greedy_argmax(logits, (slots, torch.tensor([base])))
+        assert torch.equal(got, logits.argmax(dim=-1))
+        want = torch.full((8,), -7, dtype=torch.long)
+        want[base:base + 4] = got[:4]
+        assert torch.equal(slots, want)
+
+
 def test_greedy_argmax_rejects_what_it_cannot_take():
     with pytest.raises(ValueError, match="at most 64 rows"):
         step_edges.greedy_argmax(torch.zeros(65, 128))

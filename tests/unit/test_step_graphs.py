@@ -26,10 +26,10 @@ def test_graph_shape_sizes_its_sections():
     assert (shape.max_segments, shape.num_blocks, shape.tokens, shape.logit_rows) == (6, 2 + 6, 36, 10)
     assert shape.sections == [("ids", 36), ("positions", 36), ("slots", 36), ("lengths", 4), ("logit_rows", 10),
                               ("query_starts", 8), ("context_lens", 7), ("segment_slots", 7),
-                              ("block_segments", 8), ("block_starts", 8)]
+                              ("block_segments", 8), ("block_starts", 8), ("future_base", 1)]
     decode_only = GraphShape.of(decodes=8, prefill_tokens=0, max_slots=6, block_m=16)
-    assert decode_only.sections == [("ids", 8), ("positions", 8), ("slots", 8), ("lengths", 8)]
-    assert decode_only.size == 32
+    assert decode_only.sections == [("ids", 8), ("positions", 8), ("slots", 8), ("lengths", 8), ("future_base", 1)]
+    assert decode_only.size == 33
 
 
 def chunk(request_id: str, start: int, token_ids: tuple[int, ...], slot: int, sample: bool = True) -> ScheduledChunk:
@@ -46,7 +46,7 @@ def test_pack_inputs_pads_decode_rows_prefill_rows_segments_and_blocks():
     host = _HostBatch.build(chunks, num_decodes=2)
     shape = GraphShape.of(decodes=4, prefill_tokens=8, max_slots=3, block_m=2)  # S = 3, B = 4 + 3
     pad = 9
-    packed = pack_inputs(shape, host, num_decodes=2, pad_slot=pad, block_m=2)
+    packed = pack_inputs(shape, host, num_decodes=2, pad_slot=pad, block_m=2, future_base=3)
     assert len(packed) == shape.size
     expected = (
         [-1, 70, 0, 0, 11, 12, 13, 21, 22, 0, 0, 0]  # ids: 2 decodes, 2 padding, 5 prefill rows, 3 padding
@@ -59,8 +59,12 @@ def test_pack_inputs_pads_decode_rows_prefill_rows_segments_and_blocks():
         + [1, 2, pad, pad]  # segment slots
         + [0, 0, 1, 2, 2, 2, 2]  # block segments: p0 in 2 blocks of 2, p1 in 1, then the empty segment
         + [0, 2, 0, 0, 0, 0, 0]  # block starts
+        + [3]  # where the sampled tokens go in the runner's future slots
     )
     assert packed == expected
+    decode_only = GraphShape.of(decodes=2, prefill_tokens=0, max_slots=3, block_m=2)
+    decodes = _HostBatch.build(chunks[:2], num_decodes=2)
+    assert pack_inputs(decode_only, decodes, 2, pad, 2, future_base=3) == [-1, 70, 9, 4, 3, 0, 10, 5, 3]
 
 
 @pytest.mark.parametrize("length", ["min_tokens", "ignore_eos"])
@@ -68,7 +72,8 @@ def test_padded_step_shapes_give_the_torch_backends_tokens(tmp_path, length):
     """The engine with every step at a padded graph shape (decode-only and mixed; run eagerly here, captured
     on the GPU) gives the torch backend's greedy tokens: chunked prefill next to decodes, prefix hits. With
     min_tokens the sampler masks EOS and takes its own argmax; with ignore_eos the steps' greedy tokens are the
-    graphs' own."""
+    graphs' own, which they also store into the runner's future slots (the runner copies nothing then): the
+    engine runs overlapped, so every next step's inputs are those slots' placeholders."""
     from dflash2 import LLM, SamplingParams
     from tests.tiny_models import build_tiny_model
 
@@ -79,7 +84,7 @@ def test_padded_step_shapes_give_the_torch_backends_tokens(tmp_path, length):
     options = dict(page_bytes=4096, prefill_chunk_size=5, max_num_batched_tokens=16, kv_cache_memory=64 * 4096,
                    max_model_len=64, max_num_seqs=4)
     expected = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **options).generate(prompts, params)]
-    llm = LLM(str(tmp_path), attention_backend="triton", **options)
+    llm = LLM(str(tmp_path), attention_backend="triton", overlap=True, **options)
     runner = llm.engine.runner
     runner.graphs = StepGraphs(runner, graph_batch_sizes(4), mixed_graph_shapes(4, 16), capture=False)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

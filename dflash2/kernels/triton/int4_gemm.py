@@ -24,7 +24,7 @@ _gemm_kernel spends ~6 (mask, shift, convert, subtract, multiply). Compiled offl
 benchmarks/sass_count.py compiles), the whole K loop is 6.4 instructions a weight at 128 x 128 tiles against 8.1
 for _gemm_kernel's gate_up config.
 
-Split along K (SPLIT_K; without one in the config, enough to fill the SMs) for shapes with few output tiles
+Split along K (SPLIT_K; without one in the config, enough to fill the SMs twice) for shapes with few output tiles
 (down_proj: 4,096 rows), by gemv_parts' tickets.
 """
 from __future__ import annotations
@@ -184,7 +184,11 @@ def int4_gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None 
     block_m = config["BLOCK_M"]
     grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, config["BLOCK_N"])
     k_tiles = triton.cdiv(k, gs * t)
-    split_k = config.get("SPLIT_K") or triton.cdiv(multiprocessors(x.device), grid_mn)  # about one wave
+    # without one in the config: as many slices as fill two programs an SM (DEFAULT_CONFIG's one warpgroup fits
+    # two), rounded down. down (4096 x 14336) at 128 rows: 4 slices, 61.81 us, against 76.67 at 3 (the ceiling
+    # of one program an SM, which leaves most SMs one program) and 71.5-97.4 at 1, 2, 5, 6, 8 (twenty-fourth
+    # session, call 1, results/s24/); W2 int4's first token 8.2 / 7.97 ms against 8.68 / 8.62.
+    split_k = config.get("SPLIT_K") or max(1, 2 * multiprocessors(x.device) // grid_mn)
     split_k = max(1, min(split_k, k_tiles // 4 if "SPLIT_K" not in config else k_tiles))  # >= 4 tiles a slice
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = split_counters(x.device, grid_mn) if split_k > 1 else out

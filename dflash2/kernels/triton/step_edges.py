@@ -8,7 +8,9 @@ turns them off).
                      requests its weights while the rows are gathered); a step graph's lookup
     greedy_argmax    the argmax of each logits row (first index among equal maxima, as torch.argmax): every
                      program takes a chunk of a row and parks its best, and the row's last program to finish
-                     (a ticket) picks the best chunk; torch's chunked max and argmax are five launches
+                     (a ticket) picks the best chunk; torch's chunked max and argmax are five launches. In a
+                     step graph it also stores each token into the runner's future slot, where the runner
+                     copied it after the replay (one launch fewer)
 
 W2 int4 on the H200 spent ~23 us of a 1.79 ms step before its first GEMV and ~28 after lm_head, in thirteen small
 kernels (fourteenth session, results/s14/call6_tl_int4_final.jsonl). NaN logits are not ordered as torch orders
@@ -93,8 +95,9 @@ def resolve_tokens(token_ids: torch.Tensor, future_tokens: torch.Tensor) -> torc
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, stride_x, vocab, best_v_ptr, best_i_ptr, cnt_ptr, out_ptr, CHUNKS: tl.constexpr,
-                   CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _argmax_kernel(x_ptr, stride_x, vocab, best_v_ptr, best_i_ptr, cnt_ptr, out_ptr, future_ptr, base_ptr,
+                   future_rows, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                   FUTURE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     chunk = tl.program_id(0)
     row = tl.program_id(1)
@@ -109,12 +112,17 @@ def _argmax_kernel(x_ptr, stride_x, vocab, best_v_ptr, best_i_ptr, cnt_ptr, out_
         values = tl.load(best_v_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"), cache_modifier=".cg")
         indices = tl.load(best_i_ptr + row * CHUNKS + c, mask=c < CHUNKS, other=0, cache_modifier=".cg")
         winner = tl.argmax(values, 0, tie_break_left=True)  # the first chunk among equal maxima
-        tl.store(out_ptr + row, tl.sum(tl.where(c == winner, indices, 0)).to(tl.int64))
+        token = tl.sum(tl.where(c == winner, indices, 0)).to(tl.int64)
+        tl.store(out_ptr + row, token)
+        if FUTURE:  # the runner's future slot base + row too, within that half of the slots
+            tl.store(future_ptr + tl.load(base_ptr) + row, token, mask=row < future_rows)
         tl.atomic_xchg(cnt_ptr + row, 0)
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] (unit last stride; R at most 64, V at most ARGMAX_MAX_CHUNKS * ARGMAX_BLOCK) -> int64 [R]."""
+def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """logits [R, V] (unit last stride; R at most 64, V at most ARGMAX_MAX_CHUNKS * ARGMAX_BLOCK) -> int64 [R].
+    future = (slots, base): each row r's token is also stored into slots[base + r] for r < len(slots) / 2
+    (base: a one-element int64 tensor, 0 or len(slots) / 2; the runner's future-token halves)."""
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, ARGMAX_BLOCK)
     if logits.stride(1) != 1 or chunks > ARGMAX_MAX_CHUNKS or rows > 64:
@@ -125,7 +133,9 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
         return out
     best_values = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     best_indices = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
+    slots, base = future if future is not None else (out, out)
     _argmax_kernel[(chunks, rows)](logits, logits.stride(0), vocab, best_values, best_indices,
-                                   split_counters(logits.device, rows), out, CHUNKS=chunks,
-                                   CHUNKS_PAD=triton.next_power_of_2(chunks), BLOCK=ARGMAX_BLOCK, **pdl_args())
+                                   split_counters(logits.device, rows), out, slots, base, slots.numel() // 2,
+                                   CHUNKS=chunks, CHUNKS_PAD=triton.next_power_of_2(chunks), BLOCK=ARGMAX_BLOCK,
+                                   FUTURE=future is not None, **pdl_args())
     return out
