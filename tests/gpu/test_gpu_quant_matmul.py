@@ -404,6 +404,33 @@ def test_int4_engine_folds_norms(tiny_int4, monkeypatch):
     assert runs["triton"] == runs["torch"]
 
 
+def test_int4_engine_prefetches_the_next_steps_first_weights(tiny_int4, monkeypatch):
+    """DFLASH2_NEXT_STEP_PREFETCH: the step graphs' argmax asks L2 for the first layer's qkv words and scales
+    (LlamaForCausalLM.first_weights); the tiny int4 model's greedy tokens equal the "torch" backend's."""
+    import dflash2.engine.engine as engine_module
+    from dflash2 import LLM, SamplingParams
+    from dflash2.kernels.triton import step_edges
+    from dflash2.loading.model_loader import load_model
+
+    monkeypatch.setattr(step_edges, "NEXT_STEP_PREFETCH", True)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(4)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
+    runs = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setattr(engine_module, "load_model",
+                            lambda *args, backend=backend, **kw: load_model(*args, quant_backend=backend, **kw))
+        llm = LLM(tiny_int4, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128,
+                  kv_cache_memory="64MiB", page_bytes=4096)
+        first = step_edges.prefetchable(llm.engine.model.module.first_weights())
+        assert len(first) == (2 if backend == "triton" else 0)
+        runs[backend] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                  params)]
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+        del llm
+    assert runs["triton"] == runs["torch"]
+
+
 @pytest.mark.parametrize("n, k", LLAMA3_8B_INT4[:4])
 def test_int4_gemm_on_llama3_8b_shapes(n, k):
     """The int4 prefill GEMM (kernels/triton/int4_gemm.py) at its default configs and at every config the tune
