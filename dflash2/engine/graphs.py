@@ -256,6 +256,8 @@ class StepGraphs:
 
     def _build_step(self, shape: GraphShape) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """The step at this padded shape, reading only the static input block: what gets captured."""
+        from dflash2.kernels.triton import step_edges
+
         runner = self.runner
         module = runner.model.module
         v = self._views(shape)
@@ -266,8 +268,6 @@ class StepGraphs:
         # the greedy tokens also go to the runner's future slots, at the step's base (one copy fewer a step); with
         # DFLASH2_NEXT_STEP_PREFETCH the argmax asks L2 for the next step's first weights
         future = (runner.future_tokens, v["future_base"])
-        from dflash2.kernels.triton import step_edges
-
         prefetch = step_edges.prefetchable(module.first_weights()) if step_edges.NEXT_STEP_PREFETCH else ()
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,6 @@ from dflash2.engine.sampler import (
     SamplingRow,
     apply_min_tokens,
     apply_penalties,
-    greedy_argmax,
     make_generator,
     prompt_logprobs,
 )
@@ -59,19 +58,6 @@ def test_greedy_equals_argmax_including_ties() -> None:
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.token_ids[2] == 4
     assert out.logprobs == [None] * 6
-
-
-def test_greedy_argmax_stores_the_future_slots() -> None:
-    """A step graph's argmax with future = (slots, base): row r's token also goes to slots[base + r], rows
-    past that half of the slots (a padded graph's) nowhere; the other half is left as it was."""
-    logits = random_logits(5)
-    for base in (0, 4):
-        slots = torch.full((8,), -7, dtype=torch.long)
-        tokens = greedy_argmax(logits, (slots, torch.tensor([base])))
-        assert torch.equal(tokens, logits.argmax(dim=-1))
-        want = torch.full((8,), -7, dtype=torch.long)
-        want[base:base + 4] = tokens[:4]
-        assert torch.equal(slots, want)
 
 
 def test_sample_does_not_modify_logits() -> None:

@@ -36,13 +36,18 @@ def test_greedy_argmax_matches_torch(vocab):
         assert torch.equal(step_edges.greedy_argmax(logits[3:]), logits[3:].argmax(dim=-1))
 
 
-def test_greedy_argmax_stores_future_slots():
+@pytest.mark.parametrize("kernel", [True, False])
+def test_greedy_argmax_stores_future_slots(kernel):
     """future = (slots, base): row r's token also goes to slots[base + r], only within that half of the slots
-    (rows past it are a padded graph's: no real request's); the other half is left as it was."""
+    (rows past it are a padded graph's: no real request's); the other half is left as it was. kernel: the
+    Triton argmax, else the sampler's torch path (the CPU's)."""
+    from dflash2.engine.sampler import greedy_argmax
+
+    argmax = step_edges.greedy_argmax if kernel else greedy_argmax
     logits = torch.randn(5, 5000, generator=torch.Generator().manual_seed(3))
     for base in (0, 4):
         slots = torch.full((8,), -7, dtype=torch.long)
-        got = step_edges.greedy_argmax(logits, (slots, torch.tensor([base])))
+        got = argmax(logits, (slots, torch.tensor([base])))
         assert torch.equal(got, logits.argmax(dim=-1))
         want = torch.full((8,), -7, dtype=torch.long)
         want[base:base + 4] = got[:4]

@@ -27,6 +27,10 @@ import triton.language as tl
 
 from dflash2.kernels.triton.elementwise import _silu_mul
 
+# inline PTX on the GPU (the ASM constexpr of the kernels that take it); plain ops, or nothing for a hint such as
+# _l2_prefetch, under the interpreter
+INLINE_ASM = os.environ.get("TRITON_INTERPRET") != "1"
+
 
 @triton.jit
 def _activation(x_ptr, m, stride_xm, K, cols, mask, SILU_MUL: tl.constexpr):

@@ -24,8 +24,8 @@ _gemm_kernel spends ~6 (mask, shift, convert, subtract, multiply). Compiled offl
 benchmarks/sass_count.py compiles), the whole K loop is 6.4 instructions a weight at 128 x 128 tiles against 8.1
 for _gemm_kernel's gate_up config.
 
-Split along K (SPLIT_K; without one in the config, enough to fill the SMs twice) for shapes with few output tiles
-(down_proj: 4,096 rows), by gemv_parts' tickets.
+Split along K (SPLIT_K; without one in the config, enough to fill the SMs with the programs each holds) for
+shapes with few output tiles (down_proj: 4,096 rows), by gemv_parts' tickets.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash2.kernels.triton.gemv_parts import (_block_indices, _k_range, _store_or_reduce, multiprocessors, prepare_io,
-                                               shape_configs, split_counters)
+from dflash2.kernels.triton.gemv_parts import (INLINE_ASM, _block_indices, _k_range, _store_or_reduce, multiprocessors,
+                                               prepare_io, shape_configs, split_counters)
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 # a config: BLOCK_N weight rows x BLOCK_M activation rows a program, BLOCK_K columns (whole groups) a step;
@@ -57,7 +57,6 @@ SHAPE_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
 }
 # DFLASH2_INT4_GEMM=legacy keeps int4 prefill on quant_matmul._gemm_kernel
 ENABLED = os.environ.get("DFLASH2_INT4_GEMM", "on") != "legacy"
-_ASM = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX on the GPU; plain ops under the interpreter
 
 
 def int4_gemm_config(n: int, k: int, m: int) -> dict[str, int]:
@@ -184,21 +183,23 @@ def int4_gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None 
     block_m = config["BLOCK_M"]
     grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, config["BLOCK_N"])
     k_tiles = triton.cdiv(k, gs * t)
-    # without one in the config: as many slices as fill two programs an SM (DEFAULT_CONFIG's one warpgroup fits
-    # two), rounded down. down (4096 x 14336) at 128 rows: 4 slices, 61.81 us, against 76.67 at 3 (the ceiling
-    # of one program an SM, which leaves most SMs one program) and 71.5-97.4 at 1, 2, 5, 6, 8 (twenty-fourth
-    # session, call 1, results/s24/); W2 int4's first token 8.2 / 7.97 ms against 8.68 / 8.62.
-    split_k = config.get("SPLIT_K") or max(1, 2 * multiprocessors(x.device) // grid_mn)
+    # without one in the config: as many slices as fill the SMs with the programs an SM holds (two of one
+    # warpgroup, as DEFAULT_CONFIG's; one of two), rounded down. down (4096 x 14336) at 128 rows: 4 slices, 61.81
+    # us, against 76.67 at 3 (the ceiling of one program an SM, which leaves most SMs one program) and 71.5-97.4
+    # at 1, 2, 5, 6, 8 (twenty-fourth session, call 1, results/s24/); W2 int4's first token 8.2 / 7.97 ms against
+    # 8.68 / 8.62.
+    per_sm = max(1, 8 // config["num_warps"])
+    split_k = config.get("SPLIT_K") or max(1, per_sm * multiprocessors(x.device) // grid_mn)
     split_k = max(1, min(split_k, k_tiles // 4 if "SPLIT_K" not in config else k_tiles))  # >= 4 tiles a slice
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = split_counters(x.device, grid_mn) if split_k > 1 else out
     scales, zeros = weight["scales"], weight["zeros"]
-    ieee = x.dtype == torch.float32 or not _ASM  # the interpreter's tl.dot gets bfloat16 wrong
+    ieee = x.dtype == torch.float32 or not INLINE_ASM  # the interpreter's tl.dot gets bfloat16 wrong
     _int4_gemm_kernel[(grid_mn, split_k)](
         x, words, scales, zeros, out, ws, counters, m, n, k, x.stride(0), words.stride(0), scales.stride(0),
         out.stride(0), GS=gs, T=t, BLOCK_N=config["BLOCK_N"], BLOCK_M=block_m, SPLIT_K=split_k,
         EVEN_K=k % (gs * t) == 0, IEEE=ieee,
-        ASM=_ASM, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        ASM=INLINE_ASM, num_warps=config["num_warps"], num_stages=config["num_stages"],
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}), **pdl_args())
     return out
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash2.kernels.triton.gemv_parts import _l2_prefetch, split_counters
+from dflash2.kernels.triton.gemv_parts import INLINE_ASM, _l2_prefetch, split_counters
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 STEP_EDGES = os.environ.get("DFLASH2_STEP_EDGES", "1") != "0"
@@ -37,7 +37,6 @@ STEP_EDGES = os.environ.get("DFLASH2_STEP_EDGES", "1") != "0"
 # timeline). Built after that session's device time was spent; off until measured.
 NEXT_STEP_PREFETCH = os.environ.get("DFLASH2_NEXT_STEP_PREFETCH", "0") == "1"
 PREFETCH_MAX_BYTES = 24 << 20  # well inside the H200's 50 MB of L2, which the prefetched lines must outlast
-_ASM = os.environ.get("TRITON_INTERPRET") != "1"  # the L2 prefetch is inline PTX: nothing under the interpreter
 ARGMAX_BLOCK = 4096  # logits a program reduces: 32 programs a row for a 128k vocabulary
 ARGMAX_MAX_CHUNKS = 64  # what the last program merges in one tile (vocabularies up to 256k)
 
@@ -173,5 +172,5 @@ def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor
                                    split_counters(logits.device, rows), out, slots, base, slots.numel() // 2,
                                    pf_a, count_a, pf_b, count_b, CHUNKS=chunks,
                                    CHUNKS_PAD=triton.next_power_of_2(chunks), BLOCK=ARGMAX_BLOCK,
-                                   FUTURE=future is not None, PREFETCH=bool(prefetch), ASM=_ASM, **pdl_args())
+                                   FUTURE=future is not None, PREFETCH=bool(prefetch), ASM=INLINE_ASM, **pdl_args())
     return out
