@@ -256,8 +256,6 @@ class StepGraphs:
 
     def _build_step(self, shape: GraphShape) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """The step at this padded shape, reading only the static input block: what gets captured."""
-        from dflash2.kernels.triton import step_edges
-
         runner = self.runner
         module = runner.model.module
         v = self._views(shape)
@@ -265,10 +263,8 @@ class StepGraphs:
         context = ForwardContext(positions=v["positions"], attention=self._metadata(shape, v),
                                  kv_caches=runner.kv_caches, attention_backend=runner.attention)
 
-        # the greedy tokens also go to the runner's future slots, at the step's base (one copy fewer a step); with
-        # DFLASH2_NEXT_STEP_PREFETCH the argmax asks L2 for the next step's first weights
+        # the greedy tokens also go to the runner's future slots, at the step's base (one copy fewer a step)
         future = (runner.future_tokens, v["future_base"])
-        prefetch = step_edges.prefetchable(module.first_weights()) if step_edges.NEXT_STEP_PREFETCH else ()
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
             ids = v["ids"]
@@ -277,13 +273,13 @@ class StepGraphs:
                 hidden = module(ids, context, future_tokens=runner.future_tokens)
             if not shape.prefill_tokens:
                 logits = module.compute_logits(hidden)
-                return logits, greedy_argmax(logits, future, prefetch)
+                return logits, greedy_argmax(logits, future)
             logits = module.compute_logits(hidden.index_select(0, v["logit_rows"]))
             if self.mixed_logits is None:  # the first (largest) mixed warm-up, outside any capture
                 self.mixed_logits = logits.new_empty((self.mixed_rows, logits.shape[1]))
             out = self.mixed_logits[: logits.shape[0]]
             out.copy_(logits)
-            return out, greedy_argmax(out, future, prefetch)
+            return out, greedy_argmax(out, future)
 
         return step
 

@@ -121,12 +121,10 @@ class Sampler:
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
-def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """argmax over the last dim (first index among equal maxima, like torch.argmax). future = (slots, base), a
     step graph's: row r's token is also stored into slots[base + r] for r < len(slots) / 2 (base: int64 [1],
-    the runner's future-token half), which the runner then does not copy. prefetch: weights the Triton argmax
-    asks L2 for (step_edges.greedy_argmax; a hint, nothing elsewhere).
+    the runner's future-token half), which the runner then does not copy.
 
     On CUDA a single-row argmax over a large vocabulary runs as one thread block; reducing chunks first and
     then the chunk winners spreads the work over the GPU (about 28 us down to a few for 128k entries).
@@ -136,7 +134,7 @@ def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor
         from dflash2.kernels.triton import step_edges
 
         if step_edges.STEP_EDGES and vocab <= step_edges.ARGMAX_MAX_CHUNKS * step_edges.ARGMAX_BLOCK:
-            return step_edges.greedy_argmax(logits, future, prefetch)  # one launch (DFLASH2_STEP_EDGES=0: torch)
+            return step_edges.greedy_argmax(logits, future)  # one launch (DFLASH2_STEP_EDGES=0: the reductions)
     tokens = _argmax(logits)
     if future is not None:
         slots, base = future

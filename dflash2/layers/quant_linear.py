@@ -67,11 +67,6 @@ class QuantLinear(nn.Module):
         for `rows` activation rows (the int4 GEMV, unless DFLASH2_FUSE_NORM=0)."""
         return self.bias is None and getattr(self.runtime, "fuses_norm", lambda rows: False)(rows)
 
-    def streamed_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The device tensors a decode-sized matmul streams, for asking L2 for them ahead (the int4 GEMV's words
-        and scales; empty for other kernels)."""
-        return tuple(getattr(self.runtime, "streamed_tensors", lambda: ())())
-
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.fmt, self.packed().tensors, dtype)
 

@@ -182,12 +182,6 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, self.rotary, ctx)
         return self.norm(residual) if x is None else self.norm(x, residual)[0]
 
-    def first_weights(self) -> tuple[torch.Tensor, ...]:
-        """The device tensors a decode step's first GEMV streams (the first layer's qkv projection; empty where
-        its kernel reads nothing worth asking L2 for ahead: QuantLinear.streamed_tensors)."""
-        qkv = self.layers[0].self_attn.qkv_proj
-        return qkv.streamed_tensors() if isinstance(qkv, QuantLinear) else ()
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype, as the reference computes them; consumers that do arithmetic on them
         (temperature, penalties, log-softmax) cast to float32 first, which is exact."""

@@ -418,23 +418,6 @@ def _tokens_by_backend(model: str, monkeypatch, rng: random.Random, params, chec
     return runs
 
 
-def test_int4_engine_prefetches_the_next_steps_first_weights(tiny_int4, monkeypatch):
-    """DFLASH2_NEXT_STEP_PREFETCH: the step graphs' argmax asks L2 for the first layer's qkv words and scales
-    (LlamaForCausalLM.first_weights); the tiny int4 model's greedy tokens equal the "torch" backend's."""
-    from dflash2 import SamplingParams
-    from dflash2.kernels.triton import step_edges
-
-    monkeypatch.setattr(step_edges, "NEXT_STEP_PREFETCH", True)
-
-    def check(llm, backend: str) -> None:
-        first = step_edges.prefetchable(llm.engine.model.module.first_weights())
-        assert len(first) == (2 if backend == "triton" else 0)
-
-    runs = _tokens_by_backend(tiny_int4, monkeypatch, random.Random(3),
-                              SamplingParams(max_tokens=16, ignore_eos=True, temperature=0), check)
-    assert runs["triton"] == runs["torch"]
-
-
 @pytest.mark.parametrize("n, k", LLAMA3_8B_INT4[:4])
 def test_int4_gemm_on_llama3_8b_shapes(n, k):
     """The int4 prefill GEMM (kernels/triton/int4_gemm.py) at its default configs and at every config the tune

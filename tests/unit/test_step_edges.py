@@ -54,23 +54,6 @@ def test_greedy_argmax_stores_future_slots(kernel):
         assert torch.equal(slots, want)
 
 
-def test_greedy_argmax_with_a_prefetch_takes_the_same_tokens():
-    """prefetch= (DFLASH2_NEXT_STEP_PREFETCH: the next step's first weights asked of L2, a hint that does nothing
-    under the interpreter) leaves the tokens and the future slots as they are; prefetchable() keeps at most two
-    contiguous tensors of at most PREFETCH_MAX_BYTES together, and greedy_argmax refuses anything else."""
-    logits = torch.randn(3, 9000, generator=torch.Generator().manual_seed(4))
-    words, scales = torch.zeros(6144, 64, dtype=torch.int32), torch.zeros(6144, 4, dtype=torch.int32)
-    assert step_edges.prefetchable((words, scales)) == (words, scales)
-    slots = torch.zeros(8, dtype=torch.long)
-    got = step_edges.greedy_argmax(logits, (slots, torch.tensor([4])), prefetch=(words, scales))
-    assert torch.equal(got, logits.argmax(dim=-1)) and torch.equal(slots[4:7], got)
-    large = torch.zeros(step_edges.PREFETCH_MAX_BYTES // 4 + 1, dtype=torch.int32)
-    for refused in ((words, scales, words), (words.t(),), (large,)):
-        assert step_edges.prefetchable(refused) == ()
-        with pytest.raises(ValueError, match="prefetches at most two contiguous tensors"):
-            step_edges.greedy_argmax(logits, prefetch=refused)
-
-
 def test_greedy_argmax_rejects_what_it_cannot_take():
     with pytest.raises(ValueError, match="at most 64 rows"):
         step_edges.greedy_argmax(torch.zeros(65, 128))

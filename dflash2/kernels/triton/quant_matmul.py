@@ -363,11 +363,6 @@ class TritonWeight:
             self.weight["int4"] = pair_gate_up(self.weight["int4"])
             self.fuses_silu_out = True
 
-    def streamed_tensors(self) -> tuple[torch.Tensor, ...]:
-        """What the int4 GEMV streams (repacked words, scale/zero pairs); nothing for other formats."""
-        weight = self.weight.get("int4")
-        return () if weight is None else (weight["words"], weight["sz"])
-
     def fuses_norm(self, rows: int) -> bool:
         """Whether matmul(norm=, add_to=) runs the RMSNorm and the residual add inside the GEMV for `rows`
         activation rows (the int4 GEMV, unless DFLASH2_FUSE_NORM=0)."""

@@ -26,17 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash2.kernels.triton.gemv_parts import INLINE_ASM, _l2_prefetch, split_counters
+from dflash2.kernels.triton.gemv_parts import split_counters
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 STEP_EDGES = os.environ.get("DFLASH2_STEP_EDGES", "1") != "0"
-# DFLASH2_NEXT_STEP_PREFETCH=1: a step graph's argmax asks L2 for the next step's first weights (the first layer's
-# int4 qkv GEMV's words and scales: LlamaForCausalLM.first_weights) before its wait, while lm_head's last programs
-# run. That GEMV launches only after the next step's lookup and ends ~9.6 us after it, against ~5.2 us for every
-# later layer's qkv, whose weights were requested during the kernel before (W2 int4, twenty-fourth session, call 1's
-# timeline). Built after that session's device time was spent; off until measured.
-NEXT_STEP_PREFETCH = os.environ.get("DFLASH2_NEXT_STEP_PREFETCH", "0") == "1"
-PREFETCH_MAX_BYTES = 24 << 20  # well inside the H200's 50 MB of L2, which the prefetched lines must outlast
 ARGMAX_BLOCK = 4096  # logits a program reduces: 32 programs a row for a 128k vocabulary
 ARGMAX_MAX_CHUNKS = 64  # what the last program merges in one tile (vocabularies up to 256k)
 
@@ -102,22 +95,9 @@ def resolve_tokens(token_ids: torch.Tensor, future_tokens: torch.Tensor) -> torc
 
 
 @triton.jit
-def _prefetch_share(ptr, count, program, programs, ASM: tl.constexpr):
-    """Program `program` of `programs` asks L2 for its share of the `count` elements from ptr on."""
-    share = tl.cdiv(count, programs)
-    first = program * share
-    _l2_prefetch(ptr + first, tl.minimum(share, count - first), ASM)
-
-
-@triton.jit
 def _argmax_kernel(x_ptr, stride_x, vocab, best_v_ptr, best_i_ptr, cnt_ptr, out_ptr, future_ptr, base_ptr,
-                   future_rows, pf_a_ptr, pf_a_count, pf_b_ptr, pf_b_count, CHUNKS: tl.constexpr,
-                   CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, FUTURE: tl.constexpr, PREFETCH: tl.constexpr,
-                   ASM: tl.constexpr, USE_PDL: tl.constexpr):
-    if PREFETCH:  # constant weights, so before the wait: the programs split the two ranges between them
-        program, programs = tl.program_id(1) * CHUNKS + tl.program_id(0), tl.num_programs(1) * CHUNKS
-        _prefetch_share(pf_a_ptr, pf_a_count, program, programs, ASM)
-        _prefetch_share(pf_b_ptr, pf_b_count, program, programs, ASM)
+                   future_rows, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                   FUTURE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     chunk = tl.program_id(0)
     row = tl.program_id(1)
@@ -139,23 +119,10 @@ def _argmax_kernel(x_ptr, stride_x, vocab, best_v_ptr, best_i_ptr, cnt_ptr, out_
         tl.atomic_xchg(cnt_ptr + row, 0)
 
 
-def prefetchable(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """`tensors` where greedy_argmax can ask L2 for them (at most two, contiguous, at most PREFETCH_MAX_BYTES
-    together: a larger model's first weights would evict each other), else nothing."""
-    size = sum(t.numel() * t.element_size() for t in tensors)
-    fits = len(tensors) <= 2 and all(t.is_contiguous() for t in tensors) and size <= PREFETCH_MAX_BYTES
-    return tuple(tensors) if fits else ()
-
-
-def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """logits [R, V] (unit last stride; R at most 64, V at most ARGMAX_MAX_CHUNKS * ARGMAX_BLOCK) -> int64 [R].
     future = (slots, base): each row r's token is also stored into slots[base + r] for r < len(slots) / 2
-    (base: a one-element int64 tensor, 0 or len(slots) / 2; the runner's future-token halves). prefetch: at most
-    two contiguous tensors of at most PREFETCH_MAX_BYTES together, asked of L2 (NEXT_STEP_PREFETCH)."""
-    if prefetch and not prefetchable(prefetch):
-        raise ValueError(f"greedy_argmax prefetches at most two contiguous tensors of {PREFETCH_MAX_BYTES} bytes "
-                         f"together, got {[(tuple(t.shape), t.dtype) for t in prefetch]}")
+    (base: a one-element int64 tensor, 0 or len(slots) / 2; the runner's future-token halves)."""
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, ARGMAX_BLOCK)
     if logits.stride(1) != 1 or chunks > ARGMAX_MAX_CHUNKS or rows > 64:
@@ -167,10 +134,8 @@ def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor
     best_values = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     best_indices = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     slots, base = future if future is not None else (out, out)
-    (pf_a, count_a), (pf_b, count_b) = ([(t, t.numel()) for t in prefetch] + [(out, 0)] * 2)[:2]
     _argmax_kernel[(chunks, rows)](logits, logits.stride(0), vocab, best_values, best_indices,
                                    split_counters(logits.device, rows), out, slots, base, slots.numel() // 2,
-                                   pf_a, count_a, pf_b, count_b, CHUNKS=chunks,
-                                   CHUNKS_PAD=triton.next_power_of_2(chunks), BLOCK=ARGMAX_BLOCK,
-                                   FUTURE=future is not None, PREFETCH=bool(prefetch), ASM=INLINE_ASM, **pdl_args())
+                                   CHUNKS=chunks, CHUNKS_PAD=triton.next_power_of_2(chunks), BLOCK=ARGMAX_BLOCK,
+                                   FUTURE=future is not None, **pdl_args())
     return out
