@@ -260,7 +260,7 @@ def test_short_decode_merges_only_the_used_splits(length):
     loops over several tiles. Against the reference (fp16: the interpreter's bf16 dots are not numbers to
     compare), twice (the tickets reset)."""
     assert (tri.SHORT_SPLITS, tri.SHORT_CONFIG, tri.SHORT_MAX_TOKENS) == (
-        4, {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1}, 512)
+        4, {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "KV_PREFETCH": 1}, 512)
     group = 4
     k_cache, v_cache = (c.half() for c in make_cache(160, seed=length))
     table = page_table_for([length], 160, seed=3)
@@ -272,6 +272,18 @@ def test_short_decode_merges_only_the_used_splits(length):
         got = tri.decode_attention(q, k_cache, v_cache, table, slots, lens, 0.25, tri.SHORT_SPLITS,
                                    config=tri.SHORT_CONFIG)
         torch.testing.assert_close(got.float(), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_kv_prefetch_lines_only_where_asked_on_early_pages_of_a_float_cache():
+    """kv_prefetch_lines: a row's 128-byte lines (at least one) where the config asks (SHORT_CONFIG does), the
+    pages are looked up before the wait on a float cache, and inline PTX runs (never under the interpreter)."""
+    assert tri.kv_prefetch_lines(tri.SHORT_CONFIG, 128, 2, True, asm=True) == 2
+    assert tri.kv_prefetch_lines(tri.SHORT_CONFIG, 128, 4, True, asm=True) == 4
+    assert tri.kv_prefetch_lines(tri.SHORT_CONFIG, 32, 2, True, asm=True) == 1
+    assert tri.kv_prefetch_lines(tri.SHORT_CONFIG, 128, 2, False, asm=True) == 0
+    assert tri.kv_prefetch_lines(tri.SHORT_CONFIG, 128, 2, True, asm=False) == 0
+    assert tri.kv_prefetch_lines(tri.DECODE_CONFIG, 128, 2, True, asm=True) == 0
+    assert tri.kv_prefetch_lines(tri.SHORT_CONFIG, 128, 2, True) == 0  # these tests run interpreted
 
 
 def test_short_decoding_sets_the_split_count_and_config_inside_only():

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
-from dflash2.kernels.triton.gemv_parts import multiprocessors, split_counters
+from dflash2.kernels.triton.gemv_parts import INLINE_ASM, multiprocessors, split_counters
 from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_imma_tiles, _int8_tile,
                                                 int8_path, int8_sub_tiles)
 from dflash2.kernels.triton.kv_write import _rotated_rows, rotary_write_kv, scale_args, write_kv
@@ -76,8 +76,15 @@ def default_decode_config(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
 # 4); 2 splits of 256: 569.2 (8 warps), 529.0 (4); 4 of 128 on 8 warps 574.7, on 2 warps 532.7, with 2 stages
 # 552.9; 8 of 64: 568.8 (4 warps), 540.5 (2); one split of 512: 505.0. Only for a 16-bit cache (int8 has its
 # own loops). DFLASH2_SHORT_DECODE=0 turns the short graph off.
+# KV_PREFETCH: each program asks L2 for its first KV tile's lines before its PDL wait (the page-table entries are
+# read there already, PAGES_EARLY), so its KV loads after the wait hit L2 instead of HBM. At one row the KV loop
+# is the largest part of attention (W2 int4 on the H200, twenty-fifth session, call 2: 625.0 tok/s with the loop
+# left out against 591.5; the merge left out 600.7), and the programs start ~2.6 us before the qkv GEMV ends. W2
+# int4 597.1 / 596.7 with the prefetch against 591.5 / 591.2, bf16 238.0 against 237.5 (same call).
+# DFLASH2_DECODE_KV_PREFETCH=0 turns it off.
 SHORT_SPLITS = 4
-SHORT_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1}
+SHORT_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1,
+                "KV_PREFETCH": int(os.environ.get("DFLASH2_DECODE_KV_PREFETCH", "1") != "0")}
 SHORT_MAX_TOKENS = SHORT_SPLITS * SHORT_CONFIG["BLOCK_N"]
 SHORT_DECODE = os.environ.get("DFLASH2_SHORT_DECODE", "1") != "0"
 
@@ -187,7 +194,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          SPLITS_PAD: tl.constexpr,
                          PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_LOOP: tl.constexpr,
                          INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
-                         ROTARY: tl.constexpr = False, PAGES_EARLY: tl.constexpr = False):
+                         ROTARY: tl.constexpr = False, PAGES_EARLY: tl.constexpr = False,
+                         KV_PREFETCH_LINES: tl.constexpr = 0):
     """LATE_RELEASE (DECODE_LATE_RELEASE): the next kernel may launch once the partial is stored, not right after
     the wait, so that its early weight loads stay off this kernel's latency-bound loads.
     ROTARY (a float cache; decode_attention's `rotary`): q and the step's k and v come un-rotated and unwritten
@@ -195,7 +203,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     rotates k, writes k and v into the cache and adds that one token to its softmax from registers, so its KV
     loop, like every other split's, reads only positions earlier steps wrote.
     PAGES_EARLY (not int8): the first KV tile's page-table entries are read before the wait (the host writes
-    the page table before the step's first kernel), each next tile's with the tile before."""
+    the page table before the step's first kernel), each next tile's with the tile before.
+    KV_PREFETCH_LINES (with PAGES_EARLY, a float cache): the first tile's K and V rows, KV_PREFETCH_LINES 128-byte
+    lines each, asked of L2 before the wait; 0: not."""
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
     # batch ordered longest-first (the runner's order) starts its longest programs first
     kv_head = tl.program_id(0)
@@ -225,6 +235,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     if PAGES_EARLY:
         first_tokens = start + tl.arange(0, BLOCK_N)
         pages = _tile_pages(page_table, slot, first_tokens, first_tokens < loop_end, stride_pt, tokens_per_page)
+        if KV_PREFETCH_LINES > 0:
+            _kv_tile_to_l2(pages, k_cache, v_cache, first_tokens, first_tokens < loop_end, kv_head, stride_cache_page,
+                           stride_cache_token, stride_cache_head, tokens_per_page, HEAD_DIM, KV_PREFETCH_LINES)
     if LATE_RELEASE:
         pdl_wait(USE_PDL)
     else:
@@ -304,6 +317,21 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                           stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
                           GROUP, GROUP_P2, HEAD_DIM, SPLITS_PAD)
             tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _kv_tile_to_l2(pages, k_cache, v_cache, tokens, token_mask, kv_head, stride_cache_page, stride_cache_token,
+                   stride_cache_head, tokens_per_page, HEAD_DIM: tl.constexpr, LINES: tl.constexpr):
+    """Ask L2 for a tile's K and V rows (`tokens` on their looked-up `pages`): one prefetch.global.L2 a 128-byte
+    line, LINES a row, the masked tokens' skipped. A hint: nothing waits for it. Inline PTX: the launcher passes
+    LINES 0 under the interpreter."""
+    offs = (pages * stride_cache_page + (tokens % tokens_per_page) * stride_cache_token
+            + kv_head * stride_cache_head)[:, None] + (tl.arange(0, LINES) * (HEAD_DIM // LINES))[None, :]
+    k_lines = tl.where(token_mask[:, None], (k_cache + offs).to(tl.int64), 0)
+    v_lines = tl.where(token_mask[:, None], (v_cache + offs).to(tl.int64), 0)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u64 p, $1, 0; @p prefetch.global.L2 [$1]; @p prefetch.global.L2 [$2]; "
+        "mov.u32 $0, 0; }", "=r,l,l", [k_lines, v_lines], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -428,6 +456,15 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: 
     return min(32, max(1, MERGE_TILE // triton.next_power_of_2(group)), triton.next_power_of_2(wanted))
 
 
+def kv_prefetch_lines(config: dict, head_dim: int, element_size: int, pages_early_float: bool,
+                      asm: bool = INLINE_ASM) -> int:
+    """The 128-byte lines of a KV row the decode kernel asks L2 for in its first tile before the wait
+    (KV_PREFETCH_LINES): where `config` asks for it (SHORT_CONFIG's KV_PREFETCH), the pages are looked up early on a
+    float cache, and inline PTX runs (not under the interpreter); else 0."""
+    wanted = config.get("KV_PREFETCH") and pages_early_float and asm
+    return max(1, head_dim * element_size // 128) if wanted else 0
+
+
 MERGE_TILE = 64  # heads x splits the merging program holds at once (x head_dim fp32 values over its threads)
 
 
@@ -456,6 +493,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     counters = split_counters(q.device, batch * num_kv_heads)  # a dict lookup; read only with splits
     block_n = config["BLOCK_N"] if dim <= 128 else 32
+    pages_early = DECODE_PAGES_EARLY and kind != 1 and num_splits > 1
+    prefetch_lines = kv_prefetch_lines(config, dim, k_cache.element_size(), pages_early and kind == 0)
     loop = int8_path(q, config) if kind == 1 else ""
     # imma_t: heads as the mma's N side (no 16-row padding), one token sub-tile a warp
     group_pad = triton.next_power_of_2(group) if loop == "imma_t" else max(16, triton.next_power_of_2(group))
@@ -470,7 +509,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
         num_warps=config["num_warps"], num_stages=config["num_stages"], LATE_RELEASE=DECODE_LATE_RELEASE,
-        ROTARY=rotary is not None, PAGES_EARLY=DECODE_PAGES_EARLY and kind != 1 and num_splits > 1, **pdl_args())
+        ROTARY=rotary is not None, PAGES_EARLY=pages_early,
+        KV_PREFETCH_LINES=prefetch_lines, **pdl_args())
     return out
 
 

@@ -1,0 +1,91 @@
+"""Kernels compiled for sm_90 on the CPU (Triton's bundled ptxas and cuobjdump; no GPU needed), in a subprocess,
+checking where their L2 prefetches sit against the PDL wait (griddepcontrol.wait: ACQBULK): the other kernel tests
+import the kernels under TRITON_INTERPRET=1, which compiles nothing. This module does not import triton itself:
+imported here first, without TRITON_INTERPRET, it would stay compiled for the interpreted tests collected after it."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("needs triton", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_PRELUDE = r"""
+import json, re, sys
+sys.path.insert(0, ".")
+from benchmarks.sass_count import compile_sm90, cuobjdump
+
+
+def positions(kernel, types, constants, num_warps, prefetch_op):
+    sass = cuobjdump(compile_sm90(kernel, types, constants, num_warps, 1), "-sass")
+    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)]
+    return {"prefetches": [i for i, op in enumerate(ops) if op.startswith(prefetch_op)],
+            "waits": [i for i, op in enumerate(ops) if op.startswith("ACQBULK")]}
+"""
+
+_INT4_GEMV = r"""
+from dflash2.kernels.triton import int4_gemv
+types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+         "nw_ptr": "*bf16", "eps": "fp32"}
+result = {}
+for l2_rows in (False, True):  # down's case: 16 rows, K over several steps, the residual add folded in
+    constants = {"GS": 128, "BLOCK_M": 1, "BLOCK_N": 16, "CHUNKS": 128, "SPLIT_K": 1, "SILU_MUL": False,
+                 "EVEN_M": True, "EVEN_N": True, "EVEN_K": False, "PREFETCH": True, "ASM": True, "PAIRED": False,
+                 "SILU_OUT": False, "HALF2": True, "EARLY": True, "ADD_OUT": True, "ADD_EARLY": True,
+                 "L2_ROWS": l2_rows}
+    result[str(l2_rows)] = positions(int4_gemv._int4_gemv_kernel, types, constants, 4, "UBLKPF")
+print(json.dumps(result))
+"""
+
+_DECODE_ATTENTION = r"""
+from dflash2.kernels.triton import attention
+types = {"q_ptr": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "k_scales": "*fp16", "v_scales": "*fp16",
+         "page_table": "*i32", "slots": "*i32", "lengths": "*i32", "out_ptr": "*fp32", "lse_ptr": "*fp32",
+         "final_ptr": "*bf16", "cnt_ptr": "*i32", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "cos_ptr": "*bf16",
+         "sin_ptr": "*bf16", "scale": "fp32"}
+result = {}
+for lines in (0, 2):  # the short graph's launch on llama-3-8b's bf16 cache: 4 splits of 128 tokens, 4 warps
+    constants = {"GROUP": 4, "GROUP_PAD": 16, "GROUP_P2": 4, "HEAD_DIM": 128, "BLOCK_N": 128, "NUM_SPLITS": 4,
+                 "SPLITS_PAD": 4, "PRECISION": "tf32", "KIND": 0, "INT8_LOOP": "", "INT8_SUB": 1,
+                 "LATE_RELEASE": True, "ROTARY": True, "PAGES_EARLY": True, "KV_PREFETCH_LINES": lines}
+    result[str(lines)] = positions(attention._decode_split_kernel, types, constants, 4, "CCTL.E.PF2")
+print(json.dumps(result))
+"""
+
+
+def _compiled(script: str) -> dict:
+    """What `script` (after _PRELUDE) prints last, as JSON, run without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _PRELUDE + script], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_int4_gemv_asks_l2_for_its_rows_after_the_wait():
+    """L2_ROWS (int4_gemv.L2_ROWS): a program whose K takes several steps issues two bulk L2 prefetches (its rows'
+    words, their scales), after its PDL wait (griddepcontrol.wait: ACQBULK), so that they do not compete with
+    the previous kernel's last loads; without it, none."""
+    result = _compiled(_INT4_GEMV)
+    assert result["False"]["prefetches"] == []
+    prefetches, waits = result["True"]["prefetches"], result["True"]["waits"]
+    assert len(prefetches) == 2 and len(waits) == 1
+    assert waits[0] < prefetches[0]
+
+
+def test_decode_attention_asks_l2_for_its_first_kv_tile_before_the_wait():
+    """KV_PREFETCH_LINES (the short graph's SHORT_CONFIG KV_PREFETCH): the first tile's K and V lines are asked of
+    L2 (prefetch.global.L2: CCTL.E.PF2) before the PDL wait, while the qkv GEMV before still runs: 128 tokens x
+    2 lines x K and V over 128 threads, 4 instructions a thread; without it, none."""
+    result = _compiled(_DECODE_ATTENTION)
+    assert result["0"]["prefetches"] == []
+    prefetches, waits = result["2"]["prefetches"], result["2"]["waits"]
+    assert len(prefetches) == 4 and len(waits) == 1
+    assert prefetches[-1] < waits[0]
