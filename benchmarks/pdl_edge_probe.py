@@ -1,0 +1,116 @@
+"""Does programmatic dependent launch take effect between two kernels, and where in a CUDA graph? (GPU only.)
+
+W2's step graph starts with the embedding lookup, and the first layer's qkv GEMV (launched with PDL, like every
+kernel of the step) starts only after the lookup has ended, while every later GEMV starts before its predecessor
+ends (twenty-fifth session's timelines). This probe times two kernels with the GPU's own clock (%globaltimer):
+the primary lets dependents launch right away, then spins SPIN_NS; the secondary stamps its entry before its wait.
+A secondary that enters before the primary's end was launched early. Cases: eager; a graph whose primary is its
+root; the same behind a host-to-device copy inside the graph; the same behind another PDL kernel; the primary
+launched without PDL. Prints JSON: per case, the secondary's entry and its wait's return, in us after the
+primary's end (negative: early), medians of REPEATS replays.
+
+    python3 benchmarks/pdl_edge_probe.py
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+SPIN_NS = 5000
+REPEATS = 50
+
+
+@triton.jit
+def _now(order):
+    """The GPU's nanosecond clock; `order` (any int32 scalar) only gives the asm an operand."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [order], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _primary(stamps, spin_ns, USE_PDL: tl.constexpr):
+    """stamps[0]: entry, stamps[1]: end (program 0)."""
+    start = _now(tl.program_id(0))
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    now = _now(tl.program_id(0))
+    while now - start < spin_ns:
+        now = _now(tl.program_id(0))
+    if tl.program_id(0) == 0:
+        tl.store(stamps, start)
+        tl.store(stamps + 1, now)
+
+
+@triton.jit
+def _secondary(stamps, USE_PDL: tl.constexpr):
+    """stamps[2]: entry (before the wait), stamps[3]: the wait's return (program 0)."""
+    entry = _now(tl.program_id(0))
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    waited = _now(tl.program_id(0))
+    if tl.program_id(0) == 0:
+        tl.store(stamps + 2, entry)
+        tl.store(stamps + 3, waited)
+
+
+def _pair(stamps: torch.Tensor, primary_pdl: bool = True, before: str = "") -> None:
+    if before == "copy":
+        _pair.scratch.copy_(_pair.host, non_blocking=True)
+    elif before == "kernel":
+        _secondary[(1,)](_pair.spare, USE_PDL=True, launch_pdl=True)
+    _primary[(4,)](stamps, SPIN_NS, USE_PDL=primary_pdl, launch_pdl=primary_pdl)
+    _secondary[(132,)](stamps, USE_PDL=True, launch_pdl=True)
+
+
+def _offsets(stamps: torch.Tensor) -> tuple[float, float]:
+    s = stamps.tolist()
+    return (s[2] - s[1]) / 1000.0, (s[3] - s[1]) / 1000.0
+
+
+def _measure(run) -> dict[str, float]:
+    entries, waits = [], []
+    for _ in range(REPEATS):
+        run()
+        torch.cuda.synchronize()
+        entry, waited = _offsets(_measure.stamps)
+        entries.append(entry)
+        waits.append(waited)
+    return {"secondary_entry_us_after_primary_end": round(statistics.median(entries), 2),
+            "secondary_wait_return_us_after_primary_end": round(statistics.median(waits), 2)}
+
+
+def main() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        sys.exit("pdl_edge_probe.py needs a CUDA GPU of compute capability 9.0 or newer")
+    stamps = torch.zeros(4, dtype=torch.int64, device="cuda")
+    _measure.stamps = stamps
+    _pair.spare = torch.zeros(4, dtype=torch.int64, device="cuda")
+    _pair.scratch = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    _pair.host = torch.zeros(1 << 16, dtype=torch.int32).pin_memory()
+    cases = {"eager": {}, "graph, primary at the root": {}, "graph, behind a host-to-device copy": {"before": "copy"},
+             "graph, behind another PDL kernel": {"before": "kernel"},
+             "graph, primary launched without PDL": {"primary_pdl": False}}
+    report = {}
+    for name, kwargs in cases.items():
+        _pair(stamps, **kwargs)  # compile and warm up
+        torch.cuda.synchronize()
+        if name == "eager":
+            report[name] = _measure(lambda: _pair(stamps))
+            continue
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _pair(stamps, **kwargs)
+        report[name] = _measure(graph.replay)
+    print(json.dumps({"spin_ns": SPIN_NS, "repeats": REPEATS, "cases": report}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
