@@ -61,54 +61,56 @@ def _secondary(stamps, USE_PDL: tl.constexpr):
         tl.store(stamps + 3, waited)
 
 
-def _pair(stamps: torch.Tensor, primary_pdl: bool = True, before: str = "") -> None:
-    if before == "copy":
-        _pair.scratch.copy_(_pair.host, non_blocking=True)
-    elif before == "kernel":
-        _secondary[(1,)](_pair.spare, USE_PDL=True, launch_pdl=True)
-    _primary[(4,)](stamps, SPIN_NS, USE_PDL=primary_pdl, launch_pdl=primary_pdl)
-    _secondary[(132,)](stamps, USE_PDL=True, launch_pdl=True)
+class _Probe:
+    """The probe's buffers: the four stamps, a spare stamp block for the kernel placed before the pair, and a
+    host-to-device copy's source and target."""
 
+    def __init__(self) -> None:
+        self.stamps = torch.zeros(4, dtype=torch.int64, device="cuda")
+        self.spare = torch.zeros(4, dtype=torch.int64, device="cuda")
+        self.host = torch.zeros(1 << 16, dtype=torch.int32).pin_memory()
+        self.scratch = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
 
-def _offsets(stamps: torch.Tensor) -> tuple[float, float]:
-    s = stamps.tolist()
-    return (s[2] - s[1]) / 1000.0, (s[3] - s[1]) / 1000.0
+    def pair(self, primary_pdl: bool = True, before: str = "") -> None:
+        """The primary and the secondary, behind a copy or another PDL kernel where `before` says."""
+        if before == "copy":
+            self.scratch.copy_(self.host, non_blocking=True)
+        elif before == "kernel":
+            _secondary[(1,)](self.spare, USE_PDL=True, launch_pdl=True)
+        _primary[(4,)](self.stamps, SPIN_NS, USE_PDL=primary_pdl, launch_pdl=primary_pdl)
+        _secondary[(132,)](self.stamps, USE_PDL=True, launch_pdl=True)
 
-
-def _measure(run) -> dict[str, float]:
-    entries, waits = [], []
-    for _ in range(REPEATS):
-        run()
-        torch.cuda.synchronize()
-        entry, waited = _offsets(_measure.stamps)
-        entries.append(entry)
-        waits.append(waited)
-    return {"secondary_entry_us_after_primary_end": round(statistics.median(entries), 2),
-            "secondary_wait_return_us_after_primary_end": round(statistics.median(waits), 2)}
+    def measure(self, run) -> dict[str, float]:
+        """Medians over REPEATS runs of the secondary's entry and wait return, us after the primary's end."""
+        entries, waits = [], []
+        for _ in range(REPEATS):
+            run()
+            torch.cuda.synchronize()
+            _, primary_end, entry, waited = self.stamps.tolist()
+            entries.append((entry - primary_end) / 1000.0)
+            waits.append((waited - primary_end) / 1000.0)
+        return {"secondary_entry_us_after_primary_end": round(statistics.median(entries), 2),
+                "secondary_wait_return_us_after_primary_end": round(statistics.median(waits), 2)}
 
 
 def main() -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         sys.exit("pdl_edge_probe.py needs a CUDA GPU of compute capability 9.0 or newer")
-    stamps = torch.zeros(4, dtype=torch.int64, device="cuda")
-    _measure.stamps = stamps
-    _pair.spare = torch.zeros(4, dtype=torch.int64, device="cuda")
-    _pair.scratch = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
-    _pair.host = torch.zeros(1 << 16, dtype=torch.int32).pin_memory()
+    probe = _Probe()
     cases = {"eager": {}, "graph, primary at the root": {}, "graph, behind a host-to-device copy": {"before": "copy"},
              "graph, behind another PDL kernel": {"before": "kernel"},
              "graph, primary launched without PDL": {"primary_pdl": False}}
     report = {}
     for name, kwargs in cases.items():
-        _pair(stamps, **kwargs)  # compile and warm up
+        probe.pair(**kwargs)  # compile and warm up
         torch.cuda.synchronize()
         if name == "eager":
-            report[name] = _measure(lambda: _pair(stamps))
+            report[name] = probe.measure(probe.pair)
             continue
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            _pair(stamps, **kwargs)
-        report[name] = _measure(graph.replay)
+            probe.pair(**kwargs)
+        report[name] = probe.measure(graph.replay)
     print(json.dumps({"spin_ns": SPIN_NS, "repeats": REPEATS, "cases": report}, indent=1))
 
 

@@ -383,39 +383,27 @@ def test_int4_gemv_norm_and_residual_add(n, k):
 def test_int4_engine_folds_norms(tiny_int4, monkeypatch):
     """DFLASH2_FUSE_NORM on the GPU: the tiny int4 model's greedy tokens with each layer's norms and residual
     adds folded into its GEMVs (decode steps, CUDA graphs) equal the "torch" backend's."""
-    from dflash2 import SamplingParams
-    from dflash2.kernels.triton import quant_matmul as qm
-
-    monkeypatch.setattr(qm, "FUSE_NORM", True)
-
-    def check(llm, backend: str) -> None:
-        assert llm.engine.model.module.layers[0].fuses_norms(1) == (backend == "triton")
-
-    runs = _tokens_by_backend(tiny_int4, monkeypatch, random.Random(1),
-                              SamplingParams(max_tokens=16, min_tokens=16, temperature=0), check)
-    assert runs["triton"] == runs["torch"]
-
-
-def _tokens_by_backend(model: str, monkeypatch, rng: random.Random, params, check) -> dict[str, list]:
-    """The greedy tokens of 4 random prompts with the model's quantized matmuls on each backend ("triton",
-    "torch"), loaded afresh for each (float32, CUDA graphs); check(llm, backend) runs before generating."""
     import dflash2.engine.engine as engine_module
-    from dflash2 import LLM
+    from dflash2 import LLM, SamplingParams
+    from dflash2.kernels.triton import quant_matmul as qm
     from dflash2.loading.model_loader import load_model
 
+    monkeypatch.setattr(qm, "FUSE_NORM", True)
+    rng = random.Random(1)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 40))] for _ in range(4)]
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
     runs = {}
     for backend in ("triton", "torch"):
         monkeypatch.setattr(engine_module, "load_model",
                             lambda *args, backend=backend, **kw: load_model(*args, quant_backend=backend, **kw))
-        llm = LLM(model, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128, kv_cache_memory="64MiB",
-                  page_bytes=4096)
-        check(llm, backend)
+        llm = LLM(tiny_int4, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128,
+                  kv_cache_memory="64MiB", page_bytes=4096)
+        assert llm.engine.model.module.layers[0].fuses_norms(1) == (backend == "triton")
         runs[backend] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                   params)]
         assert backend == "torch" or sum(llm.engine.runner.graphs.replays.values()) > 0
         del llm
-    return runs
+    assert runs["triton"] == runs["torch"]
 
 
 @pytest.mark.parametrize("n, k", LLAMA3_8B_INT4[:4])
