@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--timeline", default=None, help="write the last step's kernels here (JSON lines)")
+    parser.add_argument("--timeline-steps", type=int, default=1,
+                        help="the last this many steps in the timeline (2: the boundary between two steps' graphs)")
     args = parser.parse_args()
     quantize_dummy_weights(args.weights)
     llm = LLM(args.model, load_format="dummy", device=args.device, max_num_seqs=max(4, args.batch),
@@ -68,7 +70,7 @@ def main() -> None:
     kernels = kernel_table(events, args.steps)
     exposed, busy_us = exposed_table(events, args.steps)
     if args.timeline:
-        write_timeline(events, args.steps, args.timeline)
+        write_timeline(events, args.steps, args.timeline, args.timeline_steps)
     print(json.dumps({"model": args.model, "weights": args.weights, "batch": args.batch,
                       "prompt_len": args.prompt_len, "steps": args.steps, "wall_ms_per_step": round(wall_ms, 3),
                       "kernel_us_per_step": round(sum(r["us_per_step"] for r in kernels), 1),

@@ -49,10 +49,10 @@ def exposed_table(events: list[tuple[float, float, str]], steps: int) -> tuple[l
     return _per_step(exposed, "exposed_us_per_step", steps), round(sum(exposed.values()) / steps, 1)
 
 
-def write_timeline(events: list[tuple[float, float, str]], steps: int, path: str) -> None:
-    """The last step's kernels as JSON lines, start and end in us from its first kernel (the events split into
-    `steps` equal runs: every step launches the same ones)."""
-    last = events[-(len(events) // steps):]
+def write_timeline(events: list[tuple[float, float, str]], steps: int, path: str, last_steps: int = 1) -> None:
+    """The last `last_steps` steps' kernels and copies as JSON lines, start and end in us from the first one written
+    (the events split into `steps` equal runs: every step launches the same ones)."""
+    last = events[-(len(events) // steps) * last_steps:]
     origin = last[0][0]
     with open(path, "w") as f:
         for start, end, name in last:

@@ -27,7 +27,9 @@ def positions(kernel, types, constants, num_warps, prefetch_op):
     sass = cuobjdump(compile_sm90(kernel, types, constants, num_warps, 1), "-sass")
     ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)]
     return {"prefetches": [i for i, op in enumerate(ops) if op.startswith(prefetch_op)],
-            "waits": [i for i, op in enumerate(ops) if op.startswith("ACQBULK")]}
+            "waits": [i for i, op in enumerate(ops) if op.startswith("ACQBULK")],
+            "fences": [i for i, op in enumerate(ops) if op.startswith("MEMBAR")],
+            "atomics": [(i, op) for i, op in enumerate(ops) if op.startswith("ATOMG")]}
 """
 
 _INT4_GEMV = r"""
@@ -57,6 +59,14 @@ for lines in (0, 2):  # the short graph's launch on llama-3-8b's bf16 cache: 4 s
                  "LATE_RELEASE": True, "ROTARY": True, "PAGES_EARLY": True, "KV_PREFETCH_LINES": lines}
     result[str(lines)] = positions(attention._decode_split_kernel, types, constants, 4, "CCTL.E.PF2")
 print(json.dumps(result))
+"""
+
+_ARGMAX = r"""
+from dflash2.kernels.triton import step_edges
+types = {"x_ptr": "*bf16", "best_v_ptr": "*fp32", "best_i_ptr": "*i32", "cnt_ptr": "*i32", "out_ptr": "*i64",
+         "future_ptr": "*i64", "base_ptr": "*i64"}
+constants = {"CHUNKS": 32, "CHUNKS_PAD": 32, "BLOCK": 4096, "FUTURE": True}
+print(json.dumps(positions(step_edges._argmax_kernel, types, constants, 4, "CCTL.E.PF2")))
 """
 
 
@@ -89,3 +99,15 @@ def test_decode_attention_asks_l2_for_its_first_kv_tile_before_the_wait():
     prefetches, waits = result["2"]["prefetches"], result["2"]["waits"]
     assert len(prefetches) == 4 and len(waits) == 1
     assert prefetches[-1] < waits[0]
+
+
+@pytest.mark.parametrize("kernel", ["decode attention", "argmax"])
+def test_ticket_counters_reset_without_a_fence(kernel):
+    """The last program of a ticket (decode attention's merge, the greedy argmax's last chunk) resets its counter with
+    a relaxed atomic: the one fence (MEMBAR) in the kernel is the ticket's own release, right before its ATOMG.ADD; the
+    reset's ATOMG.EXCH has none before it, so the program does not wait for its output stores' acknowledgements."""
+    result = _compiled(_DECODE_ATTENTION)["2"] if kernel == "decode attention" else _compiled(_ARGMAX)
+    ops = [op for _, op in result["atomics"]]
+    assert len(ops) == 2 and ops[0].startswith("ATOMG.E.ADD") and ops[1].startswith("ATOMG.E.EXCH")
+    (ticket, _), _ = result["atomics"]
+    assert len(result["fences"]) == 1 and 0 < ticket - result["fences"][0] <= 4

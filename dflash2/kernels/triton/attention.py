@@ -195,8 +195,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_LOOP: tl.constexpr,
                          INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
                          ROTARY: tl.constexpr = False, PAGES_EARLY: tl.constexpr = False,
-                         KV_PREFETCH_LINES: tl.constexpr = 0, NEW_FIRST: tl.constexpr = False,
-                         RELAXED_RESET: tl.constexpr = False):
+                         KV_PREFETCH_LINES: tl.constexpr = 0):
     """LATE_RELEASE (DECODE_LATE_RELEASE): the next kernel may launch once the partial is stored, not right after
     the wait, so that its early weight loads stay off this kernel's latency-bound loads.
     ROTARY (a float cache; decode_attention's `rotary`): q and the step's k and v come un-rotated and unwritten
@@ -260,10 +259,6 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    if ROTARY and NEW_FIRST:
-        if holds_new:
-            m_i, l_i, acc = _new_token_column(q, k_new, k_new_swapped, v_new, cos, sin, first_half, k_cache, v_cache,
-                                              new_offs, scale, m_i, l_i, acc)
     if KIND == 1 and INT8_LOOP == "imma_t":  # its own state: per-warp softmax, merged before returning
         m_i, l_i, acc = _int8_imma_t_tiles(
             q, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
@@ -294,7 +289,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                                     tokens_per_page)
             s = tl.where(token_mask[None, :], _scores(q, k, k_scale, scale, KIND, PRECISION), float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, False)
-    if ROTARY and not NEW_FIRST:
+    if ROTARY:
         if holds_new:
             m_i, l_i, acc = _new_token_column(q, k_new, k_new_swapped, v_new, cos, sin, first_half, k_cache, v_cache,
                                               new_offs, scale, m_i, l_i, acc)
@@ -313,10 +308,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
             _merge_splits(out_ptr, lse_ptr, final_ptr, b, kv_head * GROUP, length, per_split,
                           stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
                           GROUP, GROUP_P2, HEAD_DIM, SPLITS_PAD)
-            if RELAXED_RESET:  # the next launch is ordered after this kernel anyway
-                tl.atomic_xchg(counter, 0, sem="relaxed")
-            else:
-                tl.atomic_xchg(counter, 0)
+            tl.atomic_xchg(counter, 0, sem="relaxed")  # no fence: see gemv_parts._store_or_reduce
 
 
 @triton.jit
@@ -462,8 +454,6 @@ DECODE_LATE_RELEASE = os.environ.get("DFLASH2_DECODE_RELEASE", "1") != "0"
 # 28.1k out tok/s against 31.1k and 31.3k.
 DECODE_ROTARY = os.environ.get("DFLASH2_DECODE_ROTARY", "1") != "0"
 DECODE_PAGES_EARLY = os.environ.get("DFLASH2_DECODE_PAGES_EARLY", "1") != "0"
-DECODE_NEW_FIRST = os.environ.get("DFLASH2_DECODE_NEW_FIRST", "0") == "1"  # experiment
-DECODE_RELAXED_RESET = os.environ.get("DFLASH2_DECODE_RELAXED_RESET", "0") == "1"  # experiment
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: int = 1) -> int:
@@ -528,8 +518,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
         num_warps=config["num_warps"], num_stages=config["num_stages"], LATE_RELEASE=DECODE_LATE_RELEASE,
         ROTARY=rotary is not None, PAGES_EARLY=pages_early,
-        KV_PREFETCH_LINES=prefetch_lines, NEW_FIRST=DECODE_NEW_FIRST,
-        RELAXED_RESET=DECODE_RELAXED_RESET, **pdl_args())
+        KV_PREFETCH_LINES=prefetch_lines, **pdl_args())
     return out
 
 

@@ -116,7 +116,7 @@ def _argmax_kernel(x_ptr, stride_x, vocab, best_v_ptr, best_i_ptr, cnt_ptr, out_
         tl.store(out_ptr + row, token)
         if FUTURE:  # the runner's future slot base + row too, within that half of the slots
             tl.store(future_ptr + tl.load(base_ptr) + row, token, mask=row < future_rows)
-        tl.atomic_xchg(cnt_ptr + row, 0)
+        tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed")  # no fence: see gemv_parts._store_or_reduce
 
 
 def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
