@@ -26,12 +26,10 @@ ids may be placeholders, resolved inside the graph from the runner's future-toke
 """
 from __future__ import annotations
 
-import array
 import bisect
 import contextlib
 import gc
 import logging
-import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,13 +46,6 @@ if TYPE_CHECKING:
     from dflash2.engine.runner import ModelRunner, _HostBatch
 
 logger = logging.getLogger("dflash2")
-
-# DFLASH2_GRAPH_INPUTS=staged: the host writes a step's packed inputs into one of two halves of a pinned buffer, and
-# the graph's first kernel (step_edges.stage_inputs) reads them from there, in place of a host-to-device copy queued
-# between the previous replay and this one. The halves alternate by replay, the kernel flipping its device-side
-# parity as the host flips its own; before it writes a half the host waits for the event recorded after the replay
-# that last read it (two replays back: already complete unless the device has fallen two steps behind).
-STAGED_INPUTS = os.environ.get("DFLASH2_GRAPH_INPUTS", "copy") == "staged"
 
 MIN_PREFILL_BUCKET = 16
 
@@ -182,12 +173,6 @@ class StepGraphs:
         self._mixed_decodes = sorted({d for d, _ in mixed_shapes})
         self._mixed_prefills = sorted({p for _, p in mixed_shapes})
         self.inputs = torch.zeros(max(s.size for s in self.shapes), dtype=torch.long, device=runner.device)
-        self.staging: torch.Tensor | None = None  # STAGED_INPUTS: [2, size] pinned, and the device's parity
-        if capture and STAGED_INPUTS:
-            self.staging = torch.zeros((2, self.inputs.numel()), dtype=torch.long, pin_memory=True)
-            self.staging_parity = torch.zeros(1, dtype=torch.long, device=runner.device)
-            self.host_parity = 0
-            self.staged_replays: list[torch.cuda.Event | None] = [None, None]  # recorded after each half's replay
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         # each graph's logits (model dtype): a decode graph's own output; the mixed graphs all copy theirs into
         # one buffer of the most rows any of them has, so their outputs take no memory each in the graph pool
@@ -202,9 +187,6 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         for shape in reversed(self.shapes):  # largest first, so smaller graphs reuse its memory
             self._capture(shape)
-        if self.staging is not None:  # each warm-up flipped the device's parity: both sides start at half 0
-            self.staging_parity.zero_()
-            torch.cuda.synchronize(runner.device)
         logger.info("%s %d CUDA graphs: decode batches %s; decode x prefill tokens %s",
                     "captured" if capture else "built (not captured)", len(self.shapes),
                     sorted(decode_sizes), sorted(set(mixed_shapes)))
@@ -229,25 +211,14 @@ class StepGraphs:
     def run(self, shape: GraphShape, host: "_HostBatch", num_decodes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay `shape`'s graph for this step: logits [rows sampled, vocab] in host.sample_rows order, and
         their greedy tokens. Both are the graph's buffers, rewritten by its next replay."""
-        values = pack_inputs(shape, host, num_decodes, self.runner.pad_slot, self.block_m, self.runner.future_base)
+        copy_ints_(self.inputs, pack_inputs(shape, host, num_decodes, self.runner.pad_slot, self.block_m,
+                                            self.runner.future_base))
         self.replays[shape] += 1
         rows = len(host.sample_rows)
         if not self.capture:
-            copy_ints_(self.inputs, values)
             logits, greedy = self.steps[shape]()
             return logits[:rows], greedy[:rows]
-        if self.staging is None:
-            copy_ints_(self.inputs, values)
-            self.graphs[shape].replay()
-        else:
-            half = self.host_parity
-            if self.staged_replays[half] is not None:
-                self.staged_replays[half].synchronize()  # the replay that last read this half has run
-            self.staging[half, :len(values)] = torch.frombuffer(array.array("q", values), dtype=torch.long)
-            self.graphs[shape].replay()
-            self.staged_replays[half] = torch.cuda.Event()
-            self.staged_replays[half].record()
-            self.host_parity = 1 - half
+        self.graphs[shape].replay()
         return self.logits[shape][:rows], self.greedy[shape][:rows]
 
     def _views(self, shape: GraphShape) -> dict[str, torch.Tensor]:
@@ -295,14 +266,7 @@ class StepGraphs:
         # the greedy tokens also go to the runner's future slots, at the step's base (one copy fewer a step)
         future = (runner.future_tokens, v["future_base"])
 
-        if self.staging is not None:  # the warm-up reads the idle inputs from either half
-            from dflash2.kernels.triton.step_edges import stage_inputs
-
-            self.staging[:, :shape.size] = self.inputs[:shape.size].cpu()
-
         def step() -> tuple[torch.Tensor, torch.Tensor]:
-            if self.staging is not None:
-                stage_inputs(self.staging, self.inputs, self.staging_parity, shape.size)
             ids = v["ids"]
             # the short graph's decode attention (captured or run eagerly): the backend's short splits and config
             with runner.attention.short_decoding() if shape.short else contextlib.nullcontext():

@@ -121,45 +121,18 @@ def tiny_llama(tmp_path_factory):
     return build_tiny_model("llama", directory), directory
 
 
-def test_stage_inputs_reads_pinned_host_memory():
-    """step_edges.stage_inputs on the device: the parity's half of a pinned [2, n] buffer into device inputs, the
-    parity flipped, inside a CUDA graph replayed after the host rewrote both halves."""
-    from dflash2.kernels.triton import step_edges
-
-    n = 37
-    staging = torch.zeros((2, n), dtype=torch.long, pin_memory=True)
-    inputs = torch.zeros(n + 1, dtype=torch.long, device="cuda")
-    parity = torch.zeros(1, dtype=torch.long, device="cuda")
-    step_edges.stage_inputs(staging, inputs, parity, n)  # compiled outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step_edges.stage_inputs(staging, inputs, parity, n)
-    parity.zero_()
-    for replay in range(4):
-        staging[0] = torch.arange(n) + 1000 * replay
-        staging[1] = -torch.arange(n) - 1000 * replay
-        graph.replay()
-        torch.cuda.synchronize()
-        assert inputs[:n].tolist() == staging[replay % 2].tolist() and inputs[n].item() == 0
-        assert parity.item() == (replay + 1) % 2
-
-
-@pytest.mark.parametrize("decode_rotary, staged_inputs", [(False, False), (True, False), (True, True)])
-def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama, decode_rotary, staged_inputs, monkeypatch):
+@pytest.mark.parametrize("decode_rotary", [False, True])
+def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama, decode_rotary, monkeypatch):
     """Whole-step graphs (decode-only and mixed decode + prefill chunks), decode-only graphs, and eager give
     transformers' greedy tokens; requests of different lengths on 4 slots make steps that mix both.
     decode_rotary: decode attention rotates and writes the decode rows' k and v itself (DFLASH2_DECODE_ROTARY,
-    with the first tile's pages before the wait, DFLASH2_DECODE_PAGES_EARLY). staged_inputs: the graphs read
-    their inputs from pinned host memory in their first kernel (DFLASH2_GRAPH_INPUTS=staged)."""
+    with the first tile's pages before the wait, DFLASH2_DECODE_PAGES_EARLY)."""
     from dflash2 import LLM, SamplingParams
-    from dflash2.engine import graphs as step_graphs
     from dflash2.kernels.triton import attention
     from tests.tiny_models import hf_greedy
 
     monkeypatch.setattr(attention, "DECODE_ROTARY", decode_rotary)
     monkeypatch.setattr(attention, "DECODE_PAGES_EARLY", decode_rotary)
-    monkeypatch.setattr(step_graphs, "STAGED_INPUTS", staged_inputs)
 
     hf_model, directory = tiny_llama
     rng = random.Random(0)
@@ -174,7 +147,6 @@ def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama, decode_rot
         llm = LLM(directory, **common, **options)
         graphs = llm.engine.runner.graphs
         assert (graphs is not None) == (name != "eager")
-        assert graphs is None or (graphs.staging is not None) == staged_inputs
         runs[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
         assert llm.engine.pool.num_used == 0
         if name.startswith("graphs"):

@@ -76,18 +76,3 @@ def test_embed_tokens_resolves_placeholders_and_gathers_rows(dtype):
     assert step_edges.embed_tokens(ids[:0], table, dtype, future).shape == (0, 600)
     with pytest.raises(ValueError, match="unit last stride"):
         step_edges.embed_tokens(ids, table.t(), dtype, future)
-
-
-@pytest.mark.parametrize("n", [5, 4096 + 7])  # one block, and more than one
-def test_stage_inputs_copies_the_parity_half_and_flips_it(n):
-    """A step graph's first kernel with DFLASH2_GRAPH_INPUTS=staged: inputs[:n] from the staging half the parity
-    names, the rest of inputs untouched, and the parity flipped for the next replay (twice: back to 0)."""
-    staging = torch.arange(2 * (n + 3), dtype=torch.long).view(2, n + 3) * torch.tensor([[1], [-1]])
-    inputs = torch.full((n + 3,), 99, dtype=torch.long)
-    parity = torch.zeros(1, dtype=torch.long)
-    step_edges.stage_inputs(staging, inputs, parity, n)
-    assert inputs[:n].tolist() == staging[0, :n].tolist() and inputs[n:].tolist() == [99] * 3
-    assert parity.tolist() == [1]
-    step_edges.stage_inputs(staging, inputs, parity, n)
-    assert inputs[:n].tolist() == staging[1, :n].tolist() and inputs[n:].tolist() == [99] * 3
-    assert parity.tolist() == [0]

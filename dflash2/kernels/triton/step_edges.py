@@ -84,29 +84,6 @@ def embed_tokens(token_ids: torch.Tensor, table: torch.Tensor, dtype: torch.dtyp
     return out
 
 
-@triton.jit
-def _stage_inputs_kernel(staging_ptr, inputs_ptr, parity_ptr, n, stride_half, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    """One program: inputs[:n] = staging[parity, :n], read from pinned host memory (volatile: never an L2 copy of
-    an earlier step's values), then parity = 1 - parity for the next replay."""
-    pdl_start(USE_PDL)
-    parity = tl.load(parity_ptr)
-    source = staging_ptr + parity * stride_half
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        tl.store(inputs_ptr + offs, tl.load(source + offs, mask=mask, volatile=True), mask=mask)
-    tl.store(parity_ptr, 1 - parity)
-
-
-def stage_inputs(staging: torch.Tensor, inputs: torch.Tensor, parity: torch.Tensor, n: int) -> None:
-    """inputs[:n] = staging[parity, :n] on the device, from `staging` [2, size] int64 in pinned host memory (mapped:
-    the kernel reads it over the bus), and parity (a one-element int64 device tensor) flipped: a step graph's
-    first kernel, in place of a host-to-device copy before its replay (graphs.STAGED_INPUTS)."""
-    block = min(4096, triton.next_power_of_2(max(1, n)))
-    _stage_inputs_kernel[(1,)](staging, inputs, parity, n, staging.stride(0), BLOCK=block, **pdl_args())
-
-
 def resolve_tokens(token_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
     """token_ids [T] with each -(i + 1) replaced by future_tokens[i], in future_tokens' dtype."""
     out = torch.empty(token_ids.shape, dtype=future_tokens.dtype, device=token_ids.device)
