@@ -6,8 +6,15 @@ ends (twenty-fifth session's timelines). This probe times two kernels with the G
 the primary lets dependents launch right away, then spins SPIN_NS; the secondary stamps its entry before its wait.
 A secondary that enters before the primary's end was launched early. Cases: eager; a graph whose primary is its
 root; the same behind a host-to-device copy inside the graph; the same behind another PDL kernel; the primary
-launched without PDL. Prints JSON: per case, the secondary's entry and its wait's return, in us after the
-primary's end (negative: early), medians of REPEATS replays.
+launched without PDL; a primary of 1 us at the root; and a step's boundary as the engine queues it (the previous
+step's graph, the input copy outside any graph, then the graph of the pair with a 1 us primary). Prints JSON: per
+case, the secondary's entry and its wait's return, in us after the primary's end (negative: early), medians of
+REPEATS replays.
+
+Twenty-sixth session, call 1 (the first five cases): eager +12.16 us; in a graph -4.64 us at the root, behind a
+copy and behind another PDL kernel alike; +0.51 with the primary launched without PDL. So the early launch works in
+a graph at its root; the last two cases (not run yet) ask whether it still does for a short root kernel behind
+another graph and a copy, as the lookup is (in the timelines the first qkv starts 1.1-1.6 us after it ends).
 
     python3 benchmarks/pdl_edge_probe.py
 """
@@ -71,14 +78,18 @@ class _Probe:
         self.host = torch.zeros(1 << 16, dtype=torch.int32).pin_memory()
         self.scratch = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
 
-    def pair(self, primary_pdl: bool = True, before: str = "") -> None:
+    def pair(self, primary_pdl: bool = True, before: str = "", spin_ns: int = SPIN_NS) -> None:
         """The primary and the secondary, behind a copy or another PDL kernel where `before` says."""
         if before == "copy":
             self.scratch.copy_(self.host, non_blocking=True)
         elif before == "kernel":
             _secondary[(1,)](self.spare, USE_PDL=True, launch_pdl=True)
-        _primary[(4,)](self.stamps, SPIN_NS, USE_PDL=primary_pdl, launch_pdl=primary_pdl)
+        _primary[(4,)](self.stamps, spin_ns, USE_PDL=primary_pdl, launch_pdl=primary_pdl)
         _secondary[(132,)](self.stamps, USE_PDL=True, launch_pdl=True)
+
+    def previous_step(self) -> None:
+        """A stand-in for the step before (a graph of its own): one kernel spinning SPIN_NS, stamping `spare`."""
+        _primary[(4,)](self.spare, SPIN_NS, USE_PDL=False, launch_pdl=False)
 
     def measure(self, run) -> dict[str, float]:
         """Medians over REPEATS runs of the secondary's entry and wait return, us after the primary's end."""
@@ -99,18 +110,34 @@ def main() -> None:
     probe = _Probe()
     cases = {"eager": {}, "graph, primary at the root": {}, "graph, behind a host-to-device copy": {"before": "copy"},
              "graph, behind another PDL kernel": {"before": "kernel"},
-             "graph, primary launched without PDL": {"primary_pdl": False}}
+             "graph, primary launched without PDL": {"primary_pdl": False},
+             "graph, a 1 us primary at the root": {"spin_ns": 1000},
+             # a decode step's boundary (twenty-sixth session's timelines): the previous step's graph, the input
+             # copy queued outside any graph, then this step's graph, whose root is a short kernel (the lookup)
+             "graph behind another graph and a copy outside both, a 1 us primary": {"spin_ns": 1000}}
+    previous = torch.cuda.CUDAGraph()
+    probe.previous_step()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(previous):
+        probe.previous_step()
     report = {}
     for name, kwargs in cases.items():
         probe.pair(**kwargs)  # compile and warm up
         torch.cuda.synchronize()
         if name == "eager":
-            report[name] = probe.measure(probe.pair)
+            report[name] = probe.measure(lambda: probe.pair(**kwargs))
             continue
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             probe.pair(**kwargs)
-        report[name] = probe.measure(graph.replay)
+        if name.startswith("graph behind another graph"):
+            def boundary(graph=graph) -> None:
+                previous.replay()
+                probe.scratch.copy_(probe.host, non_blocking=True)
+                graph.replay()
+            report[name] = probe.measure(boundary)
+        else:
+            report[name] = probe.measure(graph.replay)
     print(json.dumps({"spin_ns": SPIN_NS, "repeats": REPEATS, "cases": report}, indent=1))
 
 
