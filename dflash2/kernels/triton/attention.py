@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
-from dflash2.kernels.triton.gemv_parts import INLINE_ASM, multiprocessors, split_counters
+from dflash2.kernels.triton.gemv_parts import INLINE_ASM, _reset_ticket, multiprocessors, split_counters
 from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_imma_tiles, _int8_tile,
                                                 int8_path, int8_sub_tiles)
 from dflash2.kernels.triton.kv_write import _rotated_rows, rotary_write_kv, scale_args, write_kv
@@ -308,7 +308,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
             _merge_splits(out_ptr, lse_ptr, final_ptr, b, kv_head * GROUP, length, per_split,
                           stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
                           GROUP, GROUP_P2, HEAD_DIM, SPLITS_PAD)
-            tl.atomic_xchg(counter, 0, sem="relaxed")  # no fence: see gemv_parts._store_or_reduce
+            _reset_ticket(counter)
 
 
 @triton.jit

@@ -10,9 +10,10 @@
     split-K         several programs share one output tile along K, in one launch:
 
 Each program parks its fp32 partial in a workspace and takes a ticket from the tile's counter; the last one
-sums the partials, stores the tile and resets the counter, so the counters stay zero between calls and the
-whole thing is safe inside CUDA graphs. The split decode attention (attention.py) takes its tickets from the
-same `split_counters` (kernels on one stream never hold tickets at the same time).
+sums the partials, stores the tile and resets the counter (_reset_ticket, without a fence), so the counters stay
+zero between calls and the whole thing is safe inside CUDA graphs. The split decode attention (attention.py) and
+the greedy argmax (step_edges.py) take their tickets from the same `split_counters` (kernels on one stream never
+hold tickets at the same time).
 """
 from __future__ import annotations
 
@@ -65,13 +66,19 @@ def _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om
             for split in range(SPLIT_K):
                 total += tl.load(ws_ptr + split * M * N + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
             _store_out(total, out_ptr + out_offs, mask, ADD_OUT)
-            # The counter's reset is relaxed (so are the decode merge's and the argmax's): an acq_rel atomic puts a
-            # MEMBAR.ALL.GPU before it, which holds the program until its output stores are acknowledged. Nothing in
-            # this launch reads the counter after the last ticket, and the next launch that uses it takes its
-            # tickets only after its PDL wait (or in stream order), once this grid has completed. W2 int4 on the
-            # H200 (twenty-sixth session, call 1; decode attention's reset): 600.8 / 600.7 tok/s relaxed, against
-            # 597.5 / 597.0 / 597.6 with the fence.
-            tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed")
+            _reset_ticket(cnt_ptr + tile_id)
+
+
+@triton.jit
+def _reset_ticket(counter):
+    """The last ticket's program sets its counter back to zero for the next launch (split-K here, decode attention's
+    merge, the greedy argmax). Relaxed: an acq_rel atomic puts a MEMBAR.ALL.GPU before it, which holds the program
+    until its output stores are acknowledged. Nothing in this launch reads the counter after the last ticket, and the
+    next launch that uses it takes its tickets only after its PDL wait (or in stream order), once this grid has
+    completed. The ticket itself stays acq_rel (its release orders the partials before it). W2 int4 on the H200
+    (twenty-sixth session, call 1; decode attention's reset): 600.8 / 600.7 tok/s relaxed, against 597.5 / 597.0 /
+    597.6 with the fence."""
+    tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash2.kernels.triton.gemv_parts import split_counters
+from dflash2.kernels.triton.gemv_parts import _reset_ticket, split_counters
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 STEP_EDGES = os.environ.get("DFLASH2_STEP_EDGES", "1") != "0"
@@ -116,7 +116,7 @@ def _argmax_kernel(x_ptr, stride_x, vocab, best_v_ptr, best_i_ptr, cnt_ptr, out_
         tl.store(out_ptr + row, token)
         if FUTURE:  # the runner's future slot base + row too, within that half of the slots
             tl.store(future_ptr + tl.load(base_ptr) + row, token, mask=row < future_rows)
-        tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed")  # no fence: see gemv_parts._store_or_reduce
+        _reset_ticket(cnt_ptr + row)
 
 
 def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
