@@ -12,9 +12,10 @@ case, the secondary's entry and its wait's return, in us after the primary's end
 REPEATS replays.
 
 Twenty-sixth session, call 1 (the first five cases): eager +12.16 us; in a graph -4.64 us at the root, behind a
-copy and behind another PDL kernel alike; +0.51 with the primary launched without PDL. So the early launch works in
-a graph at its root; the last two cases (not run yet) ask whether it still does for a short root kernel behind
-another graph and a copy, as the lookup is (in the timelines the first qkv starts 1.1-1.6 us after it ends).
+copy and behind another PDL kernel alike; +0.51 with the primary launched without PDL. Twenty-seventh session, call
+1: a 1 us primary at the root -0.64 (wait return +0.35), and the same behind another graph and a copy outside both,
+as the step's lookup is, -0.64 (+0.35). So the early launch works at the step's boundary here too, and why the W2
+step's first qkv starts 1.1-1.6 us after the lookup ends (its timelines) is not the graph's structure.
 
     python3 benchmarks/pdl_edge_probe.py
 """
