@@ -4,6 +4,10 @@ the sum, and the wall time per step.
 
     python3 benchmarks/decode_profile.py --model llama-3-8b --weights int4            # W2's step (batch 1)
     python3 benchmarks/decode_profile.py --model qwen3-0.6b --batch 32 --prompt-len 256   # a W3 decode step
+    python3 benchmarks/decode_profile.py --model llama-3-8b --weights int4 --prefill      # W2's first token
+
+`--prefill`: each profiled "step" is a new request's whole prefill (`--prompt-len` tokens, one new token), so the
+table is W2's first-token step; the wall time is from adding the request to its first token.
 
 Kernel times come from CUPTI (kernels inside graph replays included); overlap between kernels (programmatic
 dependent launch) makes their sum larger than the step. So the JSON also gives each kernel's exposed time
@@ -39,6 +43,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--timeline", default=None, help="write the last step's kernels here (JSON lines)")
+    parser.add_argument("--prefill", action="store_true", help="profile new requests' prefill steps instead")
     parser.add_argument("--timeline-steps", type=int, default=1,
                         help="the last this many steps in the timeline (2: the boundary between two steps' graphs)")
     args = parser.parse_args()
@@ -47,38 +52,71 @@ def main() -> None:
               max_model_len=args.prompt_len + 3 * args.steps + 64, enable_prefix_caching=False)
     engine = llm.engine
     generator = torch.Generator().manual_seed(0)
+    if args.prefill:
+        return profile_prefills(llm, args, generator)
     params = SamplingParams(max_tokens=3 * args.steps + 32, ignore_eos=True, temperature=0)
     for _ in range(args.batch):
         prompt = torch.randint(100, 20000, (args.prompt_len,), generator=generator).tolist()
         engine.add_request({"prompt_token_ids": prompt}, params)
     for _ in range(args.steps):  # prefill, then decode steps (graphs captured and warm)
         engine.step()
-    from torch.profiler import ProfilerActivity, profile
-
     sync()
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     sync()
     wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    report(profiled(engine.step, args), args, wall_ms)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def profiled(step, args) -> list[tuple[float, float, str]]:
+    """The device kernels of `args.steps` calls of step under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(args.steps):
-            engine.step()
+            step()
         sync()
-    events = kernel_events(prof)
+    return kernel_events(prof)
+
+
+def profile_prefills(llm: LLM, args, generator: torch.Generator) -> None:
+    """--prefill: each step adds a request of args.prompt_len tokens and runs until its one new token."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+
+    def prefill() -> None:
+        prompt = torch.randint(100, 20000, (args.prompt_len,), generator=generator).tolist()
+        engine.add_request({"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished():
+            engine.step()
+
+    for _ in range(3):
+        prefill()
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        prefill()
+    sync()
+    wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    report(profiled(prefill, args), args, wall_ms)
+
+
+def report(events: list[tuple[float, float, str]], args, wall_ms: float) -> None:
+    """Prints the JSON (module docstring); writes the timeline."""
     kernels = kernel_table(events, args.steps)
     exposed, busy_us = exposed_table(events, args.steps)
     if args.timeline:
         write_timeline(events, args.steps, args.timeline, args.timeline_steps)
-    print(json.dumps({"model": args.model, "weights": args.weights, "batch": args.batch,
+    print(json.dumps({"model": args.model, "weights": args.weights, "batch": args.batch, "prefill": args.prefill,
                       "prompt_len": args.prompt_len, "steps": args.steps, "wall_ms_per_step": round(wall_ms, 3),
                       "kernel_us_per_step": round(sum(r["us_per_step"] for r in kernels), 1),
                       "kernel_launches_per_step": round(sum(r["calls_per_step"] for r in kernels), 1),
                       "busy_us_per_step": busy_us, "exposed": exposed[:args.top],
                       "kernels": kernels[:args.top]}, indent=1))
-    while engine.has_unfinished():
-        engine.step()
 
 
 if __name__ == "__main__":

@@ -35,12 +35,29 @@ INT4_GEMV_SHAPE_CONFIGS: dict = {
 # against 73.31 (the one-warp config before); qkv 6.03 and o_proj 4.18 capped at 168 registers, against 6.21 and
 # 4.32. W2 int4 with these and the prefill GEMM table below: 527.4 / 528.5 tok/s against 497.5 (calls 1-2).
 _CAPPED = {**_SIXTEEN_ROWS, "PREFETCH": 0, "maxnreg": 168}
-INT4_HALF2_M1_CONFIG = _SIXTEEN_ROWS
+_PERSISTENT = {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1}
+_TWO_WARPS = {"BLOCK_N": 8, "CHUNKS": 64, "num_warps": 2, "num_stages": 1, "SPLIT_K": 1}
+_FOUR_ROWS_EIGHT = {"BLOCK_N": 4, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1, "PERSISTENT": 8}
+# Per BLOCK_M with half2 products. M = 2 and 4 (a prefill graph's logit rows, small decode batches): the
+# twenty-eighth session's tune (decode_gemv_tune.py --rows 2|4 --int4-only, results/s28/call3_tune_m*.log, us for
+# qkv / o_proj / gate_up / down / lm_head). M = 4: the persistent kernel at 8 rows, 2 programs an SM, 11.13 / 8.52 /
+# 39.97 / 29.44 / 162.15 against INT4_GEMV_CONFIGS[4]'s 22.33 / 15.14 / 98.84 / 39.79 / 430.89 (W2's prefill graph
+# computes 4 logit rows: its lm_head took 443.6 us of the 8.27 ms first token, results/s28/call2_prefill_int4.json).
+# M = 2: 5 programs an SM, 8.85 / 7.51 / 28.62 / 17.77 / 112.31 against 9.04 / 6.66 / 35.01 / 18.22 / 150.39.
+INT4_HALF2_CONFIGS: dict = {1: _SIXTEEN_ROWS, 2: {**_PERSISTENT, "PERSISTENT": 5}, 4: {**_PERSISTENT, "PERSISTENT": 2}}
+INT4_HALF2_M1_CONFIG = INT4_HALF2_CONFIGS[1]
+# per (BLOCK_M, N, K) where the tunes found better than the above (M = 2 and 4: the twenty-eighth session's)
 INT4_HALF2_SHAPE_CONFIGS: dict = {
     (1, 6144, 4096): _CAPPED,
     (1, 4096, 4096): _CAPPED,
-    (1, 28672, 4096): {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1, "PERSISTENT": 4},
-    (1, 128256, 4096): {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1, "PERSISTENT": 5},
+    (1, 28672, 4096): {**_PERSISTENT, "PERSISTENT": 4},
+    (1, 128256, 4096): {**_PERSISTENT, "PERSISTENT": 5},
+    (2, 4096, 4096): {**_TWO_WARPS, "PERSISTENT": 8},  # 5.84 us
+    (2, 28672, 4096): _FOUR_ROWS_EIGHT,  # 27.27
+    (2, 4096, 14336): {**_TWO_WARPS, "PERSISTENT": 8},  # 15.44
+    (2, 128256, 4096): _FOUR_ROWS_EIGHT,  # 96.93
+    (4, 4096, 14336): _TWO_WARPS,  # 26.61
+    (4, 128256, 4096): _FOUR_ROWS_EIGHT,  # 159.35
 }
 
 
@@ -50,6 +67,6 @@ def int4_config(n: int, k: int, m: int = 1, half2: bool = False) -> dict:
     if block_m == 1 and (n, k) in tuned:
         return tuned[(n, k)]
     if half2:
-        default = INT4_HALF2_M1_CONFIG if block_m == 1 else INT4_GEMV_CONFIGS[min(block_m, 4)]
-        return INT4_HALF2_SHAPE_CONFIGS.get((block_m, n, k), default)
+        block_m = min(block_m, 4)
+        return INT4_HALF2_SHAPE_CONFIGS.get((block_m, n, k), INT4_HALF2_CONFIGS[block_m])
     return INT4_GEMV_SHAPE_CONFIGS.get((block_m, n, k), INT4_GEMV_CONFIGS[min(block_m, 4)])
