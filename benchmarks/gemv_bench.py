@@ -1,5 +1,6 @@
 """Matmul kernels on llama-3-8b shapes: cuBLAS bf16 against the Triton 16-bit GEMV and int8/int4/int6 kernels,
-then a sweep of GEMV configs at M=1 (prints the GEMV_CONFIGS to paste into kernels/triton/quant_matmul.py).
+then a sweep of GEMV configs at M=1 (prints the GEMV_CONFIGS to paste into kernels/triton/quant_matmul.py;
+`--sweep-rows 4` sweeps at 4 rows instead).
 
     PYTHONPATH=$PWD python3 benchmarks/gemv_bench.py [--output gemv.json] [--sweep-budget-s 240] [--no-sweep]
     TRITON_INTERPRET=1 python3 benchmarks/gemv_bench.py --smoke     (CPU: tiny shapes, checks the script runs)
@@ -181,14 +182,14 @@ def sweep(bits: int, budget_s: float, x: torch.Tensor) -> dict[str, list[dict[st
 
     def measure(shape: str, config: dict[str, int]) -> None:
         n, k = SHAPES[shape]
-        out = torch.empty(1, n, device=DEVICE, dtype=torch.bfloat16)
+        out = torch.empty(x.shape[0], n, device=DEVICE, dtype=torch.bfloat16)
         try:
             seconds = seconds_per_call(cycle(lambda w: qm.gemv(inputs[shape], w, out=out, config=config),
                                              weights[shape]))
         except Exception as e:  # a config that does not compile (registers, shared memory)
             results[shape].append({"config": config, "error": str(e)[:120]})
             return
-        results[shape].append({"config": config, **row(shape, 1, f"gemv_{bits}", seconds,
+        results[shape].append({"config": config, **row(shape, x.shape[0], f"gemv_{bits}", seconds,
                                                           weight_bytes(weights[shape][0]))})
 
     for config in candidate_configs(bits):
@@ -202,7 +203,7 @@ def sweep(bits: int, budget_s: float, x: torch.Tensor) -> dict[str, list[dict[st
             if time.time() < deadline + budget_s / 4:
                 measure(shape, {**entry["config"], "SPLIT_K": split})
         results[shape].sort(key=lambda r: r.get("us", float("inf")))
-    del weights
+    weights.clear()
     torch.cuda.empty_cache()
     return results
 
@@ -234,6 +235,9 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--sweep-budget-s", type=float, default=240.0, help="for all bit widths together")
     parser.add_argument("--sweep-bits", default="4,16,8")
+    parser.add_argument("--sweep-rows", type=int, default=1,
+                        help="activation rows of the sweep (at most GEMV_MAX_M; 4: a decode batch of 4). The suggested "
+                             "configs are for these rows; quant_matmul's GEMV_CONFIGS serve 1-4 rows alike")
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
     args = parser.parse_args()
     if args.smoke:
@@ -252,7 +256,9 @@ def main() -> None:
     save(report, args.output)
     if not args.no_sweep:
         bits_list = [int(b) for b in args.sweep_bits.split(",")]
-        x = torch.randn(1, max(k for _, k in SHAPES.values()), device=DEVICE).bfloat16()
+        if not 1 <= args.sweep_rows <= qm.GEMV_MAX_M:
+            parser.error(f"--sweep-rows must be 1..{qm.GEMV_MAX_M}")
+        x = torch.randn(args.sweep_rows, max(k for _, k in SHAPES.values()), device=DEVICE).bfloat16()
         report["sweep"], report["suggested_GEMV_CONFIGS"] = {}, {}
         for bits in bits_list:
             results = sweep(bits, args.sweep_budget_s / len(bits_list), x)
