@@ -368,7 +368,7 @@ def test_int4_gemv_norm_and_residual_add(n, k):
     _, prepared = _int4_prepared(n, k, seed=n)
     norm_weight = (torch.rand(k, device="cuda") + 0.5).bfloat16()
     for config in [None] + PERSISTENT_CONFIGS[:4]:
-        for rows in (1, 4):
+        for rows in (1, 2, 4):  # the defaults differ by rows (int4_configs.INT4_HALF2_CONFIGS)
             residual = (torch.randn(rows, k, device="cuda") * 4).bfloat16()
             plain = int4_gemv(rms_norm(residual, norm_weight, 1e-5), prepared, config=config)
             fused = int4_gemv(residual, prepared, config=config, norm=(norm_weight, 1e-5))
