@@ -58,6 +58,8 @@ class QuantEmbedding(QuantLinear):
     `project` is the quantized matmul, for a tied output projection.
     """
 
+    keeps_packed = True
+
     def __init__(self, num_embeddings: int, embedding_dim: int, fmt: WeightFormat) -> None:
         super().__init__(embedding_dim, num_embeddings, fmt)
         self.out_dtype = torch.get_default_dtype()

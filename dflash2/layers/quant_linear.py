@@ -18,6 +18,10 @@ from dflash2.quantization.formats import WeightFormat, dequantize
 
 
 class QuantLinear(nn.Module):
+    # whether the stored tensors stay after prepare even where the runtime does not need them (an embedding
+    # looks rows up in them)
+    keeps_packed = False
+
     def __init__(self, in_features: int, out_features: int, fmt: WeightFormat, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
@@ -32,6 +36,9 @@ class QuantLinear(nn.Module):
         return tuple(self.fmt.tensor_shapes(self.out_features, self.in_features))
 
     def packed(self) -> PackedWeight:
+        if getattr(self, "packed_released", False):
+            raise RuntimeError(f"{self.fmt.name} layer: its stored tensors were released after prepare (the "
+                               "runtime keeps its own copy: DFLASH2_INT4_ONE_COPY)")
         return PackedWeight(self.fmt, self.out_features, self.in_features,
                             {name: getattr(self, name) for name in self.tensor_names})
 
@@ -47,9 +54,16 @@ class QuantLinear(nn.Module):
         self.runtime = None
 
     def prepare(self, backend: Any, dtype: torch.dtype) -> None:
+        """The runtime form; where the runtime keeps a copy of its own (releases_packed), the stored tensors are
+        released (empty buffers; packed() then raises)."""
         self.runtime = backend.prepare(self.packed(), dtype)
         if self.gate_up and hasattr(self.runtime, "pair_gate_up"):
             self.runtime.pair_gate_up()
+        if getattr(self.runtime, "releases_packed", False) and not self.keeps_packed:
+            for name in self.tensor_names:
+                stored = getattr(self, name)
+                self.register_buffer(name, torch.empty(0, dtype=stored.dtype, device=stored.device))
+            self.packed_released = True
 
     @property
     def fuses_silu_out(self) -> bool:

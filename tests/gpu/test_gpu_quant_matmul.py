@@ -454,3 +454,53 @@ def test_int4_gemm_graph_replay_matches_eager(split_k):
     x = _activations(128, 14336, seed=split_k)
     config = {**DEFAULT_CONFIG, "SPLIT_K": split_k}
     _assert_graph_replays_as_eager(lambda out=None: int4_gemm(x, tensors, out=out, config=config))
+
+
+@pytest.mark.parametrize("n, k", LLAMA3_8B_INT4[:4])
+def test_int4_gemm_on_the_gemv_copy_is_the_stored_one(n, k):
+    """DFLASH2_INT4_ONE_COPY's GEMM: int4_gemm on the GEMV's half2 copy builds the same bf16 tiles as on the
+    stored words, so its outputs are the same bit for bit (default config and a split along K); on the paired
+    copy of gate_up too, in [gate | up] order."""
+    from dflash2.kernels.triton import quant_matmul as qm
+    from dflash2.kernels.triton.int4_gemm import int4_gemm, int4_gemm_config
+    from dflash2.kernels.triton.int4_gemv import pair_gate_up
+
+    weight = _packed(4, 128, n, k, seed=n + k)
+    tensors = qm.device_tensors(weight, torch.bfloat16)
+    copies = [tensors["int4"]] + ([pair_gate_up(tensors["int4"])] if n == 28672 else [])
+    for rows in (77, 128):
+        x = _activations(rows, k, seed=rows + n)
+        for config in (None, {**int4_gemm_config(n, k, rows), "SPLIT_K": 2}):
+            stored = int4_gemm(x, tensors, config=config)
+            for copy in copies:
+                assert torch.equal(int4_gemm(x, copy, config=config), stored), (rows, config, copy.get("paired"))
+
+
+def test_int4_engine_one_copy_gives_the_same_tokens(tmp_path, monkeypatch):
+    """The tiny llama converted to int4 (group 32), served in bf16 with DFLASH2_INT4_ONE_COPY and without: the
+    stored tensors released, the same greedy tokens (prefills on int4_gemm over the GEMV's copy, CUDA graphs)."""
+    import dflash2.layers.quant_linear as quant_linear
+    from dflash2 import LLM, SamplingParams
+    from dflash2.cli.main import main as dflash2_main
+    from dflash2.kernels.triton import quant_matmul as qm
+    from tests.tiny_models import build_tiny_model
+
+    source, out = str(tmp_path / "source"), str(tmp_path / "int4")
+    build_tiny_model("llama", source)
+    assert dflash2_main(["convert", "--model-path", source, "--output-path", out, "--dtype", "int4",
+                         "--group-size", "32", "--no-progress"]) == 0
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(20, 60))] for _ in range(6)]
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    runs = {}
+    for one_copy in (False, True):
+        monkeypatch.setattr(qm, "INT4_ONE_COPY", one_copy)
+        llm = LLM(out, device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=128, kv_cache_memory="64MiB",
+                  page_bytes=4096)
+        layer = llm.engine.model.module.layers[0].mlp.gate_up_proj
+        assert isinstance(layer, quant_linear.QuantLinear)
+        assert layer.runtime.releases_packed == one_copy and (layer.qweight.numel() == 0) == one_copy
+        runs[one_copy] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                      params)]
+        del llm
+    assert runs[True] == runs[False]

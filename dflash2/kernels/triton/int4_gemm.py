@@ -108,6 +108,27 @@ def _code_floats(w, ASM: tl.constexpr):
 
 
 @triton.jit
+def _group_values(words, s, z, ASM: tl.constexpr):
+    """The 8 codes of every word [BLOCK_N, T, W] dequantized with their group's scale and zero [BLOCK_N, T]:
+    (q - z) s for code i at bits 4i of each word, as 8 float32 tensors (i = 0..7)."""
+    s16, c_even, c_odd = (16.0 * s)[:, :, None], (-(16.0 + z) * s)[:, :, None], (-(256.0 + z) * s)[:, :, None]
+    f0, f1, f2, f3, f4, f5, f6, f7 = _code_floats(words, ASM)
+    return (f0 * s16 + c_even, f1 * s16 + c_odd, f2 * s16 + c_even, f3 * s16 + c_odd, f4 * s16 + c_even,
+            f5 * s16 + c_odd, f6 * s16 + c_even, f7 * s16 + c_odd)
+
+
+@triton.jit
+def _tile_words(w_ptr, rows64, stride_wn, k0, g_ok, GS: tl.constexpr, T: tl.constexpr, EVEN_K: tl.constexpr):
+    """The int32 words [BLOCK_N, T, GS / 8] of T groups from column k0 (groups where g_ok is false: zeros)."""
+    t = tl.arange(0, T)
+    j = tl.arange(0, GS // 8)
+    word_ptrs = w_ptr + rows64[:, None, None] * stride_wn + (k0 // 8 + t[None, :, None] * (GS // 8) + j[None, None, :])
+    if EVEN_K:
+        return tl.load(word_ptrs)
+    return tl.load(word_ptrs, mask=g_ok[:, :, None], other=0)
+
+
+@triton.jit
 def _dequantized_tile(w_ptr, s_ptr, z_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS: tl.constexpr,
                       T: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """The weight tile [BLOCK_N, T * GS] from column k0 as float32 (groups past k_end are zeros; EVEN_K: there
@@ -121,16 +142,8 @@ def _dequantized_tile(w_ptr, s_ptr, z_ptr, rows64, stride_wn, stride_sn, k0, k_e
     else:
         s = tl.load(s_ptr + g_offs, mask=g_ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g_offs, mask=g_ok, other=0.0).to(tl.float32)
-    s16, c_even, c_odd = (16.0 * s)[:, :, None], (-(16.0 + z) * s)[:, :, None], (-(256.0 + z) * s)[:, :, None]
-    j = tl.arange(0, GS // 8)
-    word_ptrs = w_ptr + rows64[:, None, None] * stride_wn + (k0 // 8 + t[None, :, None] * (GS // 8) + j[None, None, :])
-    if EVEN_K:
-        words = tl.load(word_ptrs)  # [BLOCK_N, T, GS / 8]
-    else:
-        words = tl.load(word_ptrs, mask=g_ok[:, :, None], other=0)
-    f0, f1, f2, f3, f4, f5, f6, f7 = _code_floats(words, ASM)
-    v0, v1, v2, v3 = f0 * s16 + c_even, f1 * s16 + c_odd, f2 * s16 + c_even, f3 * s16 + c_odd
-    v4, v5, v6, v7 = f4 * s16 + c_even, f5 * s16 + c_odd, f6 * s16 + c_even, f7 * s16 + c_odd
+    words = _tile_words(w_ptr, rows64, stride_wn, k0, g_ok, GS, T, EVEN_K)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _group_values(words, s, z, ASM)
     # code i of word j -> column 8 j + i (each join adds a trailing axis: the outermost picks bit 0 of i)
     even = tl.join(tl.join(v0, v4), tl.join(v2, v6))
     odd = tl.join(tl.join(v1, v5), tl.join(v3, v7))
@@ -138,14 +151,39 @@ def _dequantized_tile(w_ptr, s_ptr, z_ptr, rows64, stride_wn, stride_sn, k0, k_e
 
 
 @triton.jit
+def _repacked_tile(w_ptr, sz_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS: tl.constexpr, T: tl.constexpr,
+                   BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """The same tile from the int4 GEMV's half2 copy (int4_math.HALF2_SLOT_BITS): word j of a 32-column chunk
+    holds columns 4 p + j, slot p at nibble (0, 4, 1, 5, 2, 6, 3, 7)[p], and each group's scale and zero are one
+    int32 (`sz`: the fp16 scale in the low half)."""
+    t = tl.arange(0, T)
+    g_ok = (k0 + t * GS < k_end)[None, :]
+    g_offs = rows64[:, None] * stride_sn + k0 // GS + t[None, :]
+    if EVEN_K:
+        sz = tl.load(sz_ptr + g_offs)
+    else:
+        sz = tl.load(sz_ptr + g_offs, mask=g_ok, other=0)
+    s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    words = _tile_words(w_ptr, rows64, stride_wn, k0, g_ok, GS, T, EVEN_K)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _group_values(words, s, z, ASM)
+    # nibble i = slot p: [.., word, p] with p's bits from the joins (outermost: bit 0), then the chunk's words
+    # (j) and slots swapped, so that column 4 p + j of each chunk comes out in order
+    slots = tl.join(tl.join(tl.join(v0, v2), tl.join(v1, v3)), tl.join(tl.join(v4, v6), tl.join(v5, v7)))
+    slots = slots.reshape(BLOCK_N, T, GS // 32, 4, 8)
+    return tl.permute(slots, (0, 1, 2, 4, 3)).reshape(BLOCK_N, T * GS)
+
+
+@triton.jit
 def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                       stride_xm, stride_wn, stride_sn, stride_om,
                       GS: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
-                      USE_PDL: tl.constexpr):
+                      USE_PDL: tl.constexpr, REPACKED: tl.constexpr = False, PAIRED: tl.constexpr = False):
     """out[m, n] = sum_k x[m, k] W[n, k]; a program owns BLOCK_N weight rows x BLOCK_M activation rows (the
     activation row blocks of one weight block are neighbours in the grid, so they share its tiles in L2) and
-    one of SPLIT_K slices of K."""
+    one of SPLIT_K slices of K. REPACKED: the words are the int4 GEMV's half2 copy and s_ptr its scale/zero
+    pairs (z_ptr unused); PAIRED: its rows are interleaved (gate i, up i), stored back in [gate | up] order."""
     pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -155,8 +193,11 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
     k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(k_start, k_end, T * GS):
-        w = _dequantized_tile(w_ptr, s_ptr, z_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS, T, BLOCK_N, EVEN_K,
-                              ASM)
+        if REPACKED:
+            w = _repacked_tile(w_ptr, s_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS, T, BLOCK_N, EVEN_K, ASM)
+        else:
+            w = _dequantized_tile(w_ptr, s_ptr, z_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS, T, BLOCK_N,
+                                  EVEN_K, ASM)
         cols = k0 + tl.arange(0, T * GS)
         x_ptrs = x_ptr + m64[None, :] * stride_xm + cols[:, None]  # [T * GS, BLOCK_M]; rows past M clamped to 0
         if EVEN_K:
@@ -167,12 +208,15 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
             acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w.to(x_ptr.dtype.element_ty), xt, acc)
+    if PAIRED:  # row 2 i is gate i, row 2 i + 1 up i; rows past N stay past it (masked)
+        rows = tl.where(rows < N, rows // 2 + (rows % 2) * (N // 2), N)
     _store_or_reduce(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om, pid, pid_k, SPLIT_K)
 
 
 def int4_gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None,
               config: dict[str, int] | None = None) -> torch.Tensor:
-    """y = x @ W^T for an int4 weight as quant_matmul.device_tensors holds it (its int32 `words`)."""
+    """y = x @ W^T for an int4 weight as quant_matmul.device_tensors holds it (its int32 `words`), or as the int4
+    GEMV's half2 copy (int4_gemv.prepare_int4, paired or not: int4_gemm_fits_repacked)."""
     x, out = prepare_io(x, weight, out, False)
     m, n = out.shape
     if m == 0:
@@ -193,13 +237,15 @@ def int4_gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None 
     split_k = max(1, min(split_k, k_tiles // 4 if "SPLIT_K" not in config else k_tiles))  # >= 4 tiles a slice
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = split_counters(x.device, grid_mn) if split_k > 1 else out
-    scales, zeros = weight["scales"], weight["zeros"]
+    repacked = "sz" in weight
+    scales, zeros = (weight["sz"], weight["sz"]) if repacked else (weight["scales"], weight["zeros"])
     ieee = x.dtype == torch.float32 or not INLINE_ASM  # the interpreter's tl.dot gets bfloat16 wrong
     _int4_gemm_kernel[(grid_mn, split_k)](
         x, words, scales, zeros, out, ws, counters, m, n, k, x.stride(0), words.stride(0), scales.stride(0),
         out.stride(0), GS=gs, T=t, BLOCK_N=config["BLOCK_N"], BLOCK_M=block_m, SPLIT_K=split_k,
         EVEN_K=k % (gs * t) == 0, IEEE=ieee,
-        ASM=INLINE_ASM, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        ASM=INLINE_ASM, REPACKED=repacked, PAIRED=repacked and weight.get("paired", False),
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}), **pdl_args())
     return out
 
@@ -208,3 +254,9 @@ def int4_gemm_fits(weight: dict[str, Any]) -> bool:
     """Whether int4_gemm takes this weight: int4 codes readable as int32 words, group-wise scales."""
     return (ENABLED and weight["bits"] == 4 and weight.get("words") is not None and weight.get("group_size")
             is not None and weight["group_size"] % 8 == 0 and weight["scales"].dim() == 2)
+
+
+def int4_gemm_fits_repacked(int4: dict[str, Any]) -> bool:
+    """Whether int4_gemm reads this int4 GEMV copy (prepare_int4's): the half2 layout, whose codes sit in whole
+    nibbles (not the float32 or half2-sum ones)."""
+    return ENABLED and int4.get("half2", False) and not int4.get("one_plus", False) and int4["group_size"] % 32 == 0

@@ -36,7 +36,7 @@ import triton.language as tl
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
 from dflash2.kernels.triton.gemv_parts import (_activation, _block_indices, _k_range, _store_or_reduce, prepare_io,
                                                 shape_configs, split_counters)
-from dflash2.kernels.triton.int4_gemm import int4_gemm, int4_gemm_fits
+from dflash2.kernels.triton.int4_gemm import int4_gemm, int4_gemm_fits, int4_gemm_fits_repacked
 from dflash2.kernels.triton.int4_gemv import FUSE_NORM, HALF2, int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 from dflash2.quantization.formats import WeightFormat, unpack_int6
@@ -75,6 +75,10 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # _gemv_kernel (and skips the repacked copy); =float keeps the repacked kernel's float32 products instead of its
 # default packed fp16 ones (int4_gemv.HALF2); =half2-sum takes those without the bias fix (int4_gemv.ONE_PLUS).
 INT4_REPACKED = os.environ.get("DFLASH2_INT4_GEMV", "half2") != "legacy"
+# DFLASH2_INT4_ONE_COPY=1: an int4 weight keeps only the GEMV's half2 copy on the device; the prefill GEMM reads it
+# too (int4_gemm's REPACKED) and the stored tensors are released after prepare (QuantLinear.prepare), so int4
+# weights take 0.5 bytes a weight at run time instead of 1. Off until measured on the GPU (prefill speed).
+INT4_ONE_COPY = os.environ.get("DFLASH2_INT4_ONE_COPY", "0") != "0"
 
 
 def gemv_config(bits: int, n: int, k: int) -> dict[str, int]:
@@ -348,6 +352,13 @@ class TritonWeight:
             large = "Triton int4 GEMM (register-operand wgmma)"
         if "int4" in weight:
             small = "Triton int4 GEMV (repacked words)"
+        # one copy (INT4_ONE_COPY): the GEMM reads the GEMV's words; the stored tensors are dropped here and
+        # released by the layer (releases_packed)
+        self.releases_packed = INT4_ONE_COPY and "int4" in weight and int4_gemm_fits_repacked(weight["int4"])
+        if self.releases_packed:
+            large = "Triton int4 GEMM (register-operand wgmma) on the GEMV's words, one copy"
+            for name in ("w", "words", "scales", "zeros"):
+                weight.pop(name, None)
         self.kernel = f"{small} for <= {GEMV_MAX_M} rows, {large} above ({fmt.name})"
         # [gate | up] input: fused into the 16-bit GEMV, where spare instructions hide behind the bytes;
         # at 8 and 4 bits recomputing silu in every row block costs more than the separate kernel
@@ -393,6 +404,12 @@ class TritonWeight:
             if "int4" in self.weight:
                 return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul)
             return gemv(x, self.weight, silu_mul=silu_mul)
+        if self.releases_packed:  # a paired gate_up's outputs come back in [gate | up] order
+            if silu_mul:
+                from dflash2.kernels.triton.elementwise import silu_and_mul
+
+                x = silu_and_mul(x)
+            return int4_gemm(x, self.weight["int4"])
         if self.fmt.bits != 16:
             return gemm(x, self.weight, silu_mul=silu_mul)
         if silu_mul:
