@@ -48,6 +48,9 @@ def streamed_weight_bytes(llm: LLM) -> int:
     for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
         if not name.startswith("embed_tokens") and not name.startswith("rotary"):
             total += tensor.numel() * tensor.element_size()
+    for layer in module.modules():  # layers whose stored tensors were released (DFLASH2_INT4_ONE_COPY) stream
+        if getattr(layer, "packed_released", False):  # their runtime's copy, the same bytes
+            total += layer.fmt.storage_bytes(layer.out_features, layer.in_features)
     if getattr(module, "lm_head", None) is None:  # tied: the head streams the embedding
         total += sum(t.numel() * t.element_size() for t in module.embed_tokens.state_dict().values())
     return total
@@ -133,6 +136,7 @@ def main() -> None:
               "decode_tok_s": round((best["tokens"] - 1) / decode_s, 1),
               "ttft_ms": round(best["ttft_s"] * 1e3, 2), "roofline_tok_s": round(ceiling, 1),
               "fraction_of_roofline": round(tok_s / ceiling, 3),
+              "kv_pool_gib": round(llm.engine.runner.pool_bytes.numel() / 2**30, 2),
               "cuda_graphs": llm.engine.runner.graphs is not None, "overlap": llm.engine.overlap,
               "cuda_graph_max_prefill_tokens": args.cuda_graph_max_prefill_tokens,
               "blas": str(torch.backends.cuda.preferred_blas_library()),

@@ -159,10 +159,27 @@ def engine_int4_reports() -> None:
                elements_per_iteration=config["BLOCK_N"] * config["CHUNKS"] * 32, values=values, **options)
 
 
+def int4_gemm_reports() -> None:
+    """The int4 prefill GEMM at its default tile (64 weight rows x 128 activation rows x 128 columns, 3 stages) on
+    the stored words and on the int4 GEMV's half2 copy (REPACKED: DFLASH2_INT4_ONE_COPY; PAIRED: a gate_up)."""
+    from dflash2.kernels.triton import int4_gemm
+
+    for repacked, paired in ((False, False), (True, False), (True, True)):
+        scales = "*i32" if repacked else "*fp16"
+        types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": scales, "z_ptr": scales, "out_ptr": "*bf16",
+                 "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+        constants = {"GS": 128, "T": 1, "BLOCK_N": 64, "BLOCK_M": 128, "SPLIT_K": 1, "EVEN_K": True, "IEEE": False,
+                     "ASM": True, "REPACKED": repacked, "PAIRED": paired}
+        report(f"int4 GEMM 64 x 128 x 128, {'the GEMV copy' if repacked else 'stored words'}"
+               f"{', paired' if paired else ''} (per weight of a 128-row block)", int4_gemm._int4_gemm_kernel, types,
+               constants, elements_per_iteration=64 * 128, num_warps=4, num_stages=3)
+
+
 def main() -> None:
     if "--gemv-only" not in sys.argv:
         decode_reports()
     engine_int4_reports()
+    int4_gemm_reports()
     gemv_types = {"x_ptr": "*bf16", "hi_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16",
                   "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     for bits, weight, block_n, gs, t, words in ((16, "*bf16", 8, 512, 1, False), (8, "*i32", 8, 512, 1, True),
