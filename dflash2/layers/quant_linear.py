@@ -30,13 +30,14 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.runtime: RuntimeWeight | None = None
         self.gate_up = False  # rows [gate | up]: forward(silu_out=True) may fuse silu(gate) * up (see prepare)
+        self.packed_released = False  # the stored tensors were released after prepare (the runtime has its own)
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
         return tuple(self.fmt.tensor_shapes(self.out_features, self.in_features))
 
     def packed(self) -> PackedWeight:
-        if getattr(self, "packed_released", False):
+        if self.packed_released:
             raise RuntimeError(f"{self.fmt.name} layer: its stored tensors were released after prepare (the "
                                "runtime keeps its own copy: DFLASH2_INT4_ONE_COPY)")
         return PackedWeight(self.fmt, self.out_features, self.in_features,

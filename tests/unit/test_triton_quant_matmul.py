@@ -452,7 +452,7 @@ def test_tuned_int4_configs_round_trip(tmp_path, monkeypatch):
         assert ig.int4_config(6144, 4096, 1, half2=True) == fast
         assert ig.int4_config(28672, 4096, 1) == slow
         assert ig.int4_config(6144, 4096, 4, half2=True) == ic.INT4_HALF2_CONFIGS[4]
-        assert ig.int4_config(4096, 14336, 1, half2=True) == ic.INT4_HALF2_M1_CONFIG
+        assert ig.int4_config(4096, 14336, 1, half2=True) == ic.INT4_HALF2_CONFIGS[1]
     finally:
         monkeypatch.delenv("DFLASH2_INT4_CONFIGS")
         shape_configs.cache_clear()

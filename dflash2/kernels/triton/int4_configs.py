@@ -45,7 +45,6 @@ _FOUR_ROWS_EIGHT = {"BLOCK_N": 4, "CHUNKS": 128, "num_warps": 4, "num_stages": 1
 # computes 4 logit rows: its lm_head took 443.6 us of the 8.27 ms first token, results/s28/call2_prefill_int4.json).
 # M = 2: 5 programs an SM, 8.85 / 7.51 / 28.62 / 17.77 / 112.31 against 9.04 / 6.66 / 35.01 / 18.22 / 150.39.
 INT4_HALF2_CONFIGS: dict = {1: _SIXTEEN_ROWS, 2: {**_PERSISTENT, "PERSISTENT": 5}, 4: {**_PERSISTENT, "PERSISTENT": 2}}
-INT4_HALF2_M1_CONFIG = INT4_HALF2_CONFIGS[1]
 # per (BLOCK_M, N, K) where the tunes found better than the above (M = 2 and 4: the twenty-eighth session's)
 INT4_HALF2_SHAPE_CONFIGS: dict = {
     (1, 6144, 4096): _CAPPED,

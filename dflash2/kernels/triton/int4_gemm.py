@@ -108,70 +108,46 @@ def _code_floats(w, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_values(words, s, z, ASM: tl.constexpr):
-    """The 8 codes of every word [BLOCK_N, T, W] dequantized with their group's scale and zero [BLOCK_N, T]:
-    (q - z) s for code i at bits 4i of each word, as 8 float32 tensors (i = 0..7)."""
-    s16, c_even, c_odd = (16.0 * s)[:, :, None], (-(16.0 + z) * s)[:, :, None], (-(256.0 + z) * s)[:, :, None]
-    f0, f1, f2, f3, f4, f5, f6, f7 = _code_floats(words, ASM)
-    return (f0 * s16 + c_even, f1 * s16 + c_odd, f2 * s16 + c_even, f3 * s16 + c_odd, f4 * s16 + c_even,
-            f5 * s16 + c_odd, f6 * s16 + c_even, f7 * s16 + c_odd)
-
-
-@triton.jit
-def _tile_words(w_ptr, rows64, stride_wn, k0, g_ok, GS: tl.constexpr, T: tl.constexpr, EVEN_K: tl.constexpr):
-    """The int32 words [BLOCK_N, T, GS / 8] of T groups from column k0 (groups where g_ok is false: zeros)."""
-    t = tl.arange(0, T)
-    j = tl.arange(0, GS // 8)
-    word_ptrs = w_ptr + rows64[:, None, None] * stride_wn + (k0 // 8 + t[None, :, None] * (GS // 8) + j[None, None, :])
-    if EVEN_K:
-        return tl.load(word_ptrs)
-    return tl.load(word_ptrs, mask=g_ok[:, :, None], other=0)
-
-
-@triton.jit
 def _dequantized_tile(w_ptr, s_ptr, z_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS: tl.constexpr,
-                      T: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+                      T: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                      REPACKED: tl.constexpr):
     """The weight tile [BLOCK_N, T * GS] from column k0 as float32 (groups past k_end are zeros; EVEN_K: there
-    are none). Rows past N were clamped to row 0 (rows64): their loads need no mask."""
+    are none). Rows past N were clamped to row 0 (rows64): their loads need no mask. REPACKED: the words are the
+    int4 GEMV's half2 copy (int4_math.HALF2_SLOT_BITS: word j of a 32-column chunk holds columns 4 p + j, slot p
+    at nibble (0, 4, 1, 5, 2, 6, 3, 7)[p]) and s_ptr its int32 scale/zero pairs (the fp16 scale in the low half)."""
     t = tl.arange(0, T)
     g_ok = (k0 + t * GS < k_end)[None, :]  # [1, T]: loads broadcast it
     g_offs = rows64[:, None] * stride_sn + k0 // GS + t[None, :]
-    if EVEN_K:
+    if REPACKED:
+        sz = tl.load(s_ptr + g_offs) if EVEN_K else tl.load(s_ptr + g_offs, mask=g_ok, other=0)
+        s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    elif EVEN_K:
         s = tl.load(s_ptr + g_offs).to(tl.float32)
         z = tl.load(z_ptr + g_offs).to(tl.float32)
     else:
         s = tl.load(s_ptr + g_offs, mask=g_ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g_offs, mask=g_ok, other=0.0).to(tl.float32)
-    words = _tile_words(w_ptr, rows64, stride_wn, k0, g_ok, GS, T, EVEN_K)
-    v0, v1, v2, v3, v4, v5, v6, v7 = _group_values(words, s, z, ASM)
+    s16, c_even, c_odd = (16.0 * s)[:, :, None], (-(16.0 + z) * s)[:, :, None], (-(256.0 + z) * s)[:, :, None]
+    j = tl.arange(0, GS // 8)
+    word_ptrs = w_ptr + rows64[:, None, None] * stride_wn + (k0 // 8 + t[None, :, None] * (GS // 8) + j[None, None, :])
+    if EVEN_K:
+        words = tl.load(word_ptrs)  # [BLOCK_N, T, GS / 8]
+    else:
+        words = tl.load(word_ptrs, mask=g_ok[:, :, None], other=0)
+    f0, f1, f2, f3, f4, f5, f6, f7 = _code_floats(words, ASM)
+    v0, v1, v2, v3 = f0 * s16 + c_even, f1 * s16 + c_odd, f2 * s16 + c_even, f3 * s16 + c_odd
+    v4, v5, v6, v7 = f4 * s16 + c_even, f5 * s16 + c_odd, f6 * s16 + c_even, f7 * s16 + c_odd
+    if REPACKED:
+        # nibble i = slot p: [.., word, p] with p's bits from the joins (outermost: bit 0), then the chunk's
+        # words (j) and slots swapped, so that column 4 p + j of each chunk comes out in order
+        slots = tl.join(tl.join(tl.join(v0, v2), tl.join(v1, v3)), tl.join(tl.join(v4, v6), tl.join(v5, v7)))
+        slots = slots.reshape(BLOCK_N, T, GS // 32, 4, 8)
+        return tl.permute(slots, (0, 1, 2, 4, 3)).reshape(BLOCK_N, T * GS)
     # code i of word j -> column 8 j + i (each join adds a trailing axis: the outermost picks bit 0 of i)
     even = tl.join(tl.join(v0, v4), tl.join(v2, v6))
     odd = tl.join(tl.join(v1, v5), tl.join(v3, v7))
     return tl.join(even, odd).reshape(BLOCK_N, T * GS)
-
-
-@triton.jit
-def _repacked_tile(w_ptr, sz_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS: tl.constexpr, T: tl.constexpr,
-                   BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
-    """The same tile from the int4 GEMV's half2 copy (int4_math.HALF2_SLOT_BITS): word j of a 32-column chunk
-    holds columns 4 p + j, slot p at nibble (0, 4, 1, 5, 2, 6, 3, 7)[p], and each group's scale and zero are one
-    int32 (`sz`: the fp16 scale in the low half)."""
-    t = tl.arange(0, T)
-    g_ok = (k0 + t * GS < k_end)[None, :]
-    g_offs = rows64[:, None] * stride_sn + k0 // GS + t[None, :]
-    if EVEN_K:
-        sz = tl.load(sz_ptr + g_offs)
-    else:
-        sz = tl.load(sz_ptr + g_offs, mask=g_ok, other=0)
-    s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    words = _tile_words(w_ptr, rows64, stride_wn, k0, g_ok, GS, T, EVEN_K)
-    v0, v1, v2, v3, v4, v5, v6, v7 = _group_values(words, s, z, ASM)
-    # nibble i = slot p: [.., word, p] with p's bits from the joins (outermost: bit 0), then the chunk's words
-    # (j) and slots swapped, so that column 4 p + j of each chunk comes out in order
-    slots = tl.join(tl.join(tl.join(v0, v2), tl.join(v1, v3)), tl.join(tl.join(v4, v6), tl.join(v5, v7)))
-    slots = slots.reshape(BLOCK_N, T, GS // 32, 4, 8)
-    return tl.permute(slots, (0, 1, 2, 4, 3)).reshape(BLOCK_N, T * GS)
 
 
 @triton.jit
@@ -193,11 +169,8 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
     k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(k_start, k_end, T * GS):
-        if REPACKED:
-            w = _repacked_tile(w_ptr, s_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS, T, BLOCK_N, EVEN_K, ASM)
-        else:
-            w = _dequantized_tile(w_ptr, s_ptr, z_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS, T, BLOCK_N,
-                                  EVEN_K, ASM)
+        w = _dequantized_tile(w_ptr, s_ptr, z_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS, T, BLOCK_N,
+                              EVEN_K, ASM, REPACKED)
         cols = k0 + tl.arange(0, T * GS)
         x_ptrs = x_ptr + m64[None, :] * stride_xm + cols[:, None]  # [T * GS, BLOCK_M]; rows past M clamped to 0
         if EVEN_K:

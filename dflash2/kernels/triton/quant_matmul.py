@@ -404,18 +404,14 @@ class TritonWeight:
             if "int4" in self.weight:
                 return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul)
             return gemv(x, self.weight, silu_mul=silu_mul)
-        if self.releases_packed:  # a paired gate_up's outputs come back in [gate | up] order
-            if silu_mul:
-                from dflash2.kernels.triton.elementwise import silu_and_mul
-
-                x = silu_and_mul(x)
-            return int4_gemm(x, self.weight["int4"])
-        if self.fmt.bits != 16:
+        if self.fmt.bits != 16 and not self.releases_packed:
             return gemm(x, self.weight, silu_mul=silu_mul)
         if silu_mul:
             from dflash2.kernels.triton.elementwise import silu_and_mul
 
             x = silu_and_mul(x)
+        if self.releases_packed:  # a paired gate_up's outputs come back in [gate | up] order
+            return int4_gemm(x, self.weight["int4"])
         return F.linear(x, self.weight["w"])
 
 
