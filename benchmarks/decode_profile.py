@@ -60,15 +60,20 @@ def main() -> None:
         engine.add_request({"prompt_token_ids": prompt}, params)
     for _ in range(args.steps):  # prefill, then decode steps (graphs captured and warm)
         engine.step()
-    sync()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    sync()
-    wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    wall_ms = wall_ms_per_step(engine.step, args.steps)
     report(profiled(engine.step, args), args, wall_ms)
     while engine.has_unfinished():
         engine.step()
+
+
+def wall_ms_per_step(step, steps: int) -> float:
+    """Milliseconds of wall time per call of step, over `steps` calls (the device synchronized around them)."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - start) * 1e3 / steps
 
 
 def profiled(step, args) -> list[tuple[float, float, str]]:
@@ -96,12 +101,7 @@ def profile_prefills(llm: LLM, args, generator: torch.Generator) -> None:
 
     for _ in range(3):
         prefill()
-    sync()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        prefill()
-    sync()
-    wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    wall_ms = wall_ms_per_step(prefill, args.steps)
     report(profiled(prefill, args), args, wall_ms)
 
 
