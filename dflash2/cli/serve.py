@@ -63,6 +63,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                   "this many tokens a step (keeps its steps short; -1: no cap)")
     add_flag(parser, "--outranked-decodes-wait", action="store_true",
              help="... and the decodes it outranks skip the steps that run its prompt (shorter urgent steps)")
+    add_flag(parser, "--express-lane", action=argparse.BooleanOptionalAction, default=None,
+             help="run an urgent prompt (one that outranks a running request) on a CUDA stream of its own, beside "
+                  "the steps in flight (default: on where steps overlap and replay CUDA graphs, i.e. on the GPU)")
+    add_flag(parser, "--express-max-tokens", type=int, default=None,
+             help="the longest prompt the express lane takes, in tokens (default: --prefill-chunk-size)")
+    add_flag(parser, "--express-reserve-tokens", type=int, default=None,
+             help="KV pages, in tokens, kept free for the express lane even when the pool runs full "
+                  "(default: --express-max-tokens)")
     add_flag(parser, "--low-priority-values-first", action="store_true",
              help="vLLM's convention: a smaller priority value is more urgent")
     add_flag(parser, "--max-queue-len", type=int, default=None,
@@ -131,6 +139,12 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                   max_outranked_prefill_tokens=None if cap == -1 else cap,
                   outranked_decodes_wait=args.outranked_decodes_wait,
                   low_priority_values_first=args.low_priority_values_first)
+    for flag, value, least in (("--express-max-tokens", args.express_max_tokens, 1),
+                               ("--express-reserve-tokens", args.express_reserve_tokens, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    kwargs.update(express_lane=args.express_lane, express_max_tokens=args.express_max_tokens,
+                  express_reserve_tokens=args.express_reserve_tokens)
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     kwargs["stream_interval"] = args.stream_interval

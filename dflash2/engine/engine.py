@@ -11,6 +11,10 @@ Overlapped (the default on GPU): step N+1 is planned and launched before step N 
     host:    plan N+1 | launch N+1 | collect+commit N | plan N+2 | launch N+2 | collect+commit N+1 ...
     device:  ...... step N ......  | ............ step N+1 ...........| ......... step N+2 ....
 
+The express lane (engine/express.py): at the start of a call, the head of the line, if it outranks a running
+request, may run its whole prompt on a stream of its own beside step N+1 (in flight); the call then plans and
+launches N+2 as usual, waits for the lane, commits that first token, and commits N+1.
+
 A step that samples the first token of a request that outranks a running request, and that no request in the
 step outranks, is committed in the same call, right after its launch, so that token is not held back for the
 next step's launch (the next step then starts from an idle device; same-priority batches never take this path,
@@ -34,6 +38,7 @@ import torch
 
 from dflash2.config import CacheConfig, SchedulerConfig
 from dflash2.engine.detokenizer import IncrementalDetokenizer
+from dflash2.engine.express import ExpressLane
 from dflash2.engine.kv.layout import KVLayout, resolve_kv_dtype
 from dflash2.engine.kv.host_pool import HostPagePool
 from dflash2.engine.kv.manager import KVManager
@@ -76,6 +81,13 @@ class EngineConfig:
     # a streamed request's output comes every this many tokens (its first and last at once): fewer outputs
     # to build and to write under load (vLLM's --stream-interval)
     stream_interval: int = 1
+    # the express lane (engine/express.py): an urgent prompt of up to express_max_tokens tokens runs beside the
+    # main steps; None: on where steps overlap and replay CUDA graphs (the GPU), off elsewhere
+    express_lane: bool | None = None
+    express_max_tokens: int | None = None  # None: prefill_chunk_size
+    # pages kept free for the lane (never handed to the main steps), in tokens; None: express_max_tokens.
+    # Capped so that one request of max_model_len still fits the rest of the pool
+    express_reserve_tokens: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -84,6 +96,10 @@ class EngineConfig:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.overlap_max_step_tokens is not None and self.overlap_max_step_tokens < 1:
             raise ValueError(f"overlap_max_step_tokens must be >= 1, got {self.overlap_max_step_tokens}")
+        if self.express_max_tokens is not None and self.express_max_tokens < 1:
+            raise ValueError(f"express_max_tokens must be >= 1, got {self.express_max_tokens}")
+        if self.express_reserve_tokens is not None and self.express_reserve_tokens < 0:
+            raise ValueError(f"express_reserve_tokens must be >= 0, got {self.express_reserve_tokens}")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -125,6 +141,7 @@ class Engine:
             self.runner.capture_graphs(graph_batch_sizes(sched.max_num_seqs),
                                        mixed_graph_shapes(sched.max_num_seqs, self._graph_prefill_tokens()))
         self.overlap = config.overlap if config.overlap is not None else device.type == "cuda"
+        self.express = self._express_lane(device)
         self.trace = StepTrace.from_env(device)  # one JSON line a step, if DFLASH2_STEP_TRACE names a file
         self._in_flight: tuple[StepPlan, PendingStep] | None = None
         self.requests: dict[str, Request] = {}
@@ -176,12 +193,16 @@ class Engine:
         if self._in_flight is not None and self._commit_alone(self._in_flight[0]):
             self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
             return self._finish_in_flight()
+        outputs: list[RequestOutput] = []
+        self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
+        express = self._launch_express()
+        if express is not None and not self.overlap:  # nothing to run beside it: its token goes out first
+            outputs += self._finish_express(*express)
+            express = None
         started = time.perf_counter()
         plan = self.scheduler.plan()
         planned = time.perf_counter()
         self.last_plan_seconds = planned - started
-        self.last_launch_seconds = self.last_finish_seconds = 0.0
-        outputs: list[RequestOutput] = []
         if plan and self._in_flight is not None and self._needs_token_values(plan):
             outputs += self._finish_in_flight()  # penalties read the real tokens, not placeholders
         launched = None
@@ -192,14 +213,18 @@ class Engine:
             urgent_first_token = self._urgent_first_token(lowest, top, first_token_top)
             trace = self.trace.begin(plan, top, first_token_top, self.last_plan_seconds) if self.trace else None
             launch_started = time.perf_counter()
+            self.pool.launches += 1
             pending = self.runner.launch(plan, self.requests)
+            pending.number = self.pool.launches
             self.last_launch_seconds = time.perf_counter() - launch_started
             if trace is not None:
                 self.trace.launched(trace, self.last_launch_seconds)
                 pending.trace = trace
             if not self.overlap:
                 finish_started = time.perf_counter()
-                outputs += self._commit(plan, self.runner.collect(pending), None)
+                result = self.runner.collect(pending)
+                self.pool.completed = pending.number
+                outputs += self._commit(plan, result, None)
                 finish_seconds = time.perf_counter() - finish_started
                 self.last_finish_seconds += finish_seconds
                 if trace is not None:
@@ -207,11 +232,54 @@ class Engine:
                 return outputs
             self._add_placeholders(pending)
             launched = (plan, pending)
+        if express is not None:  # its first token before the main step's tokens (which are likely ready)
+            outputs += self._finish_express(*express)
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
         self._in_flight = launched
         if urgent_first_token:  # deliver it now rather than after the next step's launch (an eager step's
             outputs += self._finish_in_flight()  # host time): the device idles for one launch, only here
+        return outputs
+
+    # -- the express lane ---------------------------------------------------------------------------
+    def _express_lane(self, device: torch.device) -> ExpressLane | None:
+        """The lane, its graphs and its page reserve, if on (EngineConfig.express_lane)."""
+        config = self.config
+        enabled = config.express_lane
+        if enabled is None:
+            enabled = self.overlap and self.runner.graphs is not None
+        if not enabled:
+            return None
+        max_tokens = config.express_max_tokens or config.scheduler.prefill_chunk_size
+        lane = ExpressLane(self.runner, min(max_tokens, self.max_model_len))
+        lane.capture_graphs()
+        if device.type == "cuda" and lane.graphs is None:
+            return None  # no graphs (eager attention backend): the lane would launch as slowly as the main steps
+        reserve_tokens = config.express_reserve_tokens
+        reserve = self.kv.num_pages_for(lane.max_tokens if reserve_tokens is None else reserve_tokens)
+        self.pool.reserved = max(0, min(reserve, self.pool.num_pages - self.kv.num_pages_for(self.max_model_len)))
+        return lane
+
+    def _launch_express(self) -> tuple[StepPlan, PendingStep] | None:
+        """Start the head of the line's prompt in the express lane, if the scheduler hands it one."""
+        lane = self.express
+        if lane is None or not self.scheduler.waiting:
+            return None
+        chunk = self.scheduler.take_express(lane.max_tokens, lane.can_run)
+        if chunk is None:
+            return None
+        plan = StepPlan([chunk])
+        self._mark_scheduled(plan)
+        return plan, lane.launch(chunk, self.requests)
+
+    def _finish_express(self, plan: StepPlan, pending: PendingStep) -> list[RequestOutput]:
+        """Wait for the lane, then commit its first token; the request decodes in the main steps from now on."""
+        started = time.perf_counter()
+        result = self.runner.collect(pending)
+        self.express.join_main(pending)
+        self.scheduler.express_done(self.requests[plan.chunks[0].request_id])
+        outputs = self._commit(plan, result, None)
+        self.last_finish_seconds += time.perf_counter() - started
         return outputs
 
     def _commit_alone(self, plan: StepPlan) -> bool:
@@ -273,7 +341,9 @@ class Engine:
         started = time.perf_counter()
         plan, pending = self._in_flight
         self._in_flight = None
-        outputs = self._commit(plan, self.runner.collect(pending), pending.placeholders)
+        result = self.runner.collect(pending)
+        self.pool.completed = pending.number
+        outputs = self._commit(plan, result, pending.placeholders)
         elapsed = time.perf_counter() - started
         self.last_finish_seconds += elapsed
         if pending.trace is not None:
@@ -416,9 +486,10 @@ class Engine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                              f"(at least one token must be left to generate)")
         total = min(self.max_model_len, len(token_ids) + (params.max_tokens or self.max_model_len))
-        if self.kv.num_pages_for(total) > self.pool.num_pages:
+        usable = self.pool.num_pages - self.pool.reserved  # the express lane's reserve is not the main steps'
+        if self.kv.num_pages_for(total) > usable:
             raise ValueError(f"the request needs up to {total} tokens of KV cache, more than the whole pool holds "
-                             f"({self.pool.num_pages * self.kv.tokens_per_page})")
+                             f"({usable * self.kv.tokens_per_page})")
         vocab = self.model.arch.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
@@ -441,6 +512,13 @@ class Engine:
             return 0
         return min(self.config.cuda_graph_max_prefill_tokens, self.config.scheduler.max_num_batched_tokens)
 
+    def _express_graph_tokens(self, device: torch.device) -> int:
+        """The express lane's largest graph, if it may be captured (its own memory pool)."""
+        config = self.config
+        if config.express_lane is False or config.enforce_eager or config.overlap is False or device.type != "cuda":
+            return 0
+        return min(config.express_max_tokens or config.scheduler.prefill_chunk_size, self.max_model_len)
+
     def _num_pages(self, layout: KVLayout, device: torch.device, options: RunnerOptions) -> int:
         cache, sched = self.config.cache, self.config.scheduler
         budget = cache.kv_cache_memory_bytes
@@ -448,7 +526,8 @@ class Engine:
             if device.type == "cuda":
                 budget = gpu_pool_bytes(self.model, layout, options, cache.gpu_memory_utilization,
                                         sched.max_num_batched_tokens, sched.max_num_seqs,
-                                        graph_tokens=self._graph_prefill_tokens() + sched.max_num_seqs)
+                                        graph_tokens=self._graph_prefill_tokens() + sched.max_num_seqs
+                                        + self._express_graph_tokens(device))
             else:
                 needed_pages = -(-self.max_model_len * sched.max_num_seqs // layout.tokens_per_page)
                 budget = min(CacheConfig.CPU_DEFAULT_KV_BYTES, needed_pages * layout.page_bytes)

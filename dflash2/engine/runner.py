@@ -63,6 +63,7 @@ class PendingStep:
     logprob_job: tuple | None = None
     prompt_logprob_jobs: list[tuple] = field(default_factory=list)
     trace: dict | None = None  # the step's StepTrace record (DFLASH2_STEP_TRACE), written once collected
+    number: int = 0  # the engine's count of main steps launched, this one included (PagePool.launches)
 
 
 # The sampled tokens' copy to the host on a stream of its own (DFLASH2_TOKEN_COPY_STREAM=0: on the main stream,
@@ -124,7 +125,7 @@ class ModelRunner:
         self._swap(plan.swap_out, plan.swap_in)
         if not plan.chunks:
             return PendingStep([], [], None, None)
-        self._update_page_table(plan.chunks)
+        self.update_page_table(plan.chunks)
         # longest context first: the decode kernel starts programs in row order, so the longest sequences
         # are not left running alone at the end of the kernel (sorting ~256 rows costs tens of us a step)
         decodes: list[ScheduledChunk] = []
@@ -140,12 +141,7 @@ class ModelRunner:
             logits, greedy = self.graphs.run(shape, host, len(decodes))
             hidden = None
         else:
-            token_ids = self._resolve(to_device(host.token_ids, torch.long, self.device), host.has_placeholders)
-            meta = self._metadata(host, len(decodes))
-            context = ForwardContext(positions=meta.positions, attention=meta, kv_caches=self.kv_caches,
-                                     attention_backend=self.attention)
-            hidden = self.model.module(token_ids, context)
-            logits = self.model.module.compute_logits(hidden[host.sample_rows]) if host.sample_rows else None
+            hidden, logits = self.forward_eager(host, len(decodes))
         pending = self._sample(logits, [ordered[i] for i in host.sample_chunks], requests, greedy)
         for chunk_index, first_row in host.logit_chunks:
             chunk = ordered[chunk_index]
@@ -153,6 +149,16 @@ class ModelRunner:
             if job is not None:
                 pending.prompt_logprob_jobs.append(job)
         return pending
+
+    def forward_eager(self, host: "_HostBatch", num_decodes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's forward without a graph: hidden states of every row, and the sampled rows' logits."""
+        token_ids = self._resolve(to_device(host.token_ids, torch.long, self.device), host.has_placeholders)
+        meta = self._metadata(host, num_decodes)
+        context = ForwardContext(positions=meta.positions, attention=meta, kv_caches=self.kv_caches,
+                                 attention_backend=self.attention)
+        hidden = self.model.module(token_ids, context)
+        logits = self.model.module.compute_logits(hidden[host.sample_rows]) if host.sample_rows else None
+        return hidden, logits
 
     def collect(self, pending: PendingStep) -> StepResult:
         result = StepResult()
@@ -237,7 +243,7 @@ class ModelRunner:
             in_staging.record_stream(main)  # not reused on the copy stream before the scatter has read it
 
     # -- inputs ------------------------------------------------------------------------------------
-    def _update_page_table(self, chunks: list[ScheduledChunk]) -> None:
+    def update_page_table(self, chunks: list[ScheduledChunk]) -> None:
         """Write the chunks' new pages into their rows of the page table (on CUDA: one copy to the device and
         one scatter into the flat table, no advanced indexing)."""
         width = self.page_table.shape[1]
@@ -300,7 +306,7 @@ class ModelRunner:
         sample_ids = [c.request_id for c in chunks]
         if logits is None or not chunks:
             return PendingStep(sample_ids, [], None, None)
-        rows = [self._sampling_row(requests[c.request_id]) for c in chunks]
+        rows = [self.sampling_row(requests[c.request_id]) for c in chunks]
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         # the graph's greedy buffer is rewritten by its next replay: not for a logprob job read at collect
         token_ids = self.sampler.sample_device(logits, rows, None if wants_logprobs else greedy)
@@ -325,7 +331,7 @@ class ModelRunner:
                 done.record()
         return PendingStep(sample_ids, placeholders, tokens_host, done, logprob_job)
 
-    def _sampling_row(self, request: Request) -> SamplingRow:
+    def sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params
         # the history is copied only for rows that read it (penalties, or min_tokens not yet reached); a row
         # without it never changes, so the request keeps it from step to step

@@ -25,12 +25,16 @@ Preemption, least urgent first (lowest priority, then most recently admitted):
 A paused request's computed KV goes to host pages when the swap pool has room (it resumes where it
 stopped, no recomputation) or is dropped (recomputed from its prompt and outputs, helped by the prefix
 cache). It goes back to waiting with its original arrival, so it keeps its place in line.
+The express lane (engine/express.py; `take_express`): the head of the line, when it outranks a running request by
+`preemption_threshold` and its prompt fits one chunk of the lane, skips the next plan altogether: its whole
+prompt is scheduled at once, on pages and a slot no main step in flight touches (KVManager's settled ones), and
+runs beside the main steps; `express_done` then makes it a running request like any other.
 No tensors and no device code here: unit tests drive it with a pool of a few pages.
 """
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dflash2.config import SchedulerConfig
 from dflash2.engine.kv.manager import KVManager
@@ -45,6 +49,7 @@ class Scheduler:
         self.kv = kv
         self.waiting = waiting if waiting is not None else WaitingQueue(config.priority_aging_seconds)
         self.running: dict[str, Request] = {}
+        self.express: dict[str, Request] = {}  # prompts running in the express lane (in no plan)
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
         self._admitted: dict[str, int] = {}  # request id -> admission number (most recent start)
@@ -63,6 +68,8 @@ class Scheduler:
         """Remove a request from the queues and release its pages (device and host)."""
         if request.request_id in self.running:
             del self.running[request.request_id]
+        elif request.request_id in self.express:
+            del self.express[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
@@ -71,7 +78,47 @@ class Scheduler:
         request.status = status
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.express)
+
+    # -- the express lane --------------------------------------------------------------------------
+    def take_express(self, max_tokens: int, eligible: Callable[[Request], bool]) -> ScheduledChunk | None:
+        """The express lane's next prompt: the head of the line, if it outranks a running request by
+        `preemption_threshold`, holds no pages (new, or dropped for recompute), `eligible` accepts it, its tokens
+        past the cached prefix fit `max_tokens`, and a settled slot and settled pages are free. Its whole prompt
+        becomes one chunk that samples; it leaves the line (None: no such request; nothing changed)."""
+        head = self.waiting.head()
+        if head is None or self.express or self.kv.pages_of(head.request_id) or self.kv.is_swapped(head.request_id):
+            return None
+        if len(self.running) >= self.config.max_num_seqs or not eligible(head):
+            return None
+        now = self.waiting.clock()
+        bar = self.waiting.effective_priority(head, now) - self.config.preemption_threshold
+        if not any(self.waiting.effective_priority(r, now) <= bar for r in self.running.values()):
+            return None  # nobody to jump ahead of: the next plan serves it as soon
+        if not self.kv.has_settled_slot():
+            return None
+        cached = self.kv.attach_prefix(head, settled=True)
+        num_new = head.num_tokens - cached
+        if num_new > max_tokens or not self.kv.grow(head, head.num_tokens, settled=True):
+            self.kv.free(head)
+            return None
+        head.num_computed_tokens = cached
+        self.kv.record_prefix_lookup(head.num_tokens, cached)
+        if head.num_preemptions == 0:
+            head.num_cached_tokens = cached
+        self.waiting.remove(head)
+        head.status = RequestStatus.RUNNING
+        request_id = head.request_id
+        self.express[request_id] = head
+        self._admitted[request_id] = next(self._admissions)
+        chunk = self._chunk(head, num_new)
+        head.num_computed_tokens = head.num_tokens
+        return chunk
+
+    def express_done(self, request: Request) -> None:
+        """The lane's prompt has run (its first token is known): the request runs on in the main steps."""
+        del self.express[request.request_id]
+        self.running[request.request_id] = request
 
     # -- planning ----------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
@@ -164,7 +211,7 @@ class Scheduler:
         self._admission_closed = True
 
     def _try_admit(self, request: Request, plan: StepPlan) -> bool:
-        if self._budget == 0 or len(self.running) >= self.config.max_num_seqs:
+        if self._budget == 0 or len(self.running) + len(self.express) >= self.config.max_num_seqs:
             return False
         request_id = request.request_id
         swapped = self.kv.is_swapped(request_id)
@@ -231,7 +278,7 @@ class Scheduler:
         return self._pages_needed(request) <= pages and budget > 0
 
     def _fits(self, request: Request) -> bool:
-        if self._budget == 0 or len(self.running) >= self.config.max_num_seqs:
+        if self._budget == 0 or len(self.running) + len(self.express) >= self.config.max_num_seqs:
             return False
         return self._pages_needed(request) <= self.kv.pool.num_available
 

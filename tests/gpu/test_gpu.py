@@ -206,6 +206,42 @@ def test_preemption_with_swap_gives_transformers_tokens_on_the_gpu(tiny_llama, o
     assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0
 
 
+@pytest.mark.parametrize("express", [False, True])
+def test_the_express_lane_gives_transformers_tokens_on_the_gpu(tiny_llama, express):
+    """Urgent arrivals, one every two steps, run their prompts in the express lane (its own stream and graphs)
+    beside the main steps in flight, on a small pool with swap and the lane's reserve; min_tokens makes the
+    sampler run on the lane's stream. Every request's greedy tokens stay transformers', the lane ran, and no
+    page is left used or swapped."""
+    from dflash2 import LLM, SamplingParams
+    from tests.tiny_models import hf_greedy
+
+    hf_model, directory = tiny_llama
+    rng = random.Random(11)
+    low = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 40))] for _ in range(6)]
+    high = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 30))] for _ in range(6)]
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    llm = LLM(directory, device="cuda", dtype="float32", max_num_seqs=6, max_model_len=64, page_bytes=4096,
+              kv_cache_memory=f"{24 * 4096}B", swap_space=f"{64 * 4096}B", prefill_chunk_size=16,
+              max_num_batched_tokens=32, express_lane=express, express_max_tokens=32)
+    engine = llm.engine
+    assert (engine.express is not None) == express
+    finished = {}
+    ids = [engine.add_request({"prompt_token_ids": p}, params, priority=0).request_id for p in low]
+    step = 0
+    while engine.has_unfinished() or len(ids) < len(low) + len(high):
+        if step >= 3 and step % 2 and len(ids) < len(low) + len(high):
+            prompt = high[len(ids) - len(low)]
+            ids.append(engine.add_request({"prompt_token_ids": prompt}, params, priority=1000).request_id)
+        for output in engine.step():
+            finished[output.request_id] = output
+        step += 1
+    got = [finished[i].outputs[0].token_ids for i in ids]
+    assert got == [hf_greedy(hf_model, prompt, 12) for prompt in low + high]
+    if express:
+        assert engine.express.num_launches >= 1 and sum(engine.express.graphs.replays.values()) >= 1
+    assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0 and not engine.scheduler.express
+
+
 def test_step_trace_times_each_step_on_the_device(tiny_llama, tmp_path, monkeypatch):
     """DFLASH2_STEP_TRACE on CUDA (graphs, overlap): every step's line has its device time."""
     import json

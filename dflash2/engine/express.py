@@ -1,0 +1,105 @@
+"""ExpressLane: an urgent request's prompt runs beside the main steps, on a stream of its own.
+
+Under load an urgent arrival waits for the main step in flight, then the one already launched after it, then
+runs in a step shared with every running decode. The express lane skips both waits: the engine hands it the
+head of the line when that request outranks a running one (Scheduler.take_express), and it runs the whole
+prompt at once, on a high-priority CUDA stream, from CUDA graphs of its own (0 decode rows x 16, 32, ...
+`max_tokens` prompt tokens), while the main stream goes on with its steps. The engine waits for it within
+the same step() call, commits its first token, and from then on the request decodes in the main steps.
+
+    main stream:    ... step N+1 (in flight) ... | step N+2 ... | N+3 (the request decodes here on)
+    express stream:   [ urgent prompt, graph ]   -> first token
+
+What makes running beside the main steps safe:
+  - its pages and page-table slot are settled ones (PagePool / KVManager): nothing a main step in flight reads
+    or writes; the prefix pages it reads hold final KV;
+  - its graphs have their own inputs, memory pool, future slots, split-K tickets and cuBLAS workspace
+    (graphs.GraphLane);
+  - its page-table row is written on its stream, and the main stream waits for its event before the request's
+    first decode step (join_main).
+Without CUDA (the CPU tests) the lane runs its prompt eagerly on the caller's thread: the same scheduling and
+commits, with nothing to overlap.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from dflash2.engine.graphs import MIN_PREFILL_BUCKET, GraphLane, StepGraphs
+from dflash2.engine.plan import ScheduledChunk
+from dflash2.request import Request
+
+if TYPE_CHECKING:
+    from dflash2.engine.runner import ModelRunner, PendingStep
+
+
+def lane_prefill_sizes(max_tokens: int) -> list[int]:
+    """The lane graphs' prompt sizes: 16, 32, ... up to max_tokens (itself included)."""
+    sizes, size = [], MIN_PREFILL_BUCKET
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_tokens]
+
+
+class ExpressLane:
+    def __init__(self, runner: "ModelRunner", max_tokens: int) -> None:
+        self.runner = runner
+        self.max_tokens = max_tokens
+        device = runner.device
+        self.cuda = device.type == "cuda"
+        # the highest priority a stream can have: its blocks are scheduled ahead of the main stream's waiting ones
+        self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1]) if self.cuda \
+            else None
+        self.tokens_host = torch.empty(1, dtype=torch.long, pin_memory=True) if self.cuda else None
+        self.future_tokens = torch.zeros(1, dtype=torch.long, device=device)
+        self.graphs: StepGraphs | None = None
+        self.num_launches = 0
+
+    def capture_graphs(self) -> None:
+        """The lane's graphs (CUDA with a graph-capable attention backend); without them it runs nothing."""
+        if self.cuda and getattr(self.runner.attention, "supports_graphs", False):
+            lane = GraphLane("express", self.future_tokens, torch.cuda.Stream(self.runner.device))
+            shapes = [(0, p) for p in lane_prefill_sizes(self.max_tokens)]
+            self.graphs = StepGraphs(self.runner, [], shapes, lane=lane)
+
+    def can_run(self, request: Request) -> bool:
+        """Whether the lane can take this request's prompt (on CUDA only through its graphs, which sample
+        without logprobs)."""
+        if request.wants_prompt_logprobs or request.sampling_params.logprobs is not None:
+            return False
+        return self.graphs is not None or not self.cuda
+
+    @torch.inference_mode()
+    def launch(self, chunk: ScheduledChunk, requests: Mapping[str, Request]) -> "PendingStep":
+        """Queue the prompt chunk (one that samples) on the lane; collect it with runner.collect()."""
+        from dflash2.engine.runner import PendingStep, _HostBatch
+
+        runner = self.runner
+        self.num_launches += 1
+        request = requests[chunk.request_id]
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            runner.update_page_table([chunk])
+            host = _HostBatch.build([chunk], 0)
+            greedy = None
+            if self.graphs is not None:
+                shape = self.graphs.shape_for(host, 0)
+                assert shape is not None, f"no express graph for {len(host.token_ids)} tokens"
+                logits, greedy = self.graphs.run(shape, host, 0)
+            else:
+                _, logits = runner.forward_eager(host, 0)
+            token_ids = runner.sampler.sample_device(logits, [runner.sampling_row(request)], greedy)
+            if not self.cuda:
+                return PendingStep([chunk.request_id], [], token_ids, None)
+            self.tokens_host.copy_(token_ids, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return PendingStep([chunk.request_id], [], self.tokens_host, done)
+
+    def join_main(self, pending: "PendingStep") -> None:
+        """Order the main stream after the lane's step (its KV and page-table row), before the request decodes."""
+        if pending.done is not None:
+            torch.cuda.current_stream(self.runner.device).wait_event(pending.done)
