@@ -63,9 +63,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                   "this many tokens a step (keeps its steps short; -1: no cap)")
     add_flag(parser, "--outranked-decodes-wait", action="store_true",
              help="... and the decodes it outranks skip the steps that run its prompt (shorter urgent steps)")
-    add_flag(parser, "--express-lane", action=argparse.BooleanOptionalAction, default=None,
-             help="run an urgent prompt (one that outranks a running request) on a CUDA stream of its own, beside "
-                  "the steps in flight (default: on where steps overlap and replay CUDA graphs, i.e. on the GPU)")
+    add_flag(parser, "--express-lane", action=argparse.BooleanOptionalAction, default=False,
+             help="run an urgent prompt (one that outranks a running request) on a CUDA stream of its own, from "
+                  "CUDA graphs of its own, beside the steps in flight (default: off)")
     add_flag(parser, "--express-max-tokens", type=int, default=None,
              help="the longest prompt the express lane takes, in tokens (default: --prefill-chunk-size)")
     add_flag(parser, "--express-reserve-tokens", type=int, default=None,

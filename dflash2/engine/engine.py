@@ -82,8 +82,8 @@ class EngineConfig:
     # to build and to write under load (vLLM's --stream-interval)
     stream_interval: int = 1
     # the express lane (engine/express.py): an urgent prompt of up to express_max_tokens tokens runs beside the
-    # main steps; None: on where steps overlap and replay CUDA graphs (the GPU), off elsewhere
-    express_lane: bool | None = None
+    # main steps (off by default: on W3 it measured no better, and its reserve costs capacity; RESULTS.md)
+    express_lane: bool = False
     express_max_tokens: int | None = None  # None: prefill_chunk_size
     # pages kept free for the lane (never handed to the main steps), in tokens; None: express_max_tokens.
     # Capped so that one request of max_model_len still fits the rest of the pool
@@ -245,10 +245,7 @@ class Engine:
     def _express_lane(self, device: torch.device) -> ExpressLane | None:
         """The lane, its graphs and its page reserve, if on (EngineConfig.express_lane)."""
         config = self.config
-        enabled = config.express_lane
-        if enabled is None:
-            enabled = self.overlap and self.runner.graphs is not None
-        if not enabled:
+        if not config.express_lane:
             return None
         max_tokens = config.express_max_tokens or config.scheduler.prefill_chunk_size
         lane = ExpressLane(self.runner, min(max_tokens, self.max_model_len))
@@ -515,7 +512,7 @@ class Engine:
     def _express_graph_tokens(self, device: torch.device) -> int:
         """The express lane's largest graph, if it may be captured (its own memory pool)."""
         config = self.config
-        if config.express_lane is False or config.enforce_eager or config.overlap is False or device.type != "cuda":
+        if not config.express_lane or config.enforce_eager or config.overlap is False or device.type != "cuda":
             return 0
         return min(config.express_max_tokens or config.scheduler.prefill_chunk_size, self.max_model_len)
 

@@ -31,7 +31,7 @@ class LLM:
                  priority_aging_seconds: float | None = None, low_priority_values_first: bool = False,
                  max_outranked_prefill_tokens: int | None = 64, outranked_decodes_wait: bool = False,
                  cuda_graph_max_prefill_tokens: int = 2048, stream_interval: int = 1,
-                 overlap_max_step_tokens: int | None = None, express_lane: bool | None = None,
+                 overlap_max_step_tokens: int | None = None, express_lane: bool = False,
                  express_max_tokens: int | None = None, express_reserve_tokens: int | None = None) -> None:
         """`swap_space`: pinned host memory for paused requests' KV, in GiB as a number (vLLM's unit) or a
         size string such as "512MiB"."""

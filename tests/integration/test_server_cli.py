@@ -119,3 +119,18 @@ def test_bench_needs_a_server(tmp_path):
     assert result.returncode == 0  # a run whose requests all failed still reports
     assert '"failed": 2' in (tmp_path / "r.json").read_text()
     assert '"error_rate": 1.0' in (tmp_path / "r.json").read_text()
+
+
+def test_express_lane_flags_reach_the_engine():
+    args = build_parser().parse_args(["serve", "--express_lane", "--express-max-tokens", "256",
+                                      "--express_reserve_tokens", "128"])
+    kwargs = llm_kwargs(args)
+    assert (kwargs["express_lane"], kwargs["express_max_tokens"], kwargs["express_reserve_tokens"]) == (True, 256, 128)
+    defaults = llm_kwargs(build_parser().parse_args(["serve"]))
+    assert (defaults["express_lane"], defaults["express_max_tokens"], defaults["express_reserve_tokens"]) == (
+        False, None, None)
+    assert llm_kwargs(build_parser().parse_args(["serve", "--no-express-lane"]))["express_lane"] is False
+    with pytest.raises(ValueError, match="--express-max-tokens must be >= 1"):
+        llm_kwargs(build_parser().parse_args(["serve", "--express-max-tokens", "0"]))
+    with pytest.raises(ValueError, match="--express-reserve-tokens must be >= 0"):
+        llm_kwargs(build_parser().parse_args(["serve", "--express-reserve-tokens", "-1"]))
