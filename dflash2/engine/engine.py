@@ -245,13 +245,12 @@ class Engine:
     def _express_lane(self, device: torch.device) -> ExpressLane | None:
         """The lane, its graphs and its page reserve, if on (EngineConfig.express_lane)."""
         config = self.config
-        if not config.express_lane:
-            return None
-        max_tokens = config.express_max_tokens or config.scheduler.prefill_chunk_size
-        lane = ExpressLane(self.runner, min(max_tokens, self.max_model_len))
+        if not config.express_lane or (device.type == "cuda" and config.enforce_eager):
+            return None  # on CUDA the lane runs from graphs only: eager, it would launch as slowly as the main steps
+        lane = ExpressLane(self.runner, self._express_max_tokens())
         lane.capture_graphs()
         if device.type == "cuda" and lane.graphs is None:
-            return None  # no graphs (eager attention backend): the lane would launch as slowly as the main steps
+            return None  # an attention backend without graphs
         reserve_tokens = config.express_reserve_tokens
         reserve = self.kv.num_pages_for(lane.max_tokens if reserve_tokens is None else reserve_tokens)
         self.pool.reserved = max(0, min(reserve, self.pool.num_pages - self.kv.num_pages_for(self.max_model_len)))
@@ -509,12 +508,17 @@ class Engine:
             return 0
         return min(self.config.cuda_graph_max_prefill_tokens, self.config.scheduler.max_num_batched_tokens)
 
-    def _express_graph_tokens(self, device: torch.device) -> int:
-        """The express lane's largest graph, if it may be captured (its own memory pool)."""
+    def _express_max_tokens(self) -> int:
+        """The longest prompt the express lane takes (and its largest graph)."""
         config = self.config
-        if not config.express_lane or config.enforce_eager or config.overlap is False or device.type != "cuda":
-            return 0
         return min(config.express_max_tokens or config.scheduler.prefill_chunk_size, self.max_model_len)
+
+    def _express_graph_tokens(self, device: torch.device) -> int:
+        """The express lane's largest graph, if it will be captured (in a memory pool of its own)."""
+        config = self.config
+        if not config.express_lane or config.enforce_eager or device.type != "cuda":
+            return 0
+        return self._express_max_tokens()
 
     def _num_pages(self, layout: KVLayout, device: torch.device, options: RunnerOptions) -> int:
         cache, sched = self.config.cache, self.config.scheduler

@@ -60,18 +60,18 @@ class ExpressLane:
         self.num_launches = 0
 
     def capture_graphs(self) -> None:
-        """The lane's graphs (CUDA with a graph-capable attention backend); without them it runs nothing."""
+        """The lane's graphs (CUDA with a graph-capable attention backend); on CUDA the engine runs no lane
+        without them (Engine._express_lane)."""
         if self.cuda and getattr(self.runner.attention, "supports_graphs", False):
             lane = GraphLane("express", self.future_tokens, torch.cuda.Stream(self.runner.device))
             shapes = [(0, p) for p in lane_prefill_sizes(self.max_tokens)]
             self.graphs = StepGraphs(self.runner, [], shapes, lane=lane)
 
-    def can_run(self, request: Request) -> bool:
-        """Whether the lane can take this request's prompt (on CUDA only through its graphs, which sample
-        without logprobs)."""
-        if request.wants_prompt_logprobs or request.sampling_params.logprobs is not None:
-            return False
-        return self.graphs is not None or not self.cuda
+    @staticmethod
+    def can_run(request: Request) -> bool:
+        """Whether the lane can take this request's prompt: not one that wants logprobs (the lane samples its
+        graph's logits, which its next replay rewrites)."""
+        return not request.wants_prompt_logprobs and request.sampling_params.logprobs is None
 
     @torch.inference_mode()
     def launch(self, chunk: ScheduledChunk, requests: Mapping[str, Request]) -> "PendingStep":

@@ -95,13 +95,14 @@ class Scheduler:
         bar = self.waiting.effective_priority(head, now) - self.config.preemption_threshold
         if not any(self.waiting.effective_priority(r, now) <= bar for r in self.running.values()):
             return None  # nobody to jump ahead of: the next plan serves it as soon
-        if not self.kv.has_settled_slot():
+        prefix, _ = self.kv.lookup_prefix(head)  # checked before anything is taken: nothing to give back
+        num_new = head.num_tokens - len(prefix) * self.kv.tokens_per_page
+        needed = self.kv.num_pages_for(head.num_tokens) - len(prefix)
+        if num_new > max_tokens or needed > self.kv.pool.num_settled_free() or not self.kv.has_settled_slot():
             return None
         cached = self.kv.attach_prefix(head, settled=True)
-        num_new = head.num_tokens - cached
-        if num_new > max_tokens or not self.kv.grow(head, head.num_tokens, settled=True):
-            self.kv.free(head)
-            return None
+        grown = self.kv.grow(head, head.num_tokens, settled=True)
+        assert grown, "settled pages were counted before"
         head.num_computed_tokens = cached
         self.kv.record_prefix_lookup(head.num_tokens, cached)
         if head.num_preemptions == 0:
