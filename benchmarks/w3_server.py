@@ -22,7 +22,7 @@ STEP_METRICS = (STEP_METRIC, "dflash2_step_launch_seconds", "dflash2_step_finish
 GC_METRIC = "dflash2_gc_pause_seconds"  # kept by `generation` and `le` (the engine's process)
 SERVER_GC_METRIC = "dflash2_server_gc_pause_seconds"  # the same for the HTTP server's process
 COUNTERS = ("dflash2_num_preemptions_total", "dflash2_num_swap_outs_total", "dflash2_swapped_bytes_total",
-            "dflash2_num_requests_rejected_total")
+            "dflash2_num_requests_rejected_total", "dflash2_express_lane_prompts_total")
 GAUGES = ("dflash2_num_requests_waiting", "dflash2_num_requests_running", "dflash2_num_requests_swapped",
           "dflash2_kv_cache_usage_perc")
 

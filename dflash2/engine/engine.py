@@ -11,9 +11,13 @@ Overlapped (the default on GPU): step N+1 is planned and launched before step N 
     host:    plan N+1 | launch N+1 | collect+commit N | plan N+2 | launch N+2 | collect+commit N+1 ...
     device:  ...... step N ......  | ............ step N+1 ...........| ......... step N+2 ....
 
-The express lane (engine/express.py): at the start of a call, the head of the line, if it outranks a running
-request, may run its whole prompt on a stream of its own beside step N+1 (in flight); the call then plans and
-launches N+2 as usual, waits for the lane, commits that first token, and commits N+1.
+Waiting for the device: with `on_device_wait` set (the server's engine loop), a wait for a step's results
+polls that hook, which takes in commands (add_request, abort) as they arrive instead of after the step.
+
+The express lane (engine/express.py): at the start of a call, or while the call waits for the device (an urgent
+arrival, just taken in by the hook), the head of the line, if it outranks a running request, may run its whole
+prompt on a stream of its own beside the main steps in flight; the main steps go on as usual, and the lane's
+first token is committed as soon as it has run (handed to the hook at once; else returned by the call).
 
 A step that samples the first token of a request that outranks a running request, and that no request in the
 step outranks, is committed in the same call, right after its launch, so that token is not held back for the
@@ -30,7 +34,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +106,11 @@ class EngineConfig:
             raise ValueError(f"express_reserve_tokens must be >= 0, got {self.express_reserve_tokens}")
 
 
+def _has_run(pending: PendingStep) -> bool:
+    """Whether a launched step's results are ready (no event: it ran on the caller's thread)."""
+    return pending.done is None or pending.done.query()
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,6 +153,12 @@ class Engine:
         self.express = self._express_lane(device)
         self.trace = StepTrace.from_env(device)  # one JSON line a step, if DFLASH2_STEP_TRACE names a file
         self._in_flight: tuple[StepPlan, PendingStep] | None = None
+        self._express_step: tuple[StepPlan, PendingStep] | None = None  # the lane's prompt, in flight
+        self._ready: list[RequestOutput] = []  # the lane's first tokens, committed while the engine waited
+        # the caller's hook while step() waits for the device (see step()): it delivers the outputs it is given
+        # at once and takes in commands (add_request, abort); None: step() just waits, and returns every output
+        self.on_device_wait: Callable[[list[RequestOutput]], None] | None = None
+        self._num_added = 0  # requests added so far
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -174,37 +189,45 @@ class Engine:
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         self.scheduler.add(request)
+        self._num_added += 1
         return request
 
     def abort(self, request_id: str) -> None:
+        lane = self._express_step
+        if lane is not None and lane[0].chunks[0].request_id == request_id:
+            self._ready += self._finish_express()  # its pages are the lane's until its prompt has run
         request = self.requests.pop(request_id, None)
         if request is not None and not request.status.finished:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or self._express_step is not None
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: plan and launch a step, and commit the previous one (overlapped) or this one. A step
         in flight longer than overlap_max_step_tokens is committed alone: the next call plans with the device
-        idle, after the caller took in what arrived meanwhile."""
-        if self._in_flight is not None and self._commit_alone(self._in_flight[0]):
-            self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
-            return self._finish_in_flight()
-        outputs: list[RequestOutput] = []
+        idle, after the caller took in what arrived meanwhile.
+
+        With `on_device_wait` set, each wait for a launched step's results calls it over and over (at least once,
+        also where nothing waits: the CPU) until the device is done: the caller takes in what arrived meanwhile,
+        the express lane starts an urgent prompt at once, and the lane's first token goes out as soon as it is
+        ready instead of with the step's outputs."""
         self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
-        express = self._launch_express()
-        if express is not None and not self.overlap:  # nothing to run beside it: its token goes out first
-            outputs += self._finish_express(*express)
-            express = None
+        if self._in_flight is not None and self._commit_alone(self._in_flight[0]):
+            return self._finish_in_flight() + self._take_ready()
+        outputs: list[RequestOutput] = []
+        self._start_express()
+        if self._express_step is not None and not self.overlap:  # nothing to run beside it: its token goes out
+            self._await(None, lane_only=True)  # first
         started = time.perf_counter()
         plan = self.scheduler.plan()
         planned = time.perf_counter()
         self.last_plan_seconds = planned - started
         if plan and self._in_flight is not None and self._needs_token_values(plan):
-            outputs += self._finish_in_flight()  # penalties read the real tokens, not placeholders
+            # penalties read the real tokens, not placeholders (no commands meanwhile: the plan is not launched)
+            outputs += self._finish_in_flight(take_commands=False)
         launched = None
         urgent_first_token = False
         if plan:
@@ -222,6 +245,7 @@ class Engine:
                 pending.trace = trace
             if not self.overlap:
                 finish_started = time.perf_counter()
+                self._await(pending.done)
                 result = self.runner.collect(pending)
                 self.pool.completed = pending.number
                 outputs += self._commit(plan, result, None)
@@ -229,17 +253,58 @@ class Engine:
                 self.last_finish_seconds += finish_seconds
                 if trace is not None:
                     self.trace.finished(trace, finish_seconds)
-                return outputs
+                return outputs + self._take_ready()
             self._add_placeholders(pending)
             launched = (plan, pending)
-        if express is not None:  # its first token before the main step's tokens (which are likely ready)
-            outputs += self._finish_express(*express)
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
+        elif launched is None and self._express_step is not None:  # only the lane runs: wait for its token
+            self._await(None, lane_only=True)
         self._in_flight = launched
         if urgent_first_token:  # deliver it now rather than after the next step's launch (an eager step's
             outputs += self._finish_in_flight()  # host time): the device idles for one launch, only here
-        return outputs
+        return outputs + self._take_ready()
+
+    def _await(self, done: Any, take_commands: bool = True, lane_only: bool = False) -> None:
+        """Wait for a launched step's device event (None: it ran already, or `lane_only`: wait for the lane's
+        prompt instead). Meanwhile: the lane's prompt is committed once it has run, and with `on_device_wait`
+        (and `take_commands`) the caller is handed those outputs and takes in commands, and the lane starts the
+        head of the line if it may. Without a hook or a lane the runner's collect() waits (host_waits)."""
+        hook = self.on_device_wait if take_commands else None
+        if hook is None and self._express_step is None:
+            return
+        waits = self.runner.host_waits
+        if waits is not None:
+            waits.set()  # the server's metrics render while the loop waits
+        tried = None  # the lane is tried again only for new arrivals, or once it is free (not on every poll)
+        try:
+            while True:
+                lane = self._express_step
+                if lane is not None and _has_run(lane[1]):
+                    self._ready += self._finish_express()
+                    tried = None
+                if hook is not None:
+                    ready, self._ready = self._ready, []
+                    hook(ready)
+                    if tried != self._num_added:
+                        tried = self._num_added
+                        self._start_express()
+                if lane_only:
+                    if self._express_step is None:
+                        return
+                elif done is None or done.query():
+                    return
+        finally:
+            if waits is not None:
+                waits.clear()
+
+    def _take_ready(self) -> list[RequestOutput]:
+        """The lane's first tokens not handed out yet (its prompt committed first, if it has run)."""
+        lane = self._express_step
+        if lane is not None and _has_run(lane[1]):
+            self._ready += self._finish_express()
+        ready, self._ready = self._ready, []
+        return ready
 
     # -- the express lane ---------------------------------------------------------------------------
     def _express_lane(self, device: torch.device) -> ExpressLane | None:
@@ -256,24 +321,28 @@ class Engine:
         self.pool.reserved = max(0, min(reserve, self.pool.num_pages - self.kv.num_pages_for(self.max_model_len)))
         return lane
 
-    def _launch_express(self) -> tuple[StepPlan, PendingStep] | None:
-        """Start the head of the line's prompt in the express lane, if the scheduler hands it one."""
+    def _start_express(self) -> None:
+        """Start the head of the line's prompt in the express lane, if the lane is free and the scheduler hands
+        it one."""
         lane = self.express
-        if lane is None or not self.scheduler.waiting:
-            return None
+        if lane is None or self._express_step is not None or not self.scheduler.waiting:
+            return
         chunk = self.scheduler.take_express(lane.max_tokens, lane.can_run)
         if chunk is None:
-            return None
+            return
         plan = StepPlan([chunk])
         self._mark_scheduled(plan)
-        return plan, lane.launch(chunk, self.requests)
+        self._express_step = (plan, lane.launch(chunk, self.requests))
 
-    def _finish_express(self, plan: StepPlan, pending: PendingStep) -> list[RequestOutput]:
+    def _finish_express(self) -> list[RequestOutput]:
         """Wait for the lane, then commit its first token; the request decodes in the main steps from now on."""
         started = time.perf_counter()
+        plan, pending = self._express_step
+        self._express_step = None
         result = self.runner.collect(pending)
         self.express.join_main(pending)
-        self.scheduler.express_done(self.requests[plan.chunks[0].request_id])
+        request = self.requests[plan.chunks[0].request_id]
+        self.scheduler.express_done(request)
         outputs = self._commit(plan, result, None)
         self.last_finish_seconds += time.perf_counter() - started
         return outputs
@@ -333,10 +402,11 @@ class Engine:
                     or request.num_tokens >= self.max_model_len:
                 request.finish_pending = True
 
-    def _finish_in_flight(self) -> list[RequestOutput]:
+    def _finish_in_flight(self, take_commands: bool = True) -> list[RequestOutput]:
         started = time.perf_counter()
         plan, pending = self._in_flight
         self._in_flight = None
+        self._await(pending.done, take_commands)
         result = self.runner.collect(pending)
         self.pool.completed = pending.number
         outputs = self._commit(plan, result, pending.placeholders)

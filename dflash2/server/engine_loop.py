@@ -2,6 +2,7 @@
 
     receive() (the transport's) ──► _drain_commands ──► engine.add_request / engine.abort
                                _step ──► engine.step() ──► observer ──► deliver() (most urgent first)
+    while a step waits for the device: engine.on_device_wait ─► _on_device_wait ─► deliver() + _drain_commands
 
 It owns the Engine, which is not thread-safe: nothing else touches it after loading. Two transports subclass it
 and say how commands come in and a refusal, an output or a failure reaches the HTTP side (the hooks at the
@@ -86,6 +87,11 @@ class Stop:
 
 
 class EngineLoop:
+    # whether a step that waits for the device takes in commands meanwhile (Engine.on_device_wait): the wait then
+    # polls the transport instead of blocking, so a transport whose waits must leave the GIL to other threads
+    # (EngineThread: the HTTP side shares the process) says no
+    takes_commands_while_waiting = True
+
     def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver],
                  max_queue_len: int | None = None) -> None:
         self._engine_factory = engine_factory
@@ -94,6 +100,7 @@ class EngineLoop:
         self._finish_times: collections.deque[float] = collections.deque(maxlen=_FINISH_WINDOW)
         self.retry_after_s = RETRY_AFTER_RANGE_S[0]  # the latest drain estimate
         self._tracked: dict[str, Tracked] = {}
+        self._stopping = False  # told to stop while a step waited for the device: the loop ends after the step
         self.engine: Any = None
         self.observer: RequestObserver | None = None
 
@@ -109,7 +116,9 @@ class EngineLoop:
         self.on_loaded()
         logger.info("engine ready: model %s (%d objects left out of garbage collection, thresholds %s)",
                     self.engine.model.name, frozen, thresholds)
-        while True:
+        if self.takes_commands_while_waiting:
+            self.engine.on_device_wait = self._on_device_wait
+        while not self._stopping:
             if not self._drain_commands(block=not self.engine.has_unfinished()):
                 break
             if self.engine.has_unfinished():
@@ -132,6 +141,15 @@ class EngineLoop:
                 self.apply(command)
             command = self.receive(False)
         return True
+
+    def _on_device_wait(self, outputs: list[RequestOutput]) -> None:
+        """The engine's hook while a step waits for the device (Engine.on_device_wait): deliver the outputs ready
+        now (an urgent request's first token, from the express lane), and take in what arrived meanwhile, so an
+        urgent arrival starts at once instead of after the step."""
+        if outputs:
+            self._handle_outputs(outputs, time.monotonic())
+        if not self._stopping and not self._drain_commands(block=False):
+            self._stopping = True
 
     def receive(self, block: bool) -> Any:
         """The next command, or None if there is none (block: wait up to IDLE_WAIT_S for one): the transport's."""
@@ -172,6 +190,9 @@ class EngineLoop:
             return
         now = time.monotonic()
         self.observer.on_step(self.engine, now, now - started)
+        self._handle_outputs(outputs, now)
+
+    def _handle_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         deliveries: list[tuple[Tracked, RequestOutput]] = []
         for output in outputs:
             tracked = self._tracked.get(output.request_id)

@@ -2,9 +2,10 @@
 
     server process (event loop: HTTP, SSE)            engine process (spawned; owns the Engine)
     ──────────────────────────────────────            ─────────────────────────────────────────
-    await submit() ── ("submit", ...) ──► commands pipe ──► EngineLoop.receive() (between steps)
-    abort() / first_sent() / count() ─────────►                                           │ (engine.step(),
-    metrics_text() ── ("metrics", n) ─────────►                                           │  observer: metrics,
+    await submit() ── ("submit", ...) ──► commands pipe ──► EngineLoop.receive() (between steps,
+    abort() / first_sent() / count() ─────────►                        │  and while a step waits for the device)
+    metrics_text() ── ("metrics", n) ─────────►                                           │ (engine.step(),
+                                                                                          │  observer: metrics,
                                                                                           │  request log)
     _Frames (the loop's read pipe) ◄── results pipe ◄── ("accepted" | "out" | "fail" | "metrics" | "ready")
 
@@ -34,6 +35,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import select
 import signal
 import struct
 import sys
@@ -399,6 +401,7 @@ class _ProcessLoop(EngineLoop):
         super().__init__(spec.engine_factory, self._make_observer, spec.max_queue_len)
         self.spec = spec
         self.commands_in = commands  # the commands pipe (a Connection)
+        self._poller: Any = None  # select.poll() on the commands pipe: whether a command (or its end) is there
         self.results = results  # the results pipe (a Connection: only its descriptor is used)
         self.registry: Any = None
         self._send_lock = threading.Lock()  # frames whole on the results pipe: the loop and the metrics renderer
@@ -418,8 +421,13 @@ class _ProcessLoop(EngineLoop):
                     ready = self.commands_in.poll(IDLE_WAIT_S)
                 finally:
                     self.loop_waits.clear()
-            else:
-                ready = self.commands_in.poll(IDLE_WAIT_S if block else 0)
+            elif block:
+                ready = self.commands_in.poll(IDLE_WAIT_S)
+            else:  # (also over and over while a step waits for the device: one poll(2) call, no selector built)
+                if self._poller is None:
+                    self._poller = select.poll()
+                    self._poller.register(self.commands_in.fileno(), select.POLLIN)
+                ready = bool(self._poller.poll(0))
             if not ready:
                 return None
             fd = self.commands_in.fileno()

@@ -72,6 +72,7 @@ class RequestObserver:
         self._tokens_per_page = engine.kv.tokens_per_page
         self._seen_preemptions = 0
         self._seen_swap_outs = 0
+        self._seen_express = 0
         self._seen_swapped_bytes = 0
         self._seen_evictions = 0
         self._seen_prefix = (0, 0)
@@ -185,6 +186,10 @@ class RequestObserver:
         swap_outs = getattr(scheduler, "num_swap_outs", 0)
         _inc_by_delta(m.num_swap_outs, swap_outs - self._seen_swap_outs)
         self._seen_swap_outs = swap_outs
+        lane = getattr(engine, "express", None)
+        express = lane.num_launches if lane is not None else 0
+        _inc_by_delta(m.express_lane_prompts, express - self._seen_express)
+        self._seen_express = express
         swapped_bytes = getattr(scheduler, "swapped_bytes", 0)
         _inc_by_delta(m.swapped_bytes, swapped_bytes - self._seen_swapped_bytes)
         self._seen_swapped_bytes = swapped_bytes

@@ -242,6 +242,56 @@ def test_the_express_lane_gives_transformers_tokens_on_the_gpu(tiny_llama, expre
     assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0 and not engine.scheduler.express
 
 
+def test_urgent_arrivals_taken_while_steps_wait_run_in_the_lane_on_the_gpu(tiny_llama):
+    """The server's way (Engine.on_device_wait): urgent requests come in while a step waits for the device,
+    the lane starts each one there, beside the two main steps in flight, and its first token is handed to the
+    hook; one urgent request is aborted from the hook right after it came in (its prompt may still be running
+    in the lane). Every other request's greedy tokens stay transformers', and no page is left used or swapped."""
+    from dflash2 import LLM, SamplingParams
+    from tests.tiny_models import hf_greedy
+
+    hf_model, directory = tiny_llama
+    rng = random.Random(13)
+    low = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 40))] for _ in range(6)]
+    high = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 30))] for _ in range(6)]
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    llm = LLM(directory, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=64, page_bytes=4096,
+              kv_cache_memory=f"{24 * 4096}B", swap_space=f"{64 * 4096}B", prefill_chunk_size=16,
+              max_num_batched_tokens=32, express_lane=True, express_max_tokens=32)
+    engine = llm.engine
+    finished, handed, calls = {}, set(), [0]
+    ids = [engine.add_request({"prompt_token_ids": p}, params, priority=0).request_id for p in low]
+    urgent: list[str] = []
+
+    def take(outputs):
+        for output in outputs:
+            if output.finished:
+                finished[output.request_id] = output
+
+    def hook(outputs):
+        take(outputs)
+        handed.update(o.request_id for o in outputs if o.request_id in urgent)
+        calls[0] += 1
+        if calls[0] % 3 == 0 and len(urgent) < len(high):
+            urgent.append(engine.add_request({"prompt_token_ids": high[len(urgent)]}, params,
+                                             priority=1000).request_id)
+        elif calls[0] % 3 == 1 and len(urgent) == 2 and urgent[1] in engine.requests:
+            engine.abort(urgent[1])
+
+    engine.on_device_wait = hook
+    while engine.has_unfinished() or len(urgent) < len(high):
+        if not engine.has_unfinished():  # (nothing to wait for: no hook call)
+            urgent.append(engine.add_request({"prompt_token_ids": high[len(urgent)]}, params,
+                                             priority=1000).request_id)
+        take(engine.step())
+    kept = [i for i in ids + urgent if i != urgent[1]]
+    prompts = {i: p for i, p in zip(ids + urgent, low + high)}
+    assert urgent[1] not in finished
+    assert [finished[i].outputs[0].token_ids for i in kept] == [hf_greedy(hf_model, prompts[i], 12) for i in kept]
+    assert engine.express.num_launches >= 3 and handed  # the lane ran, and first tokens went out through the hook
+    assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0 and not engine.scheduler.express
+
+
 def test_step_trace_times_each_step_on_the_device(tiny_llama, tmp_path, monkeypatch):
     """DFLASH2_STEP_TRACE on CUDA (graphs, overlap): every step's line has its device time."""
     import json

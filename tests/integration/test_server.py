@@ -224,6 +224,7 @@ def test_metrics_are_labelled_and_count_requests(real_server, client):
     text = httpx.get(real_server.url + "/metrics").text  # open without the API key
     for name in ("dflash2_num_requests_running", "dflash2_num_requests_waiting", "dflash2_kv_cache_usage_perc",
                  "dflash2_prompt_tokens_total", "dflash2_generation_tokens_total", "dflash2_num_preemptions_total",
+                 "dflash2_express_lane_prompts_total",
                  "dflash2_request_success_total", "dflash2_time_to_first_token_seconds_bucket",
                  "dflash2_inter_token_latency_seconds_bucket", "dflash2_e2e_request_latency_seconds_bucket",
                  "dflash2_request_queue_time_seconds_bucket", "dflash2_request_prefill_time_seconds_bucket",

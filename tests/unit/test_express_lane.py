@@ -220,3 +220,63 @@ def test_the_engine_gives_the_same_tokens_with_the_express_lane(tmp_path, mode) 
     got, launches = run(True)
     assert launches == 1
     assert got == expected and sorted(got) == ["bulk0", "bulk1", "bulk2", "urgent"]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_urgent_arrival_taken_while_a_step_waits_starts_in_the_lane_within_that_step(tmp_path, overlap) -> None:
+    """The engine's wait hook (Engine.on_device_wait, the server's engine loop) takes an urgent request in while
+    a step waits for its results: the lane runs its prompt within that same step() call (on the CPU the lane
+    runs at once) and its first token comes out of that call, and every request's greedy tokens are the ones of
+    a run that added it between steps without the lane. A request aborted from the hook is gone, pages and all."""
+    from dflash2 import LLM
+    from tests.tiny_models import build_tiny_model
+
+    build_tiny_model("llama", str(tmp_path))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    urgent_prompt = {"prompt_token_ids": [40 + j for j in range(14)]}
+
+    def run(hooked: bool) -> tuple[dict[str, list[int]], int, int, int]:
+        llm = LLM(str(tmp_path), page_bytes=4096, prefill_chunk_size=8, max_num_batched_tokens=16,
+                  kv_cache_memory=24 * 4096, max_model_len=64, max_num_seqs=4, express_lane=hooked,
+                  express_max_tokens=16, express_reserve_tokens=8, overlap=overlap)
+        engine = llm.engine
+        for i in range(3):
+            engine.add_request({"prompt_token_ids": [5 + i + j for j in range(12)]}, params, 0, f"bulk{i}")
+        tokens: dict[str, list[int]] = {}
+        calls, steps, came_in, first_token = 0, 0, None, None
+
+        def take(outputs) -> None:
+            nonlocal first_token
+            for output in outputs:
+                tokens.setdefault(output.request_id, []).extend(output.delta_token_ids)
+                if output.request_id == "urgent" and first_token is None:
+                    first_token = steps
+
+        def hook(outputs) -> None:
+            nonlocal calls, came_in
+            calls += 1
+            take(outputs)
+            if calls == 4:
+                engine.add_request(urgent_prompt, params, 100, "urgent")
+                engine.add_request({"prompt_token_ids": [7, 8, 9]}, params, 100, "gone")
+                came_in = steps
+            elif calls == 5:
+                engine.abort("gone")
+
+        if hooked:
+            engine.on_device_wait = hook
+        while engine.has_unfinished():
+            if not hooked and steps == 4:  # between steps instead
+                engine.add_request(urgent_prompt, params, 100, "urgent")
+                came_in = steps
+            take(engine.step())
+            steps += 1
+        engine.pool.check()
+        assert engine.pool.num_used == 0 and not engine.scheduler.express and "gone" not in engine.requests
+        return tokens, came_in, first_token, engine.express.num_launches if engine.express is not None else 0
+
+    expected, _, _, launches = run(False)
+    assert launches == 0
+    got, came_in, first_token, launches = run(True)
+    assert launches == 1 and came_in is not None and first_token == came_in
+    assert got == expected and sorted(got) == ["bulk0", "bulk1", "bulk2", "urgent"]
