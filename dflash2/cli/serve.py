@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from dflash2.cli.args import add_engine_flags, add_flag, engine_kwargs
+from dflash2.sampling_params import MAX_PRIORITY
 from dflash2.server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 
 DEFAULT_MAX_NUM_SEQS = 64
@@ -71,6 +72,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--express-reserve-tokens", type=int, default=None,
              help="KV pages, in tokens, kept free for the express lane even when the pool runs full "
                   "(default: --express-max-tokens)")
+    add_flag(parser, "--express-min-priority", type=int, default=None,
+             help="the express lane only takes requests at least this urgent (e.g. 1000: the top class only, so a "
+                  "middle class does not hold the lane when the top one comes; default: any that outranks a "
+                  "running request)")
     add_flag(parser, "--low-priority-values-first", action="store_true",
              help="vLLM's convention: a smaller priority value is more urgent")
     add_flag(parser, "--max-queue-len", type=int, default=None,
@@ -143,8 +148,10 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                                ("--express-reserve-tokens", args.express_reserve_tokens, 0)):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if args.express_min_priority is not None and not 0 <= args.express_min_priority <= MAX_PRIORITY:
+        raise ValueError(f"--express-min-priority must be in [0, {MAX_PRIORITY}], got {args.express_min_priority}")
     kwargs.update(express_lane=args.express_lane, express_max_tokens=args.express_max_tokens,
-                  express_reserve_tokens=args.express_reserve_tokens)
+                  express_reserve_tokens=args.express_reserve_tokens, express_min_priority=args.express_min_priority)
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     kwargs["stream_interval"] = args.stream_interval

@@ -92,6 +92,10 @@ class EngineConfig:
     # pages kept free for the lane (never handed to the main steps), in tokens; None: express_max_tokens.
     # Capped so that one request of max_model_len still fits the rest of the pool
     express_reserve_tokens: int | None = None
+    # the lane only takes requests at least this urgent (the client's convention: low_priority_values_first flips
+    # it too), so a middle class that outranks the bulk does not hold the lane and its reserve when the most
+    # urgent ones come; None: any request that outranks a running one
+    express_min_priority: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -104,6 +108,8 @@ class EngineConfig:
             raise ValueError(f"express_max_tokens must be >= 1, got {self.express_max_tokens}")
         if self.express_reserve_tokens is not None and self.express_reserve_tokens < 0:
             raise ValueError(f"express_reserve_tokens must be >= 0, got {self.express_reserve_tokens}")
+        if self.express_min_priority is not None and not 0 <= self.express_min_priority <= MAX_PRIORITY:
+            raise ValueError(f"express_min_priority must be in [0, {MAX_PRIORITY}], got {self.express_min_priority}")
 
 
 def _has_run(pending: PendingStep) -> bool:
@@ -327,12 +333,21 @@ class Engine:
         lane = self.express
         if lane is None or self._express_step is not None or not self.scheduler.waiting:
             return
-        chunk = self.scheduler.take_express(lane.max_tokens, lane.can_run)
+        chunk = self.scheduler.take_express(lane.max_tokens, self._express_eligible)
         if chunk is None:
             return
         plan = StepPlan([chunk])
         self._mark_scheduled(plan)
         self._express_step = (plan, lane.launch(chunk, self.requests))
+
+    def _express_eligible(self, request: Request) -> bool:
+        """Whether the lane may take this request: it can run it, and the request is urgent enough."""
+        floor = self.config.express_min_priority
+        if floor is not None:
+            floor = MAX_PRIORITY - floor if self.config.low_priority_values_first else floor
+            if request.priority < floor:
+                return False
+        return self.express.can_run(request)
 
     def _finish_express(self) -> list[RequestOutput]:
         """Wait for the lane, then commit its first token; the request decodes in the main steps from now on."""

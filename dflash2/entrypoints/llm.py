@@ -32,7 +32,8 @@ class LLM:
                  max_outranked_prefill_tokens: int | None = 64, outranked_decodes_wait: bool = False,
                  cuda_graph_max_prefill_tokens: int = 2048, stream_interval: int = 1,
                  overlap_max_step_tokens: int | None = None, express_lane: bool = False,
-                 express_max_tokens: int | None = None, express_reserve_tokens: int | None = None) -> None:
+                 express_max_tokens: int | None = None, express_reserve_tokens: int | None = None,
+                 express_min_priority: int | None = None) -> None:
         """`swap_space`: pinned host memory for paused requests' KV, in GiB as a number (vLLM's unit) or a
         size string such as "512MiB"."""
         config = EngineConfig(
@@ -40,6 +41,7 @@ class LLM:
             attention_backend=attention_backend, enforce_eager=enforce_eager, overlap=overlap,
             overlap_max_step_tokens=overlap_max_step_tokens, express_lane=express_lane,
             express_max_tokens=express_max_tokens, express_reserve_tokens=express_reserve_tokens,
+            express_min_priority=express_min_priority,
             cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens,
             low_priority_values_first=low_priority_values_first, stream_interval=stream_interval,
             cache=CacheConfig(page_bytes=page_bytes, kv_cache_dtype=kv_cache_dtype, kv_layout=kv_layout,

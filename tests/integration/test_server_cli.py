@@ -134,3 +134,8 @@ def test_express_lane_flags_reach_the_engine():
         llm_kwargs(build_parser().parse_args(["serve", "--express-max-tokens", "0"]))
     with pytest.raises(ValueError, match="--express-reserve-tokens must be >= 0"):
         llm_kwargs(build_parser().parse_args(["serve", "--express-reserve-tokens", "-1"]))
+    assert llm_kwargs(build_parser().parse_args(["serve", "--express-min-priority", "1000"]))[
+        "express_min_priority"] == 1000
+    assert defaults["express_min_priority"] is None
+    with pytest.raises(ValueError, match=r"--express-min-priority must be in \[0, 65535\]"):
+        llm_kwargs(build_parser().parse_args(["serve", "--express-min-priority", "70000"]))

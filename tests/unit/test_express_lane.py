@@ -280,3 +280,35 @@ def test_an_urgent_arrival_taken_while_a_step_waits_starts_in_the_lane_within_th
     got, came_in, first_token, launches = run(True)
     assert launches == 1 and came_in is not None and first_token == came_in
     assert got == expected and sorted(got) == ["bulk0", "bulk1", "bulk2", "urgent"]
+
+
+@pytest.mark.parametrize("flipped", [False, True])
+def test_the_lane_takes_only_requests_at_least_express_min_priority_urgent(tmp_path, flipped) -> None:
+    """express_min_priority (the client's convention): a middle-class request that outranks the bulk does not
+    take the lane; a top-class one does (vLLM's convention flips both the priorities and the floor)."""
+    from dflash2 import LLM
+    from tests.tiny_models import build_tiny_model
+
+    build_tiny_model("llama", str(tmp_path))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    bulk, middle, top, floor = (1000, 100, 0, 10) if flipped else (0, 100, 1000, 1000)
+    llm = LLM(str(tmp_path), page_bytes=4096, prefill_chunk_size=8, max_num_batched_tokens=16,
+              kv_cache_memory=24 * 4096, max_model_len=64, max_num_seqs=4, express_lane=True, express_max_tokens=16,
+              express_reserve_tokens=8, express_min_priority=floor, low_priority_values_first=flipped)
+    engine = llm.engine
+    for i in range(2):
+        engine.add_request({"prompt_token_ids": [5 + i + j for j in range(12)]}, params, bulk, f"bulk{i}")
+    steps, taken = 0, []
+    while engine.has_unfinished():
+        if steps == 2:
+            engine.add_request({"prompt_token_ids": [30 + j for j in range(10)]}, params, middle, "middle")
+        if steps == 4:
+            engine.add_request({"prompt_token_ids": [40 + j for j in range(10)]}, params, top, "top")
+        launches = engine.express.num_launches
+        engine.step()
+        if engine.express.num_launches > launches:
+            taken.append(steps)
+        steps += 1
+    assert taken == [4]  # the top one only, at once
+    engine.pool.check()
+    assert engine.pool.num_used == 0
