@@ -16,8 +16,9 @@ polls that hook, which takes in commands (add_request, abort) as they arrive ins
 
 The express lane (engine/express.py): at the start of a call, or while the call waits for the device (an urgent
 arrival, just taken in by the hook), the head of the line, if it outranks a running request, may run its whole
-prompt on a stream of its own beside the main steps in flight; the main steps go on as usual, and the lane's
-first token is committed as soon as it has run (handed to the hook at once; else returned by the call).
+prompt on a stream of its own beside the main steps in flight; its first token is committed as soon as it has
+run (handed to the hook at once; else returned by the call), and the next main step is planned and launched
+only after that, so the lane shares the device with the steps already in flight only.
 
 A step that samples the first token of a request that outranks a running request, and that no request in the
 step outranks, is committed in the same call, right after its launch, so that token is not held back for the
@@ -224,9 +225,11 @@ class Engine:
         if self._in_flight is not None and self._commit_alone(self._in_flight[0]):
             return self._finish_in_flight() + self._take_ready()
         outputs: list[RequestOutput] = []
+        # The lane's prompt (started now, or during the previous call's wait) shares the device with the steps
+        # already in flight only: the next main step is planned once it has run, and decodes that request at once.
         self._start_express()
-        if self._express_step is not None and not self.overlap:  # nothing to run beside it: its token goes out
-            self._await(None, lane_only=True)  # first
+        if self._express_step is not None:
+            self._await(None, lane_only=True)
         started = time.perf_counter()
         plan = self.scheduler.plan()
         planned = time.perf_counter()
@@ -264,8 +267,6 @@ class Engine:
             launched = (plan, pending)
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
-        elif launched is None and self._express_step is not None:  # only the lane runs: wait for its token
-            self._await(None, lane_only=True)
         self._in_flight = launched
         if urgent_first_token:  # deliver it now rather than after the next step's launch (an eager step's
             outputs += self._finish_in_flight()  # host time): the device idles for one launch, only here
