@@ -2,13 +2,15 @@
 
 Under load an urgent arrival waits for the main step in flight, then the one already launched after it, then
 runs in a step shared with every running decode. The express lane skips both waits: the engine hands it the
-head of the line when that request outranks a running one (Scheduler.take_express), and it runs the whole
-prompt at once, on a high-priority CUDA stream, from CUDA graphs of its own (0 decode rows x 16, 32, ...
-`max_tokens` prompt tokens), while the main stream goes on with its steps. The engine waits for it within
-the same step() call, commits its first token, and from then on the request decodes in the main steps.
+head of the line when that request outranks a running one (Scheduler.take_express; at least
+`express_min_priority` urgent, if set), at a step's start or as the server's engine loop takes the arrival in
+while a step waits for the device (Engine.on_device_wait), and it runs the whole prompt at once, on a
+high-priority CUDA stream, from CUDA graphs of its own (0 decode rows x 16, 32, ... `max_tokens` prompt
+tokens), beside the main steps in flight. Its first token is committed as soon as it has run; the next main
+step is planned after that, and the request decodes in the main steps from then on.
 
-    main stream:    ... step N+1 (in flight) ... | step N+2 ... | N+3 (the request decodes here on)
-    express stream:   [ urgent prompt, graph ]   -> first token
+    main stream:    ... step N (in flight) ... | step N+1 (launched) ... | N+2 (the request decodes here on)
+    express stream:   [ urgent prompt, graph ]  -> first token
 
 What makes running beside the main steps safe:
   - its pages and page-table slot are settled ones (PagePool / KVManager): nothing a main step in flight reads

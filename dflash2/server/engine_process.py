@@ -15,9 +15,9 @@ about twice the same step's outside the server. vLLM (its engine core) and SGLan
 engine in a process of its own for the same reason.
 
 What crosses the pipes (a pickle behind its length; both ends are the event loop's non-blocking transports on
-the server's side, so neither a long prompt nor a busy engine ever blocks HTTP): a submission (token ids, SamplingParams, priority, the HTTP side's clock
-readings), and per step each output as its delta (text, token ids, their logprob entries): a request's last
-output comes whole. The HTTP side rebuilds RequestOutputs from them, so handlers read the same objects as
+the server's side, so neither a long prompt nor a busy engine ever blocks HTTP): a submission (token ids,
+SamplingParams, priority, the HTTP side's clock readings), and per step each output as its delta (text, token
+ids, their logprob entries): a request's last output comes whole. The HTTP side rebuilds RequestOutputs from them, so handlers read the same objects as
 with EngineThread. Metrics and the request log stay in the engine process (its observer); /metrics asks it
 for its exposition text, and --metrics-port is served from there. time.monotonic() is the host's clock, so
 times taken on either side compare.
