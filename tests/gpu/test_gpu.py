@@ -206,24 +206,31 @@ def test_preemption_with_swap_gives_transformers_tokens_on_the_gpu(tiny_llama, o
     assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0
 
 
+def _lane_engine(directory: str, seed: int, max_num_seqs: int, express: bool) -> tuple:
+    """Six bulk and six urgent prompts (seeded), greedy params with min_tokens (so the sampler runs on the lane's
+    stream), and an engine on a small pool with swap, with or without the lane."""
+    from dflash2 import LLM, SamplingParams
+
+    rng = random.Random(seed)
+    low = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 40))] for _ in range(6)]
+    high = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 30))] for _ in range(6)]
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    llm = LLM(directory, device="cuda", dtype="float32", max_num_seqs=max_num_seqs, max_model_len=64,
+              page_bytes=4096, kv_cache_memory=f"{24 * 4096}B", swap_space=f"{64 * 4096}B", prefill_chunk_size=16,
+              max_num_batched_tokens=32, express_lane=express, express_max_tokens=32)
+    return llm.engine, low, high, params
+
+
 @pytest.mark.parametrize("express", [False, True])
 def test_the_express_lane_gives_transformers_tokens_on_the_gpu(tiny_llama, express):
     """Urgent arrivals, one every two steps, run their prompts in the express lane (its own stream and graphs)
     beside the main steps in flight, on a small pool with swap and the lane's reserve; min_tokens makes the
     sampler run on the lane's stream. Every request's greedy tokens stay transformers', the lane ran, and no
     page is left used or swapped."""
-    from dflash2 import LLM, SamplingParams
     from tests.tiny_models import hf_greedy
 
     hf_model, directory = tiny_llama
-    rng = random.Random(11)
-    low = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 40))] for _ in range(6)]
-    high = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 30))] for _ in range(6)]
-    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
-    llm = LLM(directory, device="cuda", dtype="float32", max_num_seqs=6, max_model_len=64, page_bytes=4096,
-              kv_cache_memory=f"{24 * 4096}B", swap_space=f"{64 * 4096}B", prefill_chunk_size=16,
-              max_num_batched_tokens=32, express_lane=express, express_max_tokens=32)
-    engine = llm.engine
+    engine, low, high, params = _lane_engine(directory, 11, 6, express)
     assert (engine.express is not None) == express
     finished = {}
     ids = [engine.add_request({"prompt_token_ids": p}, params, priority=0).request_id for p in low]
@@ -247,18 +254,10 @@ def test_urgent_arrivals_taken_while_steps_wait_run_in_the_lane_on_the_gpu(tiny_
     the lane starts each one there, beside the two main steps in flight, and its first token is handed to the
     hook; one urgent request is aborted from the hook right after it came in (its prompt may still be running
     in the lane). Every other request's greedy tokens stay transformers', and no page is left used or swapped."""
-    from dflash2 import LLM, SamplingParams
     from tests.tiny_models import hf_greedy
 
     hf_model, directory = tiny_llama
-    rng = random.Random(13)
-    low = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 40))] for _ in range(6)]
-    high = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 30))] for _ in range(6)]
-    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
-    llm = LLM(directory, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=64, page_bytes=4096,
-              kv_cache_memory=f"{24 * 4096}B", swap_space=f"{64 * 4096}B", prefill_chunk_size=16,
-              max_num_batched_tokens=32, express_lane=True, express_max_tokens=32)
-    engine = llm.engine
+    engine, low, high, params = _lane_engine(directory, 13, 8, True)
     finished, handed, calls = {}, set(), [0]
     ids = [engine.add_request({"prompt_token_ids": p}, params, priority=0).request_id for p in low]
     urgent: list[str] = []
