@@ -57,7 +57,8 @@ _STOP_TIMEOUT_S = 10.0
 _HEADER = struct.Struct("!Q")  # a frame's length (both pipes)
 # While the engine process renders a /metrics scrape (on a thread of its own), the interpreter hands the GIL
 # between threads this often (CPython's default: 5 ms): the engine loop, which drops the GIL while it waits
-# for the device, gets it back within this much of asking, and the render runs in those waits.
+# for the device (in each poll of the commands pipe, when it takes commands meanwhile), gets it back within
+# this much of asking, and the render runs in those waits.
 RENDER_SWITCH_INTERVAL_S = 0.0002
 # A render takes each metric family only while the loop waits (for the device, or idle for commands), so the
 # two never share the GIL while the loop has host work; past this long a render finishes without waiting (a
