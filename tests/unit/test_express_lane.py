@@ -51,6 +51,31 @@ def test_a_page_released_while_a_step_is_in_flight_goes_to_the_lane_only_once_th
     pool.check()
 
 
+def test_the_reserve_is_refilled_from_the_least_recently_used_cached_pages_keeping_their_stamps() -> None:
+    """With prefix caching most released pages become cached, not free: once the lane has taken reserved pages,
+    the oldest cached pages are evicted into the free list at once (the ones the main steps would evict next),
+    so the reserve is whole again; a refilled page is settled only once its own release has settled."""
+    pool = PagePool(8, page_bytes=1)
+    pool.reserved = 3
+    pages = pool.allocate(5)  # [0..4]; 5, 6, 7 are the reserve
+    for page, content in zip(pages, (b"a", b"b", b"c", b"d", b"e")):
+        pool.register(page, content)
+    pool.release([0, 1])  # released while step 1 is planned: settled once step 1 completed
+    pool.launches = pool.completed = 1
+    pool.release([2, 3])  # stamp 2
+    assert (pool.num_free, pool.num_cached, pool.num_available) == (3, 4, 4)
+    assert sorted(pool.allocate_settled(2)) == [5, 6]
+    assert (pool.num_free, pool.num_cached, pool.num_used) == (3, 2, 3)  # 0 and 1, the oldest, refilled it
+    assert pool.lookup(b"a") is None and pool.lookup(b"b") is None and pool.lookup(b"c") == 2
+    assert pool.num_settled_free() == 3 and sorted(pool.allocate_settled(3)) == [0, 1, 7]
+    assert (pool.num_free, pool.num_cached) == (2, 0)  # 2 and 3 now free, released at stamp 2: not settled yet
+    assert pool.num_settled_free() == 0 and pool.allocate_settled(1) is None
+    pool.launches = pool.completed = 2
+    assert pool.num_settled_free() == 2
+    assert pool.num_available == 0 and pool.allocate(1) is None  # the main steps never take the reserve
+    pool.check()
+
+
 def test_the_lane_gets_a_settled_slot_and_settled_pages() -> None:
     pool = PagePool(8, page_bytes=1)
     kv = KVManager(pool, 2, "m", max_slots=2)

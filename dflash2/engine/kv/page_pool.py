@@ -13,9 +13,12 @@ The express lane (engine/express.py) runs an urgent prompt on a stream of its ow
 flight, so it may only write pages no main step in flight can touch: a page released while main step L was the
 last launched (or while L + 1 was being planned) may still be read or written by step L + 1, so it is *settled*
 once `completed >= L + 1` (`launches` and `completed` count main steps; the engine moves them).
-`allocate_settled()` hands out settled free pages only (never evicting: a cached page may still be read by a
-swap-out in flight). `reserved` free pages are kept from `allocate()` (the main steps' allocations, which evict
-cached pages before taking them), so that some stay settled for the lane even when the pool runs full.
+`allocate_settled()` hands out settled free pages only. `reserved` free pages are kept from `allocate()` (the
+main steps' allocations, which evict cached pages before taking them), so that some stay settled for the lane
+even when the pool runs full; and whenever fewer than `reserved` are free (the lane took some), the least
+recently used cached pages are evicted into the free list at once. Those are the pages the main steps would
+evict next, and the longest released, so settled the soonest (their stamp is kept: eviction does not make a
+page settled). So `num_available` does not change; only the prefix cache keeps up to `reserved` pages fewer.
 """
 from __future__ import annotations
 
@@ -75,6 +78,7 @@ class PagePool:
             page = self._free.pop() if len(self._free) > self.reserved else self._evict_oldest()
             self._refcount[page] = 1
             pages.append(page)
+        self._refill_reserve()
         return pages
 
     def allocate_settled(self, num_pages: int) -> list[int] | None:
@@ -88,6 +92,7 @@ class PagePool:
         self._free = [page for page in self._free if page not in taken]
         for page in settled:
             self._refcount[page] = 1
+        self._refill_reserve()
         return settled
 
     def acquire(self, page: int) -> None:
@@ -110,6 +115,7 @@ class PagePool:
                     self._cached[page] = None
                 else:
                     self._free.append(page)
+        self._refill_reserve()
 
     def register(self, page: int, content_hash: bytes) -> None:
         """Record that a used page holds a full run of tokens with this chained hash."""
@@ -138,6 +144,11 @@ class PagePool:
         assert sum(1 for c in self._refcount if c > 0) == self.num_used
         assert all(self._refcount[p] == 0 and self._hash_of[p] is None for p in self._free)
         assert all(self._refcount[p] == 0 and self._hash_of[p] is not None for p in self._cached)
+
+    def _refill_reserve(self) -> None:
+        """Evict the least recently used cached pages into the free list while fewer than `reserved` are free."""
+        while len(self._free) < self.reserved and self._cached:
+            self._free.insert(0, self._evict_oldest())  # under the others: the main steps' pops reach it last
 
     def _evict_oldest(self) -> int:
         page, _ = self._cached.popitem(last=False)
