@@ -276,7 +276,9 @@ class Engine:
         """Wait for a launched step's device event (None: it ran already, or `lane_only`: wait for the lane's
         prompt instead). Meanwhile: the lane's prompt is committed once it has run, and with `on_device_wait`
         (and `take_commands`) the caller is handed those outputs and takes in commands, and the lane starts the
-        head of the line if it may. Without a hook or a lane the runner's collect() waits (host_waits)."""
+        head of the line if it may (not while the main steps wait for the lane: one lane prompt per step()
+        call holds them, so a stream of urgent arrivals cannot starve them). Without a hook or a lane the
+        runner's collect() waits (host_waits)."""
         hook = self.on_device_wait if take_commands else None
         if hook is None and self._express_step is None:
             return
@@ -293,7 +295,7 @@ class Engine:
                 if hook is not None:
                     ready, self._ready = self._ready, []
                     hook(ready)
-                    if tried != self._num_added:
+                    if not lane_only and tried != self._num_added:
                         tried = self._num_added
                         self._start_express()
                 if lane_only:

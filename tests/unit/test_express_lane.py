@@ -337,3 +337,38 @@ def test_the_lane_takes_only_requests_at_least_express_min_priority_urgent(tmp_p
     assert taken == [4]  # the top one only, at once
     engine.pool.check()
     assert engine.pool.num_used == 0
+
+
+def test_urgent_arrivals_in_a_stream_do_not_hold_the_main_steps_for_more_than_one_lane_prompt(tmp_path) -> None:
+    """The main steps wait for the lane's prompt at the start of a step() call; arrivals taken in during that
+    wait do not start further lane prompts there (a stream of them would hold the main steps for good). So a
+    call runs at most three: the one it waits for, and one in each wait for a main step's results (the step in
+    flight, and the step committed at once for an urgent first token); and every call launches a main step."""
+    from dflash2 import LLM
+    from tests.tiny_models import build_tiny_model
+
+    build_tiny_model("llama", str(tmp_path))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm = LLM(str(tmp_path), page_bytes=4096, prefill_chunk_size=8, max_num_batched_tokens=16,
+              kv_cache_memory=48 * 4096, max_model_len=64, max_num_seqs=8, express_lane=True,
+              express_max_tokens=16, express_reserve_tokens=16, overlap=True)
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": list(range(5, 17))}, params, 0, "bulk")
+    added = []
+
+    def hook(outputs) -> None:  # two urgent arrivals every time the engine looks (one waits for the lane)
+        for _ in range(2):
+            if len(added) < 8:
+                added.append(engine.add_request({"prompt_token_ids": [40 + len(added), 41, 42]}, params, 100,
+                                                f"u{len(added)}").request_id)
+
+    engine.on_device_wait = hook
+    per_call, main_steps = [], []
+    while engine.has_unfinished():
+        launches, steps = engine.express.num_launches, engine.pool.launches
+        engine.step()
+        per_call.append(engine.express.num_launches - launches)
+        main_steps.append(engine.pool.launches - steps)
+    assert max(per_call) <= 3 and sum(per_call) >= 3  # (without the bound: 6 in one call)
+    assert all(main_steps[:-1])
+    assert engine.pool.num_used == 0
