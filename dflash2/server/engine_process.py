@@ -178,8 +178,8 @@ class EngineProcess:
         results_out.close()
         self._commands_out = commands_out
         # Both pipes are the event loop's own transports, non-blocking: a write never waits for the engine
-        # (busy with a long step, it reads its commands only between steps; a long prompt is more than a
-        # pipe's buffer), and frames are read as they come.
+        # (busy with a step's host work, it reads its commands only between steps and while a step waits for
+        # the device; a long prompt is more than a pipe's buffer), and frames are read as they come.
         loop.create_task(self._connect(loop, commands_out, results_in))
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, commands_out: Any, results_in: Any) -> None:
