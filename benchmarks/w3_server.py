@@ -178,16 +178,19 @@ def ttft_breakdown(records: list[dict[str, Any]], results: list[Any], slowest: i
     (request_log(); client and server on one host share its monotonic clock): `before_app`, the client sending
     -> the app received it (connecting, the server's event loop accepting and parsing); `in_app`, received -> its
     first text written to the stream; `after_write`, written -> the client parsed it. The three add up to the
-    client's TTFT. Returns p50/p99 of each and the `slowest` requests' parts, or None when nothing matches."""
+    client's TTFT. Returns p50/p99 of each and the `slowest` requests' parts (`lane`: its prompt ran in the express
+    lane), and the client TTFT's p50/p99 of the requests whose prompt ran in the lane and of the others
+    (`by_lane`, when any did); None when nothing matches."""
     wanted = {r.request_id: r for r in results if r.ok and r.ttft_s is not None and r.request_id}
-    parts: list[tuple[float, float, float, float]] = []  # (ttft, before_app, in_app, after_write), seconds
+    # (ttft, before_app, in_app, after_write) in seconds, and whether the prompt ran in the express lane
+    parts: list[tuple[float, float, float, float, bool]] = []
     for record in records:
         result = wanted.get(record["request_id"])
         received, written = record.get("received_monotonic"), record.get("first_sent_monotonic")
         if result is None or received is None or written is None:
             continue
         parts.append((result.ttft_s, received - result.started_at, written - received,
-                      result.started_at + result.ttft_s - written))
+                      result.started_at + result.ttft_s - written, bool(record.get("express_lane"))))
     if not parts:
         return None
     names = ("before_app", "in_app", "after_write")
@@ -195,8 +198,15 @@ def ttft_breakdown(records: list[dict[str, Any]], results: list[Any], slowest: i
     for i, name in enumerate(names, start=1):
         summary[f"{name}_p50_ms"] = percentile_ms([p[i] for p in parts], 50)
         summary[f"{name}_p99_ms"] = percentile_ms([p[i] for p in parts], 99)
+    if any(p[4] for p in parts):
+        summary["by_lane"] = {
+            side: {"requests": len(ttfts), "ttft_p50_ms": percentile_ms(ttfts, 50),
+                   "ttft_p99_ms": percentile_ms(ttfts, 99)}
+            for side, ttfts in (("lane", [p[0] for p in parts if p[4]]), ("main_steps", [p[0] for p in parts
+                                                                                      if not p[4]])) if ttfts}
     summary["slowest"] = [{"ttft_ms": round(p[0] * 1000, 1),
-                           **{name: round(p[i] * 1000, 1) for i, name in enumerate(names, start=1)}}
+                           **{name: round(p[i] * 1000, 1) for i, name in enumerate(names, start=1)},
+                           "lane": p[4]}
                           for p in sorted(parts, reverse=True)[:slowest]]
     return summary
 

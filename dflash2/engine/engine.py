@@ -342,6 +342,7 @@ class Engine:
         plan = StepPlan([chunk])
         self._mark_scheduled(plan)
         self._express_step = (plan, lane.launch(chunk, self.requests))
+        self.requests[chunk.request_id].ran_in_express_lane = True
 
     def _express_eligible(self, request: Request) -> bool:
         """Whether the lane may take this request: it can run it, and the request is urgent enough."""

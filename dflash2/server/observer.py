@@ -132,6 +132,7 @@ class RequestObserver:
             "model": self.model_name, "priority": _client_priority(tracked), "finish_reason": finish_reason,
             "prompt_tokens": request.num_prompt_tokens, "completion_tokens": num_output,
             "cached_tokens": request.num_cached_tokens, "num_preemptions": request.num_preemptions,
+            "express_lane": request.ran_in_express_lane,
             "queue_time_ms": _ms(scheduled - tracked.submitted_at) if scheduled is not None else None,
             "ttft_ms": _ms(first_token - tracked.submitted_at) if first_token is not None else None,
             "tpot_ms": _ms((now - first_token) / (num_output - 1)) if first_token and num_output > 1 else None,

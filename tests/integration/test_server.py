@@ -155,6 +155,7 @@ def test_request_log_splits_the_http_side_from_the_engine(client, real_server):
     streamed_record, whole_record = records[streamed[0].id], records[whole.id]
     assert streamed_record["http_in_ms"] >= 0 and streamed_record["http_out_ms"] >= 0
     assert whole_record["http_in_ms"] >= 0 and "http_out_ms" not in whole_record  # not streamed
+    assert streamed_record["express_lane"] is False and whole_record["express_lane"] is False  # (no lane here)
 
 
 def test_a_client_ttft_splits_into_sending_the_app_and_the_way_back(real_server):
@@ -171,7 +172,7 @@ def test_a_client_ttft_splits_into_sending_the_app_and_the_way_back(real_server)
     assert all(r.ok and r.request_id.startswith("cmpl-") for r in results)
     time.sleep(0.2)
     summary = ttft_breakdown(request_log(str(real_server.stdout_path)), results)
-    assert summary["requests"] == 3 and len(summary["slowest"]) == 3
+    assert summary["requests"] == 3 and len(summary["slowest"]) == 3 and "by_lane" not in summary
     for row in summary["slowest"]:
         parts = (row["before_app"], row["in_app"], row["after_write"])
         assert min(parts) >= 0 and abs(sum(parts) - row["ttft_ms"]) <= 0.3  # each part rounded to 0.1 ms

@@ -323,18 +323,19 @@ def test_the_lane_takes_only_requests_at_least_express_min_priority_urgent(tmp_p
     engine = llm.engine
     for i in range(2):
         engine.add_request({"prompt_token_ids": [5 + i + j for j in range(12)]}, params, bulk, f"bulk{i}")
-    steps, taken = 0, []
+    steps, taken, added = 0, [], {}
     while engine.has_unfinished():
         if steps == 2:
-            engine.add_request({"prompt_token_ids": [30 + j for j in range(10)]}, params, middle, "middle")
+            added["middle"] = engine.add_request({"prompt_token_ids": [30 + j for j in range(10)]}, params, middle)
         if steps == 4:
-            engine.add_request({"prompt_token_ids": [40 + j for j in range(10)]}, params, top, "top")
+            added["top"] = engine.add_request({"prompt_token_ids": [40 + j for j in range(10)]}, params, top)
         launches = engine.express.num_launches
         engine.step()
         if engine.express.num_launches > launches:
             taken.append(steps)
         steps += 1
     assert taken == [4]  # the top one only, at once
+    assert added["top"].ran_in_express_lane and not added["middle"].ran_in_express_lane  # (the request log's)
     engine.pool.check()
     assert engine.pool.num_used == 0
 
