@@ -282,15 +282,10 @@ class Engine:
         hook = self.on_device_wait if take_commands else None
         if hook is None and self._express_step is None:
             return
-        waits = self.runner.host_waits
-        if waits is not None:
-            waits.set()  # the server's metrics render while the loop waits
         tried = None  # the lane is tried again only for new arrivals, or once it is free (not on every poll)
-        try:
+        with self.runner.waiting_for_device():
             while True:
-                lane = self._express_step
-                if lane is not None and _has_run(lane[1]):
-                    self._ready += self._finish_express()
+                if self._commit_express_if_run():
                     tried = None
                 if hook is not None:
                     ready, self._ready = self._ready, []
@@ -303,15 +298,18 @@ class Engine:
                         return
                 elif done is None or done.query():
                     return
-        finally:
-            if waits is not None:
-                waits.clear()
+
+    def _commit_express_if_run(self) -> bool:
+        """Commit the lane's prompt if it has run (its first token joins the ready outputs); whether it did."""
+        lane = self._express_step
+        if lane is None or not _has_run(lane[1]):
+            return False
+        self._ready += self._finish_express()
+        return True
 
     def _take_ready(self) -> list[RequestOutput]:
         """The lane's first tokens not handed out yet (its prompt committed first, if it has run)."""
-        lane = self._express_step
-        if lane is not None and _has_run(lane[1]):
-            self._ready += self._finish_express()
+        self._commit_express_if_run()
         ready, self._ready = self._ready, []
         return ready
 

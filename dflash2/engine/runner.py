@@ -14,9 +14,10 @@ step can feed them back as inputs before the host has seen them: a negative inpu
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,15 @@ class PendingStep:
 # The sampled tokens' copy to the host on a stream of its own (DFLASH2_TOKEN_COPY_STREAM=0: on the main stream,
 # where the next step's first kernels wait behind it and its launch gap).
 TOKEN_COPY_STREAM = os.environ.get("DFLASH2_TOKEN_COPY_STREAM", "1") != "0"
+
+
+@contextlib.contextmanager
+def _event_set(event: threading.Event) -> Iterator[None]:
+    event.set()
+    try:
+        yield
+    finally:
+        event.clear()
 
 
 class ModelRunner:
@@ -160,18 +170,16 @@ class ModelRunner:
         logits = self.model.module.compute_logits(hidden[host.sample_rows]) if host.sample_rows else None
         return hidden, logits
 
+    def waiting_for_device(self) -> contextlib.AbstractContextManager:
+        """Around a wait for the device: `host_waits`, if any, is set meanwhile (the server's metrics render then);
+        without one (every step of an offline run) a null context."""
+        return _event_set(self.host_waits) if self.host_waits is not None else contextlib.nullcontext()
+
     def collect(self, pending: PendingStep) -> StepResult:
         result = StepResult()
         if pending.done is not None:
-            waits = self.host_waits
-            if waits is None:
+            with self.waiting_for_device():
                 pending.done.synchronize()
-            else:
-                waits.set()
-                try:
-                    pending.done.synchronize()
-                finally:
-                    waits.clear()
         if pending.tokens_host is not None:
             result.sampled = dict(zip(pending.sample_ids, pending.tokens_host.tolist()))
         if pending.logprob_job is not None:
