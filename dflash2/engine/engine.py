@@ -316,9 +316,9 @@ class Engine:
     # -- the express lane ---------------------------------------------------------------------------
     def _express_lane(self, device: torch.device) -> ExpressLane | None:
         """The lane, its graphs and its page reserve, if on (EngineConfig.express_lane)."""
+        if not self._wants_express(device):
+            return None
         config = self.config
-        if not config.express_lane or (device.type == "cuda" and config.enforce_eager):
-            return None  # on CUDA the lane runs from graphs only: eager, it would launch as slowly as the main steps
         lane = ExpressLane(self.runner, self._express_max_tokens())
         lane.capture_graphs()
         if device.type == "cuda" and lane.graphs is None:
@@ -600,12 +600,14 @@ class Engine:
         config = self.config
         return min(config.express_max_tokens or config.scheduler.prefill_chunk_size, self.max_model_len)
 
+    def _wants_express(self, device: torch.device) -> bool:
+        """Whether the express lane is on: asked for, and on CUDA with graphs (eager, it would launch as slowly
+        as the main steps)."""
+        return self.config.express_lane and not (device.type == "cuda" and self.config.enforce_eager)
+
     def _express_graph_tokens(self, device: torch.device) -> int:
         """The express lane's largest graph, if it will be captured (in a memory pool of its own)."""
-        config = self.config
-        if not config.express_lane or config.enforce_eager or device.type != "cuda":
-            return 0
-        return self._express_max_tokens()
+        return self._express_max_tokens() if device.type == "cuda" and self._wants_express(device) else 0
 
     def _num_pages(self, layout: KVLayout, device: torch.device, options: RunnerOptions) -> int:
         cache, sched = self.config.cache, self.config.scheduler

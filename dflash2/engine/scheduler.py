@@ -104,14 +104,8 @@ class Scheduler:
         grown = self.kv.grow(head, head.num_tokens, settled=True)
         assert grown, "settled pages were counted before"
         head.num_computed_tokens = cached
-        self.kv.record_prefix_lookup(head.num_tokens, cached)
-        if head.num_preemptions == 0:
-            head.num_cached_tokens = cached
-        self.waiting.remove(head)
-        head.status = RequestStatus.RUNNING
-        request_id = head.request_id
-        self.express[request_id] = head
-        self._admitted[request_id] = next(self._admissions)
+        self._record_prefix(head, cached)
+        self._leave_line(head, self.express)
         chunk = self._chunk(head, num_new)
         head.num_computed_tokens = head.num_tokens
         return chunk
@@ -237,16 +231,24 @@ class Scheduler:
             plan.swap_in.extend(pairs)
             plan.resumed.append(request_id)
         else:
-            self.kv.record_prefix_lookup(request.num_tokens, cached)
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = cached
-        self.waiting.remove(request)
-        request.status = RequestStatus.RUNNING
-        self.running[request_id] = request
-        self._admitted[request_id] = next(self._admissions)
+            self._record_prefix(request, cached)
+        self._leave_line(request, self.running)
         self._admitted_now.add(request_id)
         self._schedule(request, num_new, plan)
         return True
+
+    def _record_prefix(self, request: Request, cached: int) -> None:
+        """Count a new admission's prefix lookup; its first admission's hit is the request's cached tokens."""
+        self.kv.record_prefix_lookup(request.num_tokens, cached)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = cached
+
+    def _leave_line(self, request: Request, into: dict[str, Request]) -> None:
+        """The waiting request starts running (`into`: the running requests, or the express lane's)."""
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        into[request.request_id] = request
+        self._admitted[request.request_id] = next(self._admissions)
 
     def _preempt_for(self, request: Request, plan: StepPlan) -> bool:
         """Pause running requests outranked by the waiting `request` until it fits; False if it cannot.
