@@ -327,7 +327,6 @@ def build_report(args: argparse.Namespace, phases: Phases, server_log: str | Non
             "swap_outs": int(delta["dflash2_num_swap_outs_total"]),
             "swapped_bytes": int(delta["dflash2_swapped_bytes_total"]),
             "rejected_503": int(delta["dflash2_num_requests_rejected_total"]),
-            "express_lane_prompts": int(delta["dflash2_express_lane_prompts_total"]),
             "peak": {name.removeprefix("dflash2_"): value for name, value in phases.peaks.items()},
             "mean": {name.removeprefix("dflash2_"): value for name, value in phases.means.items()},
         },

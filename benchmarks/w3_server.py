@@ -22,7 +22,7 @@ STEP_METRICS = (STEP_METRIC, "dflash2_step_launch_seconds", "dflash2_step_finish
 GC_METRIC = "dflash2_gc_pause_seconds"  # kept by `generation` and `le` (the engine's process)
 SERVER_GC_METRIC = "dflash2_server_gc_pause_seconds"  # the same for the HTTP server's process
 COUNTERS = ("dflash2_num_preemptions_total", "dflash2_num_swap_outs_total", "dflash2_swapped_bytes_total",
-            "dflash2_num_requests_rejected_total", "dflash2_express_lane_prompts_total")
+            "dflash2_num_requests_rejected_total")
 GAUGES = ("dflash2_num_requests_waiting", "dflash2_num_requests_running", "dflash2_num_requests_swapped",
           "dflash2_kv_cache_usage_perc")
 
@@ -178,19 +178,17 @@ def ttft_breakdown(records: list[dict[str, Any]], results: list[Any], slowest: i
     (request_log(); client and server on one host share its monotonic clock): `before_app`, the client sending
     -> the app received it (connecting, the server's event loop accepting and parsing); `in_app`, received -> its
     first text written to the stream; `after_write`, written -> the client parsed it. The three add up to the
-    client's TTFT. Returns p50/p99 of each and the `slowest` requests' parts (`lane`: its prompt ran in the express
-    lane), and the client TTFT's p50/p99 of the requests whose prompt ran in the lane and of the others
-    (`by_lane`, when any did); None when nothing matches."""
+    client's TTFT. Returns p50/p99 of each and the `slowest` requests' parts; None when nothing matches."""
     wanted = {r.request_id: r for r in results if r.ok and r.ttft_s is not None and r.request_id}
-    # (ttft, before_app, in_app, after_write) in seconds, and whether the prompt ran in the express lane
-    parts: list[tuple[float, float, float, float, bool]] = []
+    # (ttft, before_app, in_app, after_write) in seconds
+    parts: list[tuple[float, float, float, float]] = []
     for record in records:
         result = wanted.get(record["request_id"])
         received, written = record.get("received_monotonic"), record.get("first_sent_monotonic")
         if result is None or received is None or written is None:
             continue
         parts.append((result.ttft_s, received - result.started_at, written - received,
-                      result.started_at + result.ttft_s - written, bool(record.get("express_lane"))))
+                      result.started_at + result.ttft_s - written))
     if not parts:
         return None
     names = ("before_app", "in_app", "after_write")
@@ -198,15 +196,8 @@ def ttft_breakdown(records: list[dict[str, Any]], results: list[Any], slowest: i
     for i, name in enumerate(names, start=1):
         summary[f"{name}_p50_ms"] = percentile_ms([p[i] for p in parts], 50)
         summary[f"{name}_p99_ms"] = percentile_ms([p[i] for p in parts], 99)
-    if any(p[4] for p in parts):
-        summary["by_lane"] = {
-            side: {"requests": len(ttfts), "ttft_p50_ms": percentile_ms(ttfts, 50),
-                   "ttft_p99_ms": percentile_ms(ttfts, 99)}
-            for side, ttfts in (("lane", [p[0] for p in parts if p[4]]), ("main_steps", [p[0] for p in parts
-                                                                                      if not p[4]])) if ttfts}
     summary["slowest"] = [{"ttft_ms": round(p[0] * 1000, 1),
-                           **{name: round(p[i] * 1000, 1) for i, name in enumerate(names, start=1)},
-                           "lane": p[4]}
+                           **{name: round(p[i] * 1000, 1) for i, name in enumerate(names, start=1)}}
                           for p in sorted(parts, reverse=True)[:slowest]]
     return summary
 

@@ -167,9 +167,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int = 512
+    # None: chosen by device (DeviceDefaults below), logged at startup; a value given always wins
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    prefill_chunk_size: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     preemption_threshold: int = 1  # a waiting request pauses running ones at least this much less urgent
     priority_aging_seconds: float | None = None  # waiting this long outranks any newer request
@@ -177,9 +178,16 @@ class SchedulerConfig:
     # it outranks by preemption_threshold share at most this many tokens a step (None: no cap), so the
     # urgent request's steps stay short.
     max_outranked_prefill_tokens: int | None = 64
-    # ... and the decodes of the requests it outranks skip the steps that run its prompt chunks (shorter
-    # urgent steps; each outranked request loses one token's step per urgent prompt chunk)
-    outranked_decodes_wait: bool = False
+
+    def with_device_defaults(self, device_type: str, device_memory_bytes: int = 0) -> "SchedulerConfig":
+        """This config with every size left None chosen for the device (a new object; this one is frozen)."""
+        defaults = DeviceDefaults.for_device(device_type, device_memory_bytes)
+        return dataclasses.replace(self, **{name: getattr(defaults, name) for name in DeviceDefaults.FIELDS
+                                            if getattr(self, name) is None})
+
+    @property
+    def sizes_chosen(self) -> bool:
+        return all(getattr(self, name) is not None for name in DeviceDefaults.FIELDS)
 
     def __post_init__(self) -> None:
         if self.max_outranked_prefill_tokens is not None and self.max_outranked_prefill_tokens < 0:
@@ -188,6 +196,29 @@ class SchedulerConfig:
             raise ValueError(f"preemption_threshold must be >= 1, got {self.preemption_threshold}")
         if self.priority_aging_seconds is not None and self.priority_aging_seconds <= 0:
             raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
-            if getattr(self, name) < 1:
+        for name in DeviceDefaults.FIELDS:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """The batch sizes a device gets when the user names none. A CPU runs a few requests at a time well; a
+    large GPU needs hundreds in flight and long steps to stay busy (W7 on one H100, llama-3-8b: 4,710 output
+    tok/s at 64 / 2048 / 512, 9,440 at 512 / 8192 / 512; benchmarks/RESULTS.md). As vLLM does, the size follows
+    the device's memory."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_chunk_size: int
+
+    FIELDS = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size")
+    LARGE_GPU_BYTES = 70 << 30  # H100 / H200 / A100-80GB class
+
+    @staticmethod
+    def for_device(device_type: str, device_memory_bytes: int = 0) -> "DeviceDefaults":
+        if device_type != "cuda":
+            return DeviceDefaults(64, 2048, 512)
+        if device_memory_bytes >= DeviceDefaults.LARGE_GPU_BYTES:
+            return DeviceDefaults(512, 8192, 512)
+        return DeviceDefaults(256, 4096, 512)

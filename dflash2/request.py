@@ -57,7 +57,6 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
-        self.ran_in_express_lane = False  # its prompt ran in the express lane (engine/express.py)
         # Set when the host knows the request will finish once in-flight steps land (overlapped steps).
         self.finish_pending = False
         self.stop_reason: int | str | None = None

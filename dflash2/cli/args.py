@@ -25,9 +25,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--device", default="auto", help="auto, cpu or cuda")
     add_flag(parser, "--seed", type=int, default=0)
     add_flag(parser, "--max-model-len", type=int, default=None)
-    add_flag(parser, "--max-num-seqs", type=int, default=64)
-    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048)
-    add_flag(parser, "--prefill-chunk-size", type=int, default=512)
+    by_device = "default: by device (CPU 64 / 2048 / 512; a GPU of 70+ GiB 512 / 8192 / 512; smaller GPUs 256 / 4096 / 512)"
+    add_flag(parser, "--max-num-seqs", type=int, default=None, help=f"requests run together; {by_device}")
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=None, help="tokens in one step; see --max-num-seqs")
+    add_flag(parser, "--prefill-chunk-size", type=int, default=None,
+             help="the most prompt tokens of one request in a step; see --max-num-seqs")
     add_flag(parser, "--kv-cache-dtype", default="auto",
              help="auto (a converted checkpoint's choice, else the model dtype), bf16, fp16, fp32, fp8, int8, int4; "
                   "fp8/int8/int4 keep an fp16 scale per token and head in the page")

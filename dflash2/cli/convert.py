@@ -22,7 +22,8 @@ def add_parser(subparsers: Any) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--model-path", "--model", "--model-dir", dest="model_path", default=None,
              help="HF directory or .gguf file (default: the bundled SmolLM2-135M)")
-    add_flag(parser, "--output-path", "--output", dest="output_path", required=True, help="directory to write")
+    add_flag(parser, "--output-path", "--output", "--output-dir", dest="output_path", required=True,
+             help="directory to write")
     add_flag(parser, "--dtype", default=None,
              help="bits for every weight group unless set below: int8, int6, int4, bf16 (or 8, 6, 4, 16)")
     for group, flag in GROUP_FLAGS.items():
@@ -37,10 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--calibration-dataset", default=None,
              help='jsonl of texts ({"text": ...} a line): activation statistics for calibrated quantization')
     add_flag(parser, "--calibration-samples", type=int, default=64, help="texts to use from the dataset")
-    add_flag(parser, "--calibration-max-tokens", type=int, default=512, help="tokens kept of each text")
+    add_flag(parser, "--calibration-max-tokens", "--max-seq-len", dest="calibration_max_tokens", type=int,
+             default=512, help="tokens kept of each calibration text")
+    add_flag(parser, "--num-gpus", type=int, default=1, help="conversion runs on one device: only 1 is accepted")
     add_flag(parser, "--overwrite", action="store_true", help="replace the output directory if it exists")
     add_flag(parser, "--no-progress", dest="progress", action="store_false", help="no progress bars")
     add_flag(parser, "--log-level", default="warning")
+    parser.add_argument("--verbose", "-v", dest="log_level", action="store_const", const="info",
+                        help="log progress (same as --log-level info)")
 
 
 def quant_config_from_args(args: argparse.Namespace) -> Any:
@@ -68,6 +73,8 @@ def quant_config_from_args(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from dflash2.quantization.convert import ConvertOptions, convert
 
+    if args.num_gpus != 1:
+        raise ValueError(f"--num-gpus {args.num_gpus}: conversion runs on one device; only 1 is supported")
     quant = quant_config_from_args(args)
     options = ConvertOptions(model_path=args.model_path, output_path=args.output_path, quant=quant,
                              calibration_dataset=args.calibration_dataset,

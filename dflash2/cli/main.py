@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from dflash2.cli import bench, convert, generate, serve, validate
+from dflash2.logs import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,12 +17,6 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_parser(subparsers)
     validate.add_parser(subparsers)
     return parser
-
-
-def configure_logging(log_level: str) -> None:
-    """The commands' logging (also the server's engine process's, which is spawned without this main)."""
-    logging.basicConfig(level=getattr(logging, str(log_level).upper(), logging.WARNING),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def main(argv: list[str] | None = None) -> int:

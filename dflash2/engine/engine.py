@@ -6,19 +6,9 @@
              returns one RequestOutput per request that produced something.
 
 Overlapped (the default on GPU): step N+1 is planned and launched before step N is committed.
-(`overlap_max_step_tokens`: a longer step N is committed first, and N+1 planned after it.)
 
     host:    plan N+1 | launch N+1 | collect+commit N | plan N+2 | launch N+2 | collect+commit N+1 ...
     device:  ...... step N ......  | ............ step N+1 ...........| ......... step N+2 ....
-
-Waiting for the device: with `on_device_wait` set (the server's engine loop), a wait for a step's results
-polls that hook, which takes in commands (add_request, abort) as they arrive instead of after the step.
-
-The express lane (engine/express.py): at the start of a call, or while the call waits for the device (an urgent
-arrival, just taken in by the hook), the head of the line, if it outranks a running request, may run its whole
-prompt on a stream of its own beside the main steps in flight; its first token is committed as soon as it has
-run (handed to the hook at once; else returned by the call), and the next main step is planned and launched
-only after that, so the lane shares the device with the steps already in flight only.
 
 A step that samples the first token of a request that outranks a running request, and that no request in the
 step outranks, is committed in the same call, right after its launch, so that token is not held back for the
@@ -32,18 +22,18 @@ stops on EOS or a stop string costs one wasted row in the next step.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from dflash2.config import CacheConfig, SchedulerConfig
+from dflash2.config import CacheConfig, DeviceDefaults, SchedulerConfig
 from dflash2.engine.detokenizer import IncrementalDetokenizer
-from dflash2.engine.express import ExpressLane
 from dflash2.engine.kv.layout import KVLayout, resolve_kv_dtype
 from dflash2.engine.kv.host_pool import HostPagePool
 from dflash2.engine.kv.manager import KVManager
@@ -78,44 +68,25 @@ class EngineConfig:
     # steps with prefill chunks of up to this many tokens also replay CUDA graphs (0: decode-only graphs)
     cuda_graph_max_prefill_tokens: int = 2048
     overlap: bool | None = None  # overlapped scheduling; None: on for CUDA, off on the CPU
-    # overlapped: a step of more than this many tokens is committed before the next step is planned, so a
-    # request that arrives while it runs joins the very next step instead of the one after (the device idles
-    # for that step's host work); None: every step overlaps the next one's planning and launch
-    overlap_max_step_tokens: int | None = None
     low_priority_values_first: bool = False  # vLLM's convention: a smaller number is more urgent
     # a streamed request's output comes every this many tokens (its first and last at once): fewer outputs
     # to build and to write under load (vLLM's --stream-interval)
     stream_interval: int = 1
-    # the express lane (engine/express.py): an urgent prompt of up to express_max_tokens tokens runs beside the
-    # main steps (off by default: on W3 it measured no better, and its reserve costs capacity; RESULTS.md)
-    express_lane: bool = False
-    express_max_tokens: int | None = None  # None: prefill_chunk_size
-    # pages kept free for the lane (never handed to the main steps), in tokens; None: express_max_tokens.
-    # Capped so that one request of max_model_len still fits the rest of the pool
-    express_reserve_tokens: int | None = None
-    # the lane only takes requests at least this urgent (the client's convention: low_priority_values_first flips
-    # it too), so a middle class that outranks the bulk does not hold the lane and its reserve when the most
-    # urgent ones come; None: any request that outranks a running one
-    express_min_priority: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
-        if self.overlap_max_step_tokens is not None and self.overlap_max_step_tokens < 1:
-            raise ValueError(f"overlap_max_step_tokens must be >= 1, got {self.overlap_max_step_tokens}")
-        if self.express_max_tokens is not None and self.express_max_tokens < 1:
-            raise ValueError(f"express_max_tokens must be >= 1, got {self.express_max_tokens}")
-        if self.express_reserve_tokens is not None and self.express_reserve_tokens < 0:
-            raise ValueError(f"express_reserve_tokens must be >= 0, got {self.express_reserve_tokens}")
-        if self.express_min_priority is not None and not 0 <= self.express_min_priority <= MAX_PRIORITY:
-            raise ValueError(f"express_min_priority must be in [0, {MAX_PRIORITY}], got {self.express_min_priority}")
 
-
-def _has_run(pending: PendingStep) -> bool:
-    """Whether a launched step's results are ready (no event: it ran on the caller's thread)."""
-    return pending.done is None or pending.done.query()
+def _device_scheduler_config(config: SchedulerConfig, device: torch.device) -> SchedulerConfig:
+    """The scheduler's sizes the user left unset, chosen for the device; logged, with where each came from."""
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    chosen = config.with_device_defaults(device.type, memory)
+    logger.info("batch sizes for %s: %s", device.type, ", ".join(
+        f"{name} {getattr(chosen, name)} ({'given' if getattr(config, name) is not None else 'device default'})"
+        for name in DeviceDefaults.FIELDS))
+    return chosen
 
 
 def resolve_device(device: str) -> torch.device:
@@ -128,6 +99,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = resolve_device(config.device)
+        self.scheduler_config = _device_scheduler_config(config.scheduler, device)
         self.model = load_model(config.model, config.load_format, config.dtype, device,
                                 config.scheduler.max_model_len, config.seed, config.tokenizer)
         self.tokenizer = self.model.tokenizer
@@ -141,30 +113,24 @@ class Engine:
             backend = "triton" if device.type == "cuda" else "torch"
         num_host_pages = config.cache.swap_space_bytes // config.cache.page_bytes
         options = RunnerOptions(attention_backend=backend, seed=config.seed,
-                                max_slots=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+                                max_slots=self.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
                                 enforce_eager=config.enforce_eager, num_host_pages=num_host_pages)
         num_pages = self._num_pages(layout, device, options)
         self.pool = PagePool(num_pages, layout.page_bytes)
         host_pool = HostPagePool(num_host_pages) if num_host_pages else None
         self.kv = KVManager(self.pool, layout.tokens_per_page, self.model.name, config.cache.enable_prefix_caching,
-                            max_slots=config.scheduler.max_num_seqs, host_pool=host_pool)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+                            max_slots=self.scheduler_config.max_num_seqs, host_pool=host_pool)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.eos_token_ids = set(self._eos_token_ids())
         self.runner = ModelRunner(self.model, layout, num_pages, options)
         self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))
         if device.type == "cuda" and not config.enforce_eager:
-            sched = config.scheduler
+            sched = self.scheduler_config
             self.runner.capture_graphs(graph_batch_sizes(sched.max_num_seqs),
                                        mixed_graph_shapes(sched.max_num_seqs, self._graph_prefill_tokens()))
         self.overlap = config.overlap if config.overlap is not None else device.type == "cuda"
-        self.express = self._express_lane(device)
         self.trace = StepTrace.from_env(device)  # one JSON line a step, if DFLASH2_STEP_TRACE names a file
         self._in_flight: tuple[StepPlan, PendingStep] | None = None
-        self._express_step: tuple[StepPlan, PendingStep] | None = None  # the lane's prompt, in flight
-        self._ready: list[RequestOutput] = []  # the lane's first tokens, committed while the engine waited
-        # the caller's hook while step() waits for the device (see step()): it delivers the outputs it is given
-        # at once and takes in commands (add_request, abort); None: step() just waits, and returns every output
-        self.on_device_wait: Callable[[list[RequestOutput]], None] | None = None
         self._num_added = 0  # requests added so far
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -200,69 +166,60 @@ class Engine:
         return request
 
     def abort(self, request_id: str) -> None:
-        lane = self._express_step
-        if lane is not None and lane[0].chunks[0].request_id == request_id:
-            self._ready += self._finish_express()  # its pages are the lane's until its prompt has run
         request = self.requests.pop(request_id, None)
         if request is not None and not request.status.finished:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
 
+    def close(self) -> None:
+        """Free what the engine holds on the device and the host (page pool, CUDA graphs, pinned buffers, the
+        model) and end its requests; idempotent. Dropping the last reference to the engine does the same."""
+        if self.runner is None:
+            return
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        self._in_flight = None
+        self.runner.close()
+        self.runner = None
+        self.model = None
+        if self.trace is not None:
+            self.trace.file.close()
+            self.trace = None
+        gc.collect()  # whatever still points at device tensors through a cycle
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "runner", None) is not None:
+            self.close()
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None or self._express_step is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: plan and launch a step, and commit the previous one (overlapped) or this one. A step
-        in flight longer than overlap_max_step_tokens is committed alone: the next call plans with the device
-        idle, after the caller took in what arrived meanwhile.
-
-        With `on_device_wait` set, each wait for a launched step's results calls it over and over (at least once,
-        also where nothing waits: the CPU) until the device is done: the caller takes in what arrived meanwhile,
-        the express lane starts an urgent prompt at once, and the lane's first token goes out as soon as it is
-        ready instead of with the step's outputs."""
+        """One iteration: plan and launch a step, and commit the previous one (overlapped) or this one."""
         self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
-        if self._in_flight is not None and self._commit_alone(self._in_flight[0]):
-            return self._finish_in_flight() + self._take_ready()
         outputs: list[RequestOutput] = []
-        # The lane's prompt (started now, or during the previous call's wait) shares the device with the steps
-        # already in flight only: the next main step is planned once it has run, and decodes that request at once.
-        self._start_express()
-        if self._express_step is not None:
-            self._await(None, lane_only=True)
         started = time.perf_counter()
         plan = self.scheduler.plan()
-        planned = time.perf_counter()
-        self.last_plan_seconds = planned - started
+        self.last_plan_seconds = time.perf_counter() - started
         if plan and self._in_flight is not None and self._needs_token_values(plan):
-            # penalties read the real tokens, not placeholders (no commands meanwhile: the plan is not launched)
-            outputs += self._finish_in_flight(take_commands=False)
+            outputs += self._finish_in_flight()  # penalties read the real tokens, not placeholders
         launched = None
         urgent_first_token = False
         if plan:
-            self._mark_scheduled(plan)
-            lowest, top, first_token_top = self._step_priorities(plan)
-            urgent_first_token = self._urgent_first_token(lowest, top, first_token_top)
-            trace = self.trace.begin(plan, top, first_token_top, self.last_plan_seconds) if self.trace else None
-            launch_started = time.perf_counter()
-            self.pool.launches += 1
-            pending = self.runner.launch(plan, self.requests)
-            pending.number = self.pool.launches
-            self.last_launch_seconds = time.perf_counter() - launch_started
-            if trace is not None:
-                self.trace.launched(trace, self.last_launch_seconds)
-                pending.trace = trace
+            pending = self._launch(plan)
+            urgent_first_token = self._urgent_first_token(*self._step_priorities(plan))
             if not self.overlap:
-                finish_started = time.perf_counter()
-                self._await(pending.done)
-                result = self.runner.collect(pending)
-                self.pool.completed = pending.number
-                outputs += self._commit(plan, result, None)
-                finish_seconds = time.perf_counter() - finish_started
-                self.last_finish_seconds += finish_seconds
-                if trace is not None:
-                    self.trace.finished(trace, finish_seconds)
-                return outputs + self._take_ready()
+                self._in_flight = (plan, pending)
+                return outputs + self._finish_in_flight(placeholders=False)
             self._add_placeholders(pending)
             launched = (plan, pending)
         if self._in_flight is not None:
@@ -270,103 +227,21 @@ class Engine:
         self._in_flight = launched
         if urgent_first_token:  # deliver it now rather than after the next step's launch (an eager step's
             outputs += self._finish_in_flight()  # host time): the device idles for one launch, only here
-        return outputs + self._take_ready()
-
-    def _await(self, done: Any, take_commands: bool = True, lane_only: bool = False) -> None:
-        """Wait for a launched step's device event (None: it ran already, or `lane_only`: wait for the lane's
-        prompt instead). Meanwhile: the lane's prompt is committed once it has run, and with `on_device_wait`
-        (and `take_commands`) the caller is handed those outputs and takes in commands, and the lane starts the
-        head of the line if it may (not while the main steps wait for the lane: one lane prompt per step()
-        call holds them, so a stream of urgent arrivals cannot starve them). Without a hook or a lane the
-        runner's collect() waits (host_waits)."""
-        hook = self.on_device_wait if take_commands else None
-        if hook is None and self._express_step is None:
-            return
-        tried = None  # the lane is tried again only for new arrivals, or once it is free (not on every poll)
-        with self.runner.waiting_for_device():
-            while True:
-                if self._commit_express_if_run():
-                    tried = None
-                if hook is not None:
-                    ready, self._ready = self._ready, []
-                    hook(ready)
-                    if not lane_only and tried != self._num_added:
-                        tried = self._num_added
-                        self._start_express()
-                if lane_only:
-                    if self._express_step is None:
-                        return
-                elif done is None or done.query():
-                    return
-
-    def _commit_express_if_run(self) -> bool:
-        """Commit the lane's prompt if it has run (its first token joins the ready outputs); whether it did."""
-        lane = self._express_step
-        if lane is None or not _has_run(lane[1]):
-            return False
-        self._ready += self._finish_express()
-        return True
-
-    def _take_ready(self) -> list[RequestOutput]:
-        """The lane's first tokens not handed out yet (its prompt committed first, if it has run)."""
-        self._commit_express_if_run()
-        ready, self._ready = self._ready, []
-        return ready
-
-    # -- the express lane ---------------------------------------------------------------------------
-    def _express_lane(self, device: torch.device) -> ExpressLane | None:
-        """The lane, its graphs and its page reserve, if on (EngineConfig.express_lane)."""
-        if not self._wants_express(device):
-            return None
-        config = self.config
-        lane = ExpressLane(self.runner, self._express_max_tokens())
-        lane.capture_graphs()
-        if device.type == "cuda" and lane.graphs is None:
-            return None  # an attention backend without graphs
-        reserve_tokens = config.express_reserve_tokens
-        reserve = self.kv.num_pages_for(lane.max_tokens if reserve_tokens is None else reserve_tokens)
-        self.pool.reserved = max(0, min(reserve, self.pool.num_pages - self.kv.num_pages_for(self.max_model_len)))
-        return lane
-
-    def _start_express(self) -> None:
-        """Start the head of the line's prompt in the express lane, if the lane is free and the scheduler hands
-        it one."""
-        lane = self.express
-        if lane is None or self._express_step is not None or not self.scheduler.waiting:
-            return
-        chunk = self.scheduler.take_express(lane.max_tokens, self._express_eligible)
-        if chunk is None:
-            return
-        plan = StepPlan([chunk])
-        self._mark_scheduled(plan)
-        self._express_step = (plan, lane.launch(chunk, self.requests))
-        self.requests[chunk.request_id].ran_in_express_lane = True
-
-    def _express_eligible(self, request: Request) -> bool:
-        """Whether the lane may take this request: it can run it, and the request is urgent enough."""
-        floor = self.config.express_min_priority
-        if floor is not None:
-            floor = MAX_PRIORITY - floor if self.config.low_priority_values_first else floor
-            if request.priority < floor:
-                return False
-        return self.express.can_run(request)
-
-    def _finish_express(self) -> list[RequestOutput]:
-        """Wait for the lane, then commit its first token; the request decodes in the main steps from now on."""
-        started = time.perf_counter()
-        plan, pending = self._express_step
-        self._express_step = None
-        result = self.runner.collect(pending)
-        self.express.join_main(pending)
-        request = self.requests[plan.chunks[0].request_id]
-        self.scheduler.express_done(request)
-        outputs = self._commit(plan, result, None)
-        self.last_finish_seconds += time.perf_counter() - started
         return outputs
 
-    def _commit_alone(self, plan: StepPlan) -> bool:
-        limit = self.config.overlap_max_step_tokens
-        return limit is not None and plan.num_tokens > limit
+    def _launch(self, plan: StepPlan) -> PendingStep:
+        self._mark_scheduled(plan)
+        trace = None
+        if self.trace:
+            _, top, first_token_top = self._step_priorities(plan)
+            trace = self.trace.begin(plan, top, first_token_top, self.last_plan_seconds)
+        launch_started = time.perf_counter()
+        pending = self.runner.launch(plan, self.requests)
+        self.last_launch_seconds = time.perf_counter() - launch_started
+        if trace is not None:
+            self.trace.launched(trace, self.last_launch_seconds)
+            pending.trace = trace
+        return pending
 
     def _step_priorities(self, plan: StepPlan) -> tuple[int | None, int | None, int | None]:
         """The lowest and highest priority among the step's requests, and the highest among those whose first
@@ -419,14 +294,14 @@ class Engine:
                     or request.num_tokens >= self.max_model_len:
                 request.finish_pending = True
 
-    def _finish_in_flight(self, take_commands: bool = True) -> list[RequestOutput]:
+    def _finish_in_flight(self, placeholders: bool = True) -> list[RequestOutput]:
+        """Wait for the step in flight and commit it (`placeholders`: its tokens replace the placeholders it
+        appended at launch, overlapped; else they are appended)."""
         started = time.perf_counter()
         plan, pending = self._in_flight
         self._in_flight = None
-        self._await(pending.done, take_commands)
         result = self.runner.collect(pending)
-        self.pool.completed = pending.number
-        outputs = self._commit(plan, result, pending.placeholders)
+        outputs = self._commit(plan, result, pending.placeholders if placeholders else None)
         elapsed = time.perf_counter() - started
         self.last_finish_seconds += elapsed
         if pending.trace is not None:
@@ -452,6 +327,7 @@ class Engine:
                     outputs.append(self._output(request, self._unstreamed(request, token_id, num_outputs),
                                                 num_outputs))
                 continue
+            self.kv.commit(request)  # the pages this step filled stay reusable (on_step_done skips it now)
             self.scheduler.finish(request, status)
             outputs.append(self._output(request, self._unstreamed(request, token_id, num_outputs), num_outputs))
             del self.requests[request_id]
@@ -569,10 +445,9 @@ class Engine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                              f"(at least one token must be left to generate)")
         total = min(self.max_model_len, len(token_ids) + (params.max_tokens or self.max_model_len))
-        usable = self.pool.num_pages - self.pool.reserved  # the express lane's reserve is not the main steps'
-        if self.kv.num_pages_for(total) > usable:
+        if self.kv.num_pages_for(total) > self.pool.num_pages:
             raise ValueError(f"the request needs up to {total} tokens of KV cache, more than the whole pool holds "
-                             f"({usable * self.kv.tokens_per_page})")
+                             f"({self.pool.num_pages * self.kv.tokens_per_page})")
         vocab = self.model.arch.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
@@ -593,31 +468,16 @@ class Engine:
         """The largest prefill a graph is captured for: 0 (decode-only graphs) when graphs are off."""
         if self.config.enforce_eager:
             return 0
-        return min(self.config.cuda_graph_max_prefill_tokens, self.config.scheduler.max_num_batched_tokens)
-
-    def _express_max_tokens(self) -> int:
-        """The longest prompt the express lane takes (and its largest graph)."""
-        config = self.config
-        return min(config.express_max_tokens or config.scheduler.prefill_chunk_size, self.max_model_len)
-
-    def _wants_express(self, device: torch.device) -> bool:
-        """Whether the express lane is on: asked for, and on CUDA with graphs (eager, it would launch as slowly
-        as the main steps)."""
-        return self.config.express_lane and not (device.type == "cuda" and self.config.enforce_eager)
-
-    def _express_graph_tokens(self, device: torch.device) -> int:
-        """The express lane's largest graph, if it will be captured (in a memory pool of its own)."""
-        return self._express_max_tokens() if device.type == "cuda" and self._wants_express(device) else 0
+        return min(self.config.cuda_graph_max_prefill_tokens, self.scheduler_config.max_num_batched_tokens)
 
     def _num_pages(self, layout: KVLayout, device: torch.device, options: RunnerOptions) -> int:
-        cache, sched = self.config.cache, self.config.scheduler
+        cache, sched = self.config.cache, self.scheduler_config
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             if device.type == "cuda":
                 budget = gpu_pool_bytes(self.model, layout, options, cache.gpu_memory_utilization,
                                         sched.max_num_batched_tokens, sched.max_num_seqs,
-                                        graph_tokens=self._graph_prefill_tokens() + sched.max_num_seqs
-                                        + self._express_graph_tokens(device))
+                                        graph_tokens=self._graph_prefill_tokens() + sched.max_num_seqs)
             else:
                 needed_pages = -(-self.max_model_len * sched.max_num_seqs // layout.tokens_per_page)
                 budget = min(CacheConfig.CPU_DEFAULT_KV_BYTES, needed_pages * layout.page_bytes)

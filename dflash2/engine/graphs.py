@@ -23,10 +23,6 @@ with S = min(max_slots, P) chunks at most and B = ceil(P / block_m) + S blocks. 
 spare slot `pad_slot` (all its pages are the scratch page) at position 0 with length 1; padding blocks point
 at segment S' (one past the real ones), whose query length and context are 0, so they return at once. Token
 ids may be placeholders, resolved inside the graph from the runner's future-token buffer.
-
-A `GraphLane` (the express lane, engine/express.py) gets graphs of its own that may replay while the main ones
-run: their own input block, memory pool, future slots, split-K tickets (gemv_parts.counter_set) and capture
-stream (so cuBLAS gives them a workspace of their own), and one prompt chunk a step (S = 1).
 """
 from __future__ import annotations
 
@@ -124,15 +120,6 @@ class GraphShape:
         return sum(n for _, n in self.sections)
 
 
-@dataclass(frozen=True)
-class GraphLane:
-    """What makes a second set of graphs safe to replay beside the main ones (see the module doc)."""
-
-    name: str  # its split-K counter set
-    future_tokens: torch.Tensor  # where its greedy tokens go (future base 0)
-    capture_stream: torch.cuda.Stream | None
-
-
 def pack_inputs(shape: GraphShape, host: "_HostBatch", num_decodes: int, pad_slot: int, block_m: int,
                 future_base: int = 0) -> list[int]:
     """The step's host batch (decode rows first, then prefill chunks) laid out as `shape`'s input block."""
@@ -166,16 +153,14 @@ def _round_up(value: int, sizes: list[int]) -> int | None:
 
 class StepGraphs:
     def __init__(self, runner: "ModelRunner", decode_sizes: list[int],
-                 mixed_shapes: list[tuple[int, int]] = (), capture: bool = True, lane: GraphLane | None = None) -> None:
+                 mixed_shapes: list[tuple[int, int]] = (), capture: bool = True) -> None:
         """`capture=False` runs each step eagerly at its padded shape instead of replaying a graph: the same
-        inputs and metadata without CUDA (the CPU tests check the padding with it). `lane`: graphs of a second
-        lane (one prompt chunk a step), replayable beside the main ones."""
+        inputs and metadata without CUDA (the CPU tests check the padding with it)."""
         self.runner = runner
         self.capture = capture
-        self.lane = lane
-        self.future_tokens = lane.future_tokens if lane is not None else runner.future_tokens
+        self.future_tokens = runner.future_tokens
         self.block_m = getattr(runner.attention, "prefill_block_m", None) or 64
-        max_slots = runner.options.max_slots if lane is None else 1
+        max_slots = runner.options.max_slots
         shapes = [GraphShape.of(d, 0, max_slots, self.block_m) for d in decode_sizes]
         shapes += [GraphShape.of(d, p, max_slots, self.block_m) for d, p in mixed_shapes]
         # a single stream over a short context: a graph of its own where the backend has a short decode
@@ -228,7 +213,7 @@ class StepGraphs:
         """Replay `shape`'s graph for this step: logits [rows sampled, vocab] in host.sample_rows order, and
         their greedy tokens. Both are the graph's buffers, rewritten by its next replay."""
         copy_ints_(self.inputs, pack_inputs(shape, host, num_decodes, self.runner.pad_slot, self.block_m,
-                                            self.runner.future_base if self.lane is None else 0))
+                                            self.runner.future_base))
         self.replays[shape] += 1
         rows = len(host.sample_rows)
         if not self.capture:
@@ -302,7 +287,6 @@ class StepGraphs:
     @torch.inference_mode()
     def _capture(self, shape: GraphShape) -> None:
         from dflash2.kernels.triton.attention import decode_num_splits
-        from dflash2.kernels.triton.gemv_parts import counter_set  # here: Triton modules load on CUDA only
 
         step = self._build_step(shape)
         if not self.capture:
@@ -314,16 +298,13 @@ class StepGraphs:
         attention.graph_num_splits = decode_num_splits(max(1, shape.decodes), layout.num_kv_heads,
                                                        attention.num_sms,
                                                        runner.model.arch.num_heads // layout.num_kv_heads)
-        lane = self.lane
         try:
-            tickets = counter_set(lane.name) if lane is not None else contextlib.nullcontext()
-            with tickets:
-                self._warm_up_and_capture(shape, step, lane.capture_stream if lane is not None else None)
+            self._warm_up_and_capture(shape, step)
         finally:
             attention.graph_num_splits = None
 
-    def _warm_up_and_capture(self, shape: GraphShape, step: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-                             capture_stream: torch.cuda.Stream | None) -> None:
+    def _warm_up_and_capture(self, shape: GraphShape,
+                             step: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -336,8 +317,7 @@ class StepGraphs:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream,
-                                  capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self.logits[shape], self.greedy[shape] = step()
         finally:
             if collecting:

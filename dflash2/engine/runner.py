@@ -15,7 +15,6 @@ step can feed them back as inputs before the host has seen them: a negative inpu
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -64,12 +63,6 @@ class PendingStep:
     logprob_job: tuple | None = None
     prompt_logprob_jobs: list[tuple] = field(default_factory=list)
     trace: dict | None = None  # the step's StepTrace record (DFLASH2_STEP_TRACE), written once collected
-    number: int = 0  # the engine's count of main steps launched, this one included (PagePool.launches)
-
-
-# The sampled tokens' copy to the host on a stream of its own (DFLASH2_TOKEN_COPY_STREAM=0: on the main stream,
-# where the next step's first kernels wait behind it and its launch gap).
-TOKEN_COPY_STREAM = os.environ.get("DFLASH2_TOKEN_COPY_STREAM", "1") != "0"
 
 
 @contextlib.contextmanager
@@ -109,10 +102,9 @@ class ModelRunner:
         # a step only with at most one other in flight)
         self.tokens_host = torch.empty(2 * options.max_slots, dtype=torch.long,
                                        pin_memory=True) if self.device.type == "cuda" else None
-        # ... copied on a stream of their own (TOKEN_COPY_STREAM), so the next step's kernels need not queue
-        # behind the copy and its launch gap on the main stream
-        self.token_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" and TOKEN_COPY_STREAM
-                             else None)
+        # ... copied on a stream of their own, so the next step's kernels need not queue behind the copy and its
+        # launch gap on the main stream
+        self.token_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._sampled = torch.cuda.Event() if self.token_stream is not None else None  # recorded each step
         self.eos_token_ids: tuple[int, ...] = model.arch.eos_token_ids
         self.graphs: StepGraphs | None = None
@@ -125,6 +117,21 @@ class ModelRunner:
         of these (decode rows, prefill tokens) shapes (GPU with a graph-capable backend)."""
         if self.device.type == "cuda" and getattr(self.attention, "supports_graphs", False):
             self.graphs = StepGraphs(self, decode_sizes, list(mixed_shapes))
+
+    def close(self) -> None:
+        """Give back the device memory: graphs (and their pool), the page pool, the pinned host pages, the model's
+        weights. The runner is unusable afterwards."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.graphs is not None:
+            for graph in self.graphs.graphs.values():
+                graph.reset()
+            self.graphs = None
+        self.kv_caches = []
+        self.pool_bytes = self.device_pages = self.host_pages = self.page_table = None
+        self.future_tokens = self.tokens_host = None
+        self.token_stream = self.copy_stream = self._sampled = None
+        self.model = None
 
     # -- the step ----------------------------------------------------------------------------------
     def execute(self, plan: StepPlan, requests: Mapping[str, Request]) -> StepResult:
@@ -328,15 +335,12 @@ class ModelRunner:
             return PendingStep(sample_ids, placeholders, token_ids, None, logprob_job)
         tokens_host = self.tokens_host[base:base + len(chunks)]
         done = torch.cuda.Event()
-        if self.token_stream is None:
-            tokens_host.copy_(token_ids, non_blocking=True)
+        # from the future slots just written (the graph's own buffer is rewritten by its next replay)
+        self._sampled.record()  # the wait below is enqueued on this record (a later one does not move it)
+        with torch.cuda.stream(self.token_stream):
+            self.token_stream.wait_event(self._sampled)
+            tokens_host.copy_(self.future_tokens[base:base + len(chunks)], non_blocking=True)
             done.record()
-        else:  # from the future slots just written (the graph's own buffer is rewritten by its next replay)
-            self._sampled.record()  # the wait below is enqueued on this record (a later one does not move it)
-            with torch.cuda.stream(self.token_stream):
-                self.token_stream.wait_event(self._sampled)
-                tokens_host.copy_(self.future_tokens[base:base + len(chunks)], non_blocking=True)
-                done.record()
         return PendingStep(sample_ids, placeholders, tokens_host, done, logprob_job)
 
     def sampling_row(self, request: Request) -> SamplingRow:

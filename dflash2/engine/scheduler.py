@@ -15,9 +15,7 @@ Per step, under a token budget of `max_num_batched_tokens`, in this order:
 
   While a request of the top priority present (waiting, or running with prompt left) exists, the prefill
   chunks of requests it outranks by `preemption_threshold` share at most `max_outranked_prefill_tokens`
-  tokens per step, so that the urgent request's steps stay short. With `outranked_decodes_wait`, the decodes
-  of the requests it outranks wait too, in every step that runs a prompt chunk of a request not outranked
-  (they run as usual in a step that has none, e.g. when the urgent request cannot be admitted).
+  tokens per step, so that the urgent request's steps stay short.
 Preemption, least urgent first (lowest priority, then most recently admitted):
   - pages run out for a running request: a running request no more urgent than it is paused;
   - a waiting request cannot be admitted (pages, max_num_seqs or budget): running requests outranked by
@@ -25,16 +23,12 @@ Preemption, least urgent first (lowest priority, then most recently admitted):
 A paused request's computed KV goes to host pages when the swap pool has room (it resumes where it
 stopped, no recomputation) or is dropped (recomputed from its prompt and outputs, helped by the prefix
 cache). It goes back to waiting with its original arrival, so it keeps its place in line.
-The express lane (engine/express.py; `take_express`): the head of the line, when it outranks a running request by
-`preemption_threshold` and its prompt fits one chunk of the lane, skips the next plan altogether: its whole
-prompt is scheduled at once, on pages and a slot no main step in flight touches (KVManager's settled ones), and
-runs beside the main steps; `express_done` then makes it a running request like any other.
 No tensors and no device code here: unit tests drive it with a pool of a few pages.
 """
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from dflash2.config import SchedulerConfig
 from dflash2.engine.kv.manager import KVManager
@@ -45,11 +39,12 @@ from dflash2.request import Request, RequestStatus
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVManager, waiting: WaitingQueue | None = None) -> None:
+        if not config.sizes_chosen:
+            raise ValueError("the scheduler needs its batch sizes chosen (SchedulerConfig.with_device_defaults)")
         self.config = config
         self.kv = kv
         self.waiting = waiting if waiting is not None else WaitingQueue(config.priority_aging_seconds)
         self.running: dict[str, Request] = {}
-        self.express: dict[str, Request] = {}  # prompts running in the express lane (in no plan)
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
         self._admitted: dict[str, int] = {}  # request id -> admission number (most recent start)
@@ -68,8 +63,6 @@ class Scheduler:
         """Remove a request from the queues and release its pages (device and host)."""
         if request.request_id in self.running:
             del self.running[request.request_id]
-        elif request.request_id in self.express:
-            del self.express[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
@@ -78,42 +71,7 @@ class Scheduler:
         request.status = status
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.express)
-
-    # -- the express lane --------------------------------------------------------------------------
-    def take_express(self, max_tokens: int, eligible: Callable[[Request], bool]) -> ScheduledChunk | None:
-        """The express lane's next prompt: the head of the line, if it outranks a running request by
-        `preemption_threshold`, holds no pages (new, or dropped for recompute), `eligible` accepts it, its tokens
-        past the cached prefix fit `max_tokens`, and a settled slot and settled pages are free. Its whole prompt
-        becomes one chunk that samples; it leaves the line (None: no such request; nothing changed)."""
-        head = self.waiting.head()
-        if head is None or self.express or self.kv.pages_of(head.request_id) or self.kv.is_swapped(head.request_id):
-            return None
-        if len(self.running) >= self.config.max_num_seqs or not eligible(head):
-            return None
-        now = self.waiting.clock()
-        bar = self.waiting.effective_priority(head, now) - self.config.preemption_threshold
-        if not any(self.waiting.effective_priority(r, now) <= bar for r in self.running.values()):
-            return None  # nobody to jump ahead of: the next plan serves it as soon
-        prefix, _ = self.kv.lookup_prefix(head)  # checked before anything is taken: nothing to give back
-        num_new = head.num_tokens - len(prefix) * self.kv.tokens_per_page
-        needed = self.kv.num_pages_for(head.num_tokens) - len(prefix)
-        if num_new > max_tokens or needed > self.kv.pool.num_settled_free() or not self.kv.has_settled_slot():
-            return None
-        cached = self.kv.attach_prefix(head, settled=True)
-        grown = self.kv.grow(head, head.num_tokens, settled=True)
-        assert grown, "settled pages were counted before"
-        head.num_computed_tokens = cached
-        self._record_prefix(head, cached)
-        self._leave_line(head, self.express)
-        chunk = self._chunk(head, num_new)
-        head.num_computed_tokens = head.num_tokens
-        return chunk
-
-    def express_done(self, request: Request) -> None:
-        """The lane's prompt has run (its first token is known): the request runs on in the main steps."""
-        del self.express[request.request_id]
-        self.running[request.request_id] = request
+        return bool(self.waiting or self.running)
 
     # -- planning ----------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
@@ -122,21 +80,14 @@ class Scheduler:
         plan = StepPlan()
         self._start_plan()
         ranked = sorted((r for r in self.running.values() if not r.finish_pending), key=self._running_rank)
-        held: list[Request] = []  # outranked decodes that wait for the urgent prompt's chunk
         for request in ranked:  # 1. decodes
             if not _is_prefill(request):
-                if self.config.outranked_decodes_wait and self._outranked(request):
-                    held.append(request)
-                else:
-                    self._run_decode(request, plan)
+                self._run_decode(request, plan)
         for request in ranked:  # 2. prefills, each after the waiting requests that outrank it
             if _is_prefill(request):
                 self._admit(plan, above=self._effective(request))
                 self._run(request, plan)
         self._admit(plan)  # 3. the rest of the line
-        if held and not self._urgent_prompt_ran:
-            for request in held:  # no urgent prompt chunk made it into this step: nothing to wait for
-                self._run(request, plan)
         for chunk in plan.chunks:
             self.running[chunk.request_id].num_computed_tokens = chunk.start + chunk.num_tokens
         return plan
@@ -149,12 +100,11 @@ class Scheduler:
         self._admission_closed = False
         self._now = self.waiting.clock()
         self._order: Iterable[Request] | None = self.waiting.ordered()  # the line; taken again when one joins
-        # The outranked-prefill cap and waiting decodes: who is on top, and what is left of the cap this step.
+        # The outranked-prefill cap: who is on top, and what is left of it this step.
         self._outranked_from: float | None = None
         self._cap_left = self.config.max_outranked_prefill_tokens
         self._charged: dict[str, int] = {}  # request id -> tokens of its chunk counted against the cap
-        self._urgent_prompt_ran = False  # a prompt chunk of a request not outranked is in this plan
-        if self._cap_left is not None or self.config.outranked_decodes_wait:
+        if self._cap_left is not None:
             head = self.waiting.head()
             contenders = ([head] if head is not None else []) + [r for r in self.running.values() if _is_prefill(r)]
             if contenders:  # the line's head is its most urgent request
@@ -206,7 +156,7 @@ class Scheduler:
         self._admission_closed = True
 
     def _try_admit(self, request: Request, plan: StepPlan) -> bool:
-        if self._budget == 0 or len(self.running) + len(self.express) >= self.config.max_num_seqs:
+        if self._budget == 0 or len(self.running) >= self.config.max_num_seqs:
             return False
         request_id = request.request_id
         swapped = self.kv.is_swapped(request_id)
@@ -232,7 +182,7 @@ class Scheduler:
             plan.resumed.append(request_id)
         else:
             self._record_prefix(request, cached)
-        self._leave_line(request, self.running)
+        self._leave_line(request)
         self._admitted_now.add(request_id)
         self._schedule(request, num_new, plan)
         return True
@@ -243,11 +193,11 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = cached
 
-    def _leave_line(self, request: Request, into: dict[str, Request]) -> None:
-        """The waiting request starts running (`into`: the running requests, or the express lane's)."""
+    def _leave_line(self, request: Request) -> None:
+        """The waiting request starts running."""
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
-        into[request.request_id] = request
+        self.running[request.request_id] = request
         self._admitted[request.request_id] = next(self._admissions)
 
     def _preempt_for(self, request: Request, plan: StepPlan) -> bool:
@@ -281,7 +231,7 @@ class Scheduler:
         return self._pages_needed(request) <= pages and budget > 0
 
     def _fits(self, request: Request) -> bool:
-        if self._budget == 0 or len(self.running) + len(self.express) >= self.config.max_num_seqs:
+        if self._budget == 0 or len(self.running) >= self.config.max_num_seqs:
             return False
         return self._pages_needed(request) <= self.kv.pool.num_available
 
@@ -326,12 +276,9 @@ class Scheduler:
 
     def _schedule(self, request: Request, num_new: int, plan: StepPlan) -> None:
         self._add(self._chunk(request, num_new), plan)
-        if _is_prefill(request):
-            if self._capped(request):
-                self._charged[request.request_id] = num_new
-                self._cap_left_add(-num_new)
-            elif self._outranked_from is not None:
-                self._urgent_prompt_ran = True
+        if _is_prefill(request) and self._capped(request):
+            self._charged[request.request_id] = num_new
+            self._cap_left_add(-num_new)
 
     def _add(self, chunk: ScheduledChunk, plan: StepPlan) -> None:
         self._scheduled[chunk.request_id] = chunk

@@ -22,26 +22,22 @@ Message = dict[str, str]
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto",
                  dtype: str = "auto", device: str = "auto", seed: int = 0, max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, prefill_chunk_size: int = 512,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 prefill_chunk_size: int | None = None,
                  kv_cache_dtype: str = "auto", kv_layout: str = "head_major",
                  kv_cache_memory: int | str | None = None,
                  gpu_memory_utilization: float = 0.9, page_bytes: int = 1 << 20,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto", enforce_eager: bool = False,
                  overlap: bool | None = None, swap_space: float | int | str = 0, preemption_threshold: int = 1,
                  priority_aging_seconds: float | None = None, low_priority_values_first: bool = False,
-                 max_outranked_prefill_tokens: int | None = 64, outranked_decodes_wait: bool = False,
-                 cuda_graph_max_prefill_tokens: int = 2048, stream_interval: int = 1,
-                 overlap_max_step_tokens: int | None = None, express_lane: bool = False,
-                 express_max_tokens: int | None = None, express_reserve_tokens: int | None = None,
-                 express_min_priority: int | None = None) -> None:
+                 max_outranked_prefill_tokens: int | None = 64,
+                 cuda_graph_max_prefill_tokens: int = 2048, stream_interval: int = 1) -> None:
         """`swap_space`: pinned host memory for paused requests' KV, in GiB as a number (vLLM's unit) or a
-        size string such as "512MiB"."""
+        size string such as "512MiB". `max_num_seqs`, `max_num_batched_tokens`, `prefill_chunk_size`: None
+        chooses them by device (config.DeviceDefaults)."""
         config = EngineConfig(
             model=model, tokenizer=tokenizer, load_format=load_format, dtype=dtype, device=device, seed=seed,
             attention_backend=attention_backend, enforce_eager=enforce_eager, overlap=overlap,
-            overlap_max_step_tokens=overlap_max_step_tokens, express_lane=express_lane,
-            express_max_tokens=express_max_tokens, express_reserve_tokens=express_reserve_tokens,
-            express_min_priority=express_min_priority,
             cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens,
             low_priority_values_first=low_priority_values_first, stream_interval=stream_interval,
             cache=CacheConfig(page_bytes=page_bytes, kv_cache_dtype=kv_cache_dtype, kv_layout=kv_layout,
@@ -53,10 +49,25 @@ class LLM:
                                       prefill_chunk_size=prefill_chunk_size, max_model_len=max_model_len,
                                       preemption_threshold=preemption_threshold,
                                       priority_aging_seconds=priority_aging_seconds,
-                                      max_outranked_prefill_tokens=max_outranked_prefill_tokens,
-                                      outranked_decodes_wait=outranked_decodes_wait),
+                                      max_outranked_prefill_tokens=max_outranked_prefill_tokens),
         )
         self.engine = Engine(config)
+
+    def close(self) -> None:
+        """Free the engine's device and host memory now (the page pool, CUDA graphs, pinned buffers, weights);
+        also on `with LLM(...) as llm:` exit, and when the last reference to this LLM goes."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

@@ -57,7 +57,7 @@ _STOP_TIMEOUT_S = 10.0
 _HEADER = struct.Struct("!Q")  # a frame's length (both pipes)
 # While the engine process renders a /metrics scrape (on a thread of its own), the interpreter hands the GIL
 # between threads this often (CPython's default: 5 ms): the engine loop, which drops the GIL while it waits
-# for the device (in each poll of the commands pipe, when it takes commands meanwhile), gets it back within
+# for the device, gets it back within
 # this much of asking, and the render runs in those waits.
 RENDER_SWITCH_INTERVAL_S = 0.0002
 # A render takes each metric family only while the loop waits (for the device, or idle for commands), so the
@@ -424,7 +424,7 @@ class _ProcessLoop(EngineLoop):
                     self.loop_waits.clear()
             elif block:
                 ready = self.commands_in.poll(IDLE_WAIT_S)
-            else:  # (also over and over while a step waits for the device: one poll(2) call, no selector built)
+            else:  # one poll(2) call, no selector built
                 if self._poller is None:
                     self._poller = select.poll()
                     self._poller.register(self.commands_in.fileno(), select.POLLIN)
@@ -583,7 +583,8 @@ def run_engine_process(spec: EngineProcessSpec, commands_in: Any, results_out: A
     It ignores SIGINT: Ctrl+C in a terminal reaches every process of the group, and the server process stops
     this one itself, after its HTTP side (the pipe's end stops it too, if the server process dies)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from dflash2.cli.main import configure_logging
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the server process logs it (launch.ignore_restart_signal)
+    from dflash2.logs import configure_logging
     from dflash2.server.launch import set_up_request_log
 
     configure_logging(spec.log_level)

@@ -29,9 +29,6 @@ from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 
 
 class EngineThread(EngineLoop):
-    # a step's wait for the device blocks (and leaves the GIL to the event loop); commands wait for the step
-    takes_commands_while_waiting = False
-
     def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver],
                  max_queue_len: int | None = None) -> None:
         super().__init__(engine_factory, observer_factory, max_queue_len)

@@ -7,6 +7,7 @@ to load, or an engine process that dies, stops the server with exit status 1.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -95,6 +96,7 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
         access_log=config.log_level.lower() == "debug", timeout_graceful_shutdown=5))
     logger.info("loading the model; serving on http://%s:%d (/health answers 503 until it is loaded)",
                 config.host, config.port)
+    ignore_restart_signal()
     server.run()
     if load_errors:
         error = load_errors[0]
@@ -102,6 +104,16 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
         print(f"error: {what}: {error}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
+
+
+def ignore_restart_signal() -> None:
+    """SIGUSR2 (an operator's restart signal) is logged and ignored until graceful restart is built; its default
+    action would kill the server at once."""
+    def on_usr2(signum: int, frame: Any) -> None:
+        logger.warning("SIGUSR2 received: graceful restart is not built yet; the signal is ignored, the server "
+                       "keeps serving")
+
+    signal.signal(signal.SIGUSR2, on_usr2)
 
 
 def _request_log_on(config: ServerConfig) -> bool:

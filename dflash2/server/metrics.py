@@ -66,8 +66,6 @@ class ServerMetrics:
         self.generation_tokens = counter("dflash2_generation_tokens", "Generated tokens")
         self.num_preemptions = counter("dflash2_num_preemptions", "Requests preempted")
         self.num_swap_outs = counter("dflash2_num_swap_outs", "Preempted requests whose KV went to host memory")
-        self.express_lane_prompts = counter("dflash2_express_lane_prompts",
-                                            "Urgent prompts run in the express lane beside the main steps")
         self.swapped_bytes = counter("dflash2_swapped_bytes", "Bytes of KV copied to host memory by preemption")
         self.num_requests_swapped = gauge("dflash2_num_requests_swapped",
                                           "Paused requests whose KV is in host memory now")

@@ -72,7 +72,6 @@ class RequestObserver:
         self._tokens_per_page = engine.kv.tokens_per_page
         self._seen_preemptions = 0
         self._seen_swap_outs = 0
-        self._seen_express = 0
         self._seen_swapped_bytes = 0
         self._seen_evictions = 0
         self._seen_prefix = (0, 0)
@@ -132,7 +131,6 @@ class RequestObserver:
             "model": self.model_name, "priority": _client_priority(tracked), "finish_reason": finish_reason,
             "prompt_tokens": request.num_prompt_tokens, "completion_tokens": num_output,
             "cached_tokens": request.num_cached_tokens, "num_preemptions": request.num_preemptions,
-            "express_lane": request.ran_in_express_lane,
             "queue_time_ms": _ms(scheduled - tracked.submitted_at) if scheduled is not None else None,
             "ttft_ms": _ms(first_token - tracked.submitted_at) if first_token is not None else None,
             "tpot_ms": _ms((now - first_token) / (num_output - 1)) if first_token and num_output > 1 else None,
@@ -187,10 +185,6 @@ class RequestObserver:
         swap_outs = getattr(scheduler, "num_swap_outs", 0)
         _inc_by_delta(m.num_swap_outs, swap_outs - self._seen_swap_outs)
         self._seen_swap_outs = swap_outs
-        lane = getattr(engine, "express", None)
-        express = lane.num_launches if lane is not None else 0
-        _inc_by_delta(m.express_lane_prompts, express - self._seen_express)
-        self._seen_express = express
         swapped_bytes = getattr(scheduler, "swapped_bytes", 0)
         _inc_by_delta(m.swapped_bytes, swapped_bytes - self._seen_swapped_bytes)
         self._seen_swapped_bytes = swapped_bytes

@@ -155,7 +155,6 @@ def test_request_log_splits_the_http_side_from_the_engine(client, real_server):
     streamed_record, whole_record = records[streamed[0].id], records[whole.id]
     assert streamed_record["http_in_ms"] >= 0 and streamed_record["http_out_ms"] >= 0
     assert whole_record["http_in_ms"] >= 0 and "http_out_ms" not in whole_record  # not streamed
-    assert streamed_record["express_lane"] is False and whole_record["express_lane"] is False  # (no lane here)
 
 
 def test_a_client_ttft_splits_into_sending_the_app_and_the_way_back(real_server):
@@ -225,7 +224,6 @@ def test_metrics_are_labelled_and_count_requests(real_server, client):
     text = httpx.get(real_server.url + "/metrics").text  # open without the API key
     for name in ("dflash2_num_requests_running", "dflash2_num_requests_waiting", "dflash2_kv_cache_usage_perc",
                  "dflash2_prompt_tokens_total", "dflash2_generation_tokens_total", "dflash2_num_preemptions_total",
-                 "dflash2_express_lane_prompts_total",
                  "dflash2_request_success_total", "dflash2_time_to_first_token_seconds_bucket",
                  "dflash2_inter_token_latency_seconds_bucket", "dflash2_e2e_request_latency_seconds_bucket",
                  "dflash2_request_queue_time_seconds_bucket", "dflash2_request_prefill_time_seconds_bucket",

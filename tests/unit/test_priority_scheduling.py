@@ -194,32 +194,6 @@ def test_equal_priorities_are_never_capped() -> None:
     assert chunks(engine.step()) == [("a", 8, 4, True), ("b", 8, 4, True)]
 
 
-def test_outranked_decodes_wait_for_the_urgent_prompt_chunks() -> None:
-    engine = FakeEngine(40, 4, max_num_batched_tokens=16, prefill_chunk_size=4, outranked_decodes_wait=True)
-    engine.add(make_request("d", [1, 2], max_tokens=8), make_request("h", [3, 4], max_tokens=8, priority=1000))
-    assert chunks(engine.step()) == [("h", 0, 2, True), ("d", 0, 2, True)]  # nobody outranks d's prompt yet
-    assert chunks(engine.step()) == [("h", 2, 1, True), ("d", 2, 1, True)]
-    engine.add(make_request("u", list(range(10, 16)), max_tokens=2, priority=1000))
-    # u outranks d, not h: h decodes beside u's chunks, d waits for both of them
-    assert chunks(engine.step()) == [("h", 3, 1, True), ("u", 0, 4, False)]
-    assert chunks(engine.step()) == [("h", 4, 1, True), ("u", 4, 2, True)]
-    assert chunks(engine.step()) == [("h", 5, 1, True), ("u", 6, 1, True), ("d", 3, 1, True)]
-    assert engine.scheduler.num_preemptions == 0
-    engine.run_to_completion()
-
-
-def test_outranked_decodes_run_when_the_urgent_request_cannot_be_admitted() -> None:
-    # 4 pages of 2 tokens: h (1000) holds 2, d (0) 1; u's first chunk needs 3, and pausing d frees only 1
-    engine = FakeEngine(4, 2, max_num_batched_tokens=16, prefill_chunk_size=6, outranked_decodes_wait=True)
-    engine.add(make_request("h", [3, 4, 5], max_tokens=2, priority=1000), make_request("d", [1], max_tokens=2))
-    assert chunks(engine.step()) == [("h", 0, 3, True), ("d", 0, 1, True)]
-    engine.add(make_request("u", list(range(10, 16)), max_tokens=1, priority=1000))
-    plan = engine.step()
-    assert chunks(plan) == [("h", 3, 1, True), ("d", 1, 1, True)] and plan.preempted == []
-    assert engine.waiting == ["u"]
-    engine.run_to_completion()
-
-
 @pytest.mark.parametrize("seed", [464, 1848])
 def test_a_page_freed_by_one_copy_may_be_the_destination_of_another_in_the_same_step(seed: int) -> None:
     # Random load (these seeds produce such plans): a swap-in frees a host page that a later swap-out in the
@@ -382,7 +356,7 @@ def test_a_full_host_pool_falls_back_to_recompute() -> None:
 def test_without_a_host_pool_a_paused_request_is_recomputed() -> None:
     pool = PagePool(4, 1)
     kv = KVManager(pool, 2, "m", max_slots=1)  # host_pool=None: --swap-space 0
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1), kv)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1).with_device_defaults("cpu"), kv)
     a = make_request("a", [10, 11, 12], max_tokens=3)
     scheduler.add(a)
     scheduler.plan()
@@ -501,7 +475,7 @@ def test_the_kept_line_matches_a_full_sort_by_effective_priority_as_requests_com
 def test_the_scheduler_keeps_the_waiting_queue_it_is_given() -> None:
     queue = WaitingQueue(10.0, clock=lambda: 0.0)
     kv = KVManager(PagePool(4, 1), 2, "m", max_slots=2, host_pool=HostPagePool(2))
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, priority_aging_seconds=10.0), kv, queue)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, priority_aging_seconds=10.0).with_device_defaults("cpu"), kv, queue)
     assert scheduler.waiting is queue
 
 

@@ -35,7 +35,7 @@ class FakeEngine:
 
     def __init__(self, num_pages: int, tokens_per_page: int, host_pages: int = 0,
                  clock: Callable[[], float] | None = None, **config: float) -> None:
-        scheduler_config = SchedulerConfig(**config)
+        scheduler_config = SchedulerConfig(**config).with_device_defaults("cpu")
         self.pool = PagePool(num_pages, page_bytes=1)
         self.host_pool = HostPagePool(host_pages)  # 0 pages: every preemption recomputes
         # One page-table slot per running request, as the engine sizes it.

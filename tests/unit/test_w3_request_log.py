@@ -30,24 +30,3 @@ def test_an_absent_class_has_no_statistics(tmp_path):
     path = tmp_path / "stdout.log"
     path.write_text(_line(0.0, 0, 3.0, 1.0) + "\n")
     assert summarize(read_log(str(path)), 1000) == {"phases": [1], "priority": 1000, "requests": 0}
-
-
-def test_the_ttft_breakdown_splits_the_express_lanes_requests_from_the_others():
-    """benchmarks/w3_server.py: with the request log's `express_lane`, the client TTFTs of the requests whose
-    prompt ran in the lane and of the others get their own p50/p99, and each of the slowest says which it was."""
-    from types import SimpleNamespace
-
-    from benchmarks.w3_server import ttft_breakdown
-
-    results, records = [], []
-    for i, (ttft_ms, lane) in enumerate([(4.0, True), (6.0, True), (9.0, False), (11.0, False), (5.0, False)]):
-        results.append(SimpleNamespace(request_id=f"r{i}", ok=True, ttft_s=ttft_ms / 1e3, started_at=10.0))
-        records.append({"request_id": f"r{i}", "received_monotonic": 10.001, "first_sent_monotonic": 10.0 + (
-            ttft_ms - 0.5) / 1e3, "express_lane": lane})
-    summary = ttft_breakdown(records, results, slowest=2)
-    assert summary["by_lane"] == {"lane": {"requests": 2, "ttft_p50_ms": 5.0, "ttft_p99_ms": 6.0},
-                                  "main_steps": {"requests": 3, "ttft_p50_ms": 9.0, "ttft_p99_ms": 11.0}}
-    assert [(row["ttft_ms"], row["lane"]) for row in summary["slowest"]] == [(11.0, False), (9.0, False)]
-    for record in records:
-        del record["express_lane"]  # a server without the lane (or an older log): no split
-    assert "by_lane" not in ttft_breakdown(records, results)

@@ -14,9 +14,6 @@ in place instead of receiving the whole table every step.
 Swapping (priority preemption): `swap_out` moves a request's computed pages to host pages (the caller
 copies the bytes before the step's kernels run), releasing its device pages and slot; `swap_in` takes new
 device pages for them when it resumes. While swapped, a request holds host pages only.
-
-`settled=True` (the express lane) gives a request only a slot and pages that no main step in flight can touch
-(PagePool's settled pages; a slot is settled likewise, by the main steps launched when it was freed).
 """
 from __future__ import annotations
 
@@ -41,7 +38,6 @@ class KVManager:
         self.max_slots = max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._slot: dict[str, int] = {}
-        self._slot_released_at = [0] * max_slots  # settled once pool.completed >= this
         self._num_synced: dict[str, int] = {}  # pages already handed to the runner
         self.host_pool = host_pool
         self._swapped: dict[str, list[int]] = {}  # request id -> host pages, in page-table order
@@ -95,22 +91,12 @@ class KVManager:
         self.host_pool.release(host)
         return list(zip(host, device))
 
-    def has_settled_slot(self) -> bool:
-        completed = self.pool.completed
-        return any(self._slot_released_at[slot] <= completed for slot in self._free_slots)
-
-    def _open(self, request_id: str, settled: bool = False) -> list[int]:
-        """The request's page list, giving it a slot first if it has none (settled: one no main step in flight
-        reads)."""
+    def _open(self, request_id: str) -> list[int]:
+        """The request's page list, giving it a slot first if it has none."""
         if request_id not in self._pages:
             if not self._free_slots:
                 raise RuntimeError(f"all {self.max_slots} page-table slots are taken")
-            if settled:
-                completed = self.pool.completed
-                index = max(i for i, slot in enumerate(self._free_slots) if self._slot_released_at[slot] <= completed)
-                self._slot[request_id] = self._free_slots.pop(index)
-            else:
-                self._slot[request_id] = self._free_slots.pop()
+            self._slot[request_id] = self._free_slots.pop()
             self._num_synced[request_id] = 0
             self._pages[request_id] = []
             self._hashes[request_id] = []
@@ -153,14 +139,13 @@ class KVManager:
         idle = sum(1 for page in pages if self.pool.refcount(page) == 0)
         return idle + self.num_pages_for(len(pages) * self.tokens_per_page + chunk_tokens) - len(pages)
 
-    def attach_prefix(self, request: Request, settled: bool = False) -> int:
-        """Give a request with no pages the cached pages of its longest hashed prefix; returns tokens reused.
-        (Hashed pages hold final KV: no step in flight writes them, so the express lane may read them too.)"""
+    def attach_prefix(self, request: Request) -> int:
+        """Give a request with no pages the cached pages of its longest hashed prefix; returns tokens reused."""
         assert request.request_id not in self._pages, "prefix lookup is for requests without pages"
         pages, hashes = self.lookup_prefix(request)
         for page in pages:
             self.pool.acquire(page)
-        self._open(request.request_id, settled).extend(pages)
+        self._open(request.request_id).extend(pages)
         self._hashes[request.request_id] = hashes
         self._lookup_chains.pop(request.request_id, None)
         return len(pages) * self.tokens_per_page
@@ -174,14 +159,13 @@ class KVManager:
         missing = self.num_pages_for(num_tokens) - len(self.pages_of(request.request_id))
         return missing <= self.pool.num_available
 
-    def grow(self, request: Request, num_tokens: int, settled: bool = False) -> bool:
-        """Make the request's table cover `num_tokens` tokens; False (nothing changed) if pages ran out.
-        settled: only pages no main step in flight can touch (the express lane)."""
-        pages = self._open(request.request_id, settled)
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Make the request's table cover `num_tokens` tokens; False (nothing changed) if pages ran out."""
+        pages = self._open(request.request_id)
         missing = self.num_pages_for(num_tokens) - len(pages)
         if missing <= 0:
             return True
-        new_pages = self.pool.allocate_settled(missing) if settled else self.pool.allocate(missing)
+        new_pages = self.pool.allocate(missing)
         if new_pages is None:
             return False
         pages.extend(new_pages)
@@ -189,7 +173,7 @@ class KVManager:
 
     def commit(self, request: Request) -> None:
         """Hash the pages that became full of computed KV (call after num_computed_tokens moved)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.request_id not in self._pages:
             return
         pages = self._pages[request.request_id]
         hashes = self._hashes[request.request_id]
@@ -214,5 +198,4 @@ class KVManager:
         slot = self._slot.pop(request.request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
-            self._slot_released_at[slot] = self.pool.launches + 1
         self.pool.release(list(reversed(pages)))

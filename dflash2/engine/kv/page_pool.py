@@ -8,17 +8,6 @@ Every page is in exactly one state:
 
 so `num_free + num_cached + num_used == num_pages` after every operation (`check()` asserts it).
 A page's bytes hold the same run of tokens whatever its state; only a hit or an allocation changes owners.
-
-The express lane (engine/express.py) runs an urgent prompt on a stream of its own, beside the main steps in
-flight, so it may only write pages no main step in flight can touch: a page released while main step L was the
-last launched (or while L + 1 was being planned) may still be read or written by step L + 1, so it is *settled*
-once `completed >= L + 1` (`launches` and `completed` count main steps; the engine moves them).
-`allocate_settled()` hands out settled free pages only. `reserved` free pages are kept from `allocate()` (the
-main steps' allocations, which evict cached pages before taking them), so that some stay settled for the lane
-even when the pool runs full; and whenever fewer than `reserved` are free (the lane took some), the least
-recently used cached pages are evicted into the free list at once. Those are the pages the main steps would
-evict next, and the longest released, so settled the soonest (their stamp is kept: eviction does not make a
-page settled). So `num_available` does not change; only the prefix cache keeps up to `reserved` pages fewer.
 """
 from __future__ import annotations
 
@@ -37,10 +26,6 @@ class PagePool:
         self._page_of_hash: dict[bytes, int] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first is evicted first
         self.num_evictions = 0
-        self.reserved = 0  # free pages allocate() leaves for allocate_settled() (the express lane)
-        self.launches = 0  # main steps launched so far
-        self.completed = 0  # main steps known to have finished on the device
-        self._released_at = [0] * num_pages  # settled once completed >= this (launches + 1 at release)
 
     # -- counts ---------------------------------------------------------------------------------
     @property
@@ -57,13 +42,8 @@ class PagePool:
 
     @property
     def num_available(self) -> int:
-        """Pages allocate() can hand out now: free ones plus evictable cached ones, less the reserve."""
-        return max(0, len(self._free) + len(self._cached) - self.reserved)
-
-    def num_settled_free(self) -> int:
-        """Free pages no main step in flight can touch (what allocate_settled() can hand out)."""
-        completed, released_at = self.completed, self._released_at
-        return sum(1 for page in self._free if released_at[page] <= completed)
+        """Pages allocate() can hand out now: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._cached)
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
@@ -74,26 +54,11 @@ class PagePool:
         if num_pages > self.num_available:
             return None
         pages = []
-        for _ in range(num_pages):  # free pages down to the reserve, then evicted cached ones
-            page = self._free.pop() if len(self._free) > self.reserved else self._evict_oldest()
+        for _ in range(num_pages):  # free pages first, then evicted cached ones
+            page = self._free.pop() if self._free else self._evict_oldest()
             self._refcount[page] = 1
             pages.append(page)
-        self._refill_reserve()
         return pages
-
-    def allocate_settled(self, num_pages: int) -> list[int] | None:
-        """Take `num_pages` settled free pages (refcount 1), the reserve included, never evicting; None if too
-        few are settled."""
-        completed, released_at = self.completed, self._released_at
-        settled = [page for page in reversed(self._free) if released_at[page] <= completed][:num_pages]
-        if len(settled) < num_pages:
-            return None
-        taken = set(settled)
-        self._free = [page for page in self._free if page not in taken]
-        for page in settled:
-            self._refcount[page] = 1
-        self._refill_reserve()
-        return settled
 
     def acquire(self, page: int) -> None:
         """Add an owner to a used or cached page (a prefix hit)."""
@@ -110,12 +75,10 @@ class PagePool:
                 raise ValueError(f"page {page} released more often than it was taken")
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
-                self._released_at[page] = self.launches + 1
                 if self._hash_of[page] is not None:
                     self._cached[page] = None
                 else:
                     self._free.append(page)
-        self._refill_reserve()
 
     def register(self, page: int, content_hash: bytes) -> None:
         """Record that a used page holds a full run of tokens with this chained hash."""
@@ -140,15 +103,9 @@ class PagePool:
     def check(self) -> None:
         """Assert the accounting invariant (tests call this after every operation)."""
         assert self.num_free + self.num_cached + self.num_used == self.num_pages
-        assert 0 <= self.reserved < self.num_pages and self.completed <= self.launches
         assert sum(1 for c in self._refcount if c > 0) == self.num_used
         assert all(self._refcount[p] == 0 and self._hash_of[p] is None for p in self._free)
         assert all(self._refcount[p] == 0 and self._hash_of[p] is not None for p in self._cached)
-
-    def _refill_reserve(self) -> None:
-        """Evict the least recently used cached pages into the free list while fewer than `reserved` are free."""
-        while len(self._free) < self.reserved and self._cached:
-            self._free.insert(0, self._evict_oldest())  # under the others: the main steps' pops reach it last
 
     def _evict_oldest(self) -> int:
         page, _ = self._cached.popitem(last=False)
