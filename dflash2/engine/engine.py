@@ -132,6 +132,7 @@ class Engine:
         self.trace = StepTrace.from_env(device)  # one JSON line a step, if DFLASH2_STEP_TRACE names a file
         self._in_flight: tuple[StepPlan, PendingStep] | None = None
         self._num_added = 0  # requests added so far
+        self._failures: list[tuple[str, str]] = []  # requests ended by a failure of their own (take_failures)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -317,6 +318,9 @@ class Engine:
             request = self.requests.get(request_id)
             if request is None or request.status.finished:
                 continue  # finished or aborted while this step was in flight
+            if request_id in result.failed:
+                self._fail(request, result.failed[request_id])
+                continue
             num_outputs = self._place_token(request, token_id, placeholders[index] if placeholders else None)
             self._record_logprobs(request, token_id, result.logprobs.get(request_id))
             status = self._check_stop(request, token_id, num_outputs)
@@ -334,6 +338,19 @@ class Engine:
             del self._detokenizers[request_id]
         self.scheduler.on_step_done(plan)
         return outputs
+
+    def _fail(self, request: Request, reason: str) -> None:
+        """End one request whose step part raised (its neighbours go on); take_failures() reports it."""
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        del self.requests[request.request_id]
+        del self._detokenizers[request.request_id]
+        self._failures.append((request.request_id, reason))
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        """(request id, reason) of the requests ended by a failure since the last call: no output comes for
+        them; the caller tells their clients."""
+        failures, self._failures = self._failures, []
+        return failures
 
     @staticmethod
     def _unstreamed(request: Request, token_id: int, num_outputs: int) -> list[int]:

@@ -15,6 +15,7 @@ step can feed them back as inputs before the host has seen them: a negative inpu
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from dflash2.loading.model_loader import LoadedModel
 from dflash2.models.llama import ForwardContext
 from dflash2.request import Request
 
+logger = logging.getLogger("dflash2")
+
 
 @dataclass(frozen=True)
 class RunnerOptions:
@@ -50,6 +53,7 @@ class StepResult:
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
     # request id -> (first prompt position these entries are for, entries)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed (no token)
 
 
 @dataclass
@@ -63,6 +67,7 @@ class PendingStep:
     logprob_job: tuple | None = None
     prompt_logprob_jobs: list[tuple] = field(default_factory=list)
     trace: dict | None = None  # the step's StepTrace record (DFLASH2_STEP_TRACE), written once collected
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why sampling its row failed
 
 
 @contextlib.contextmanager
@@ -189,6 +194,7 @@ class ModelRunner:
                 pending.done.synchronize()
         if pending.tokens_host is not None:
             result.sampled = dict(zip(pending.sample_ids, pending.tokens_host.tolist()))
+        result.failed = pending.failed
         if pending.logprob_job is not None:
             logits, token_ids, rows = pending.logprob_job
             for request_id, entries in zip(pending.sample_ids, sampled_logprobs(logits, token_ids, rows)):
@@ -324,7 +330,11 @@ class ModelRunner:
         rows = [self.sampling_row(requests[c.request_id]) for c in chunks]
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         # the graph's greedy buffer is rewritten by its next replay: not for a logprob job read at collect
-        token_ids = self.sampler.sample_device(logits, rows, None if wants_logprobs else greedy)
+        failed: dict[str, str] = {}
+        try:
+            token_ids = self.sampler.sample_device(logits, rows, None if wants_logprobs else greedy)
+        except Exception:  # noqa: BLE001 - find the row that raised; its neighbours keep their tokens
+            token_ids, failed = self._sample_each(logits, rows, sample_ids)
         base = self.future_base
         self.future_base = self.options.max_slots - base  # alternate halves: 0, max_slots, 0, ...
         if greedy is None or token_ids is not greedy:  # a step graph stored its greedy tokens there itself
@@ -332,7 +342,7 @@ class ModelRunner:
         placeholders = [-(base + i + 1) for i in range(len(chunks))]
         logprob_job = (logits.clone(), token_ids, rows) if wants_logprobs else None  # graph logits get reused
         if self.device.type != "cuda":
-            return PendingStep(sample_ids, placeholders, token_ids, None, logprob_job)
+            return PendingStep(sample_ids, placeholders, token_ids, None, logprob_job, failed=failed)
         tokens_host = self.tokens_host[base:base + len(chunks)]
         done = torch.cuda.Event()
         # from the future slots just written (the graph's own buffer is rewritten by its next replay)
@@ -341,7 +351,21 @@ class ModelRunner:
             self.token_stream.wait_event(self._sampled)
             tokens_host.copy_(self.future_tokens[base:base + len(chunks)], non_blocking=True)
             done.record()
-        return PendingStep(sample_ids, placeholders, tokens_host, done, logprob_job)
+        return PendingStep(sample_ids, placeholders, tokens_host, done, logprob_job, failed=failed)
+
+    def _sample_each(self, logits: torch.Tensor, rows: list[SamplingRow],
+                     sample_ids: list[str]) -> tuple[torch.Tensor, dict[str, str]]:
+        """Sample row by row after the batch raised: the rows that raise again are the failed requests (token 0
+        in their place); the others get their tokens as usual."""
+        tokens, failed = [], {}
+        for index, (row, request_id) in enumerate(zip(rows, sample_ids)):
+            try:
+                tokens.append(self.sampler.sample_device(logits[index:index + 1], [row]))
+            except Exception as error:  # noqa: BLE001 - reported for this request alone
+                logger.exception("sampling failed for request %s", request_id)
+                failed[request_id] = f"sampling failed: {type(error).__name__}"
+                tokens.append(torch.zeros(1, dtype=torch.long, device=logits.device))
+        return torch.cat(tokens), failed
 
     def sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params

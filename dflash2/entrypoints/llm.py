@@ -115,10 +115,14 @@ class LLM:
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
+        failures: list[tuple[str, str]] = []
         while self.engine.has_unfinished():  # past the last output too: an overlapped step may be in flight
             for output in self.engine.step():
                 if output.finished and output.request_id in wanted:
                     final[output.request_id] = output
+            failures += [f for f in self.engine.take_failures() if f[0] in wanted]
+        if failures:
+            raise RuntimeError("; ".join(f"request {request_id} failed: {reason}" for request_id, reason in failures))
         return [final[r] for r in request_ids]
 
 

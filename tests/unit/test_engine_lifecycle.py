@@ -75,3 +75,25 @@ def test_close_ends_requests_in_flight(tiny_llama):
     pool = engine.pool
     llm.close()
     assert pool.num_used == 0 and not engine.requests
+
+
+def test_a_request_whose_sampling_raises_ends_alone(tiny_llama):
+    """A row the sampler cannot handle (a top_k past int64, set behind validation's back, as a client reached it
+    before the range checks) fails its own request only: the requests in the same steps get their tokens."""
+    import dataclasses
+
+    llm = _llm(tiny_llama, max_num_seqs=4)
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    reference = llm.generate([[5, 6, 7], [8, 9, 10, 11]], greedy)
+    bad = engine.add_request({"prompt_token_ids": [12, 13]}, SamplingParams(max_tokens=6, temperature=0.8, top_k=5))
+    object.__setattr__(bad.sampling_params, "top_k", 2 ** 63)
+    ids = [engine.add_request({"prompt_token_ids": p}, dataclasses.replace(greedy)).request_id
+           for p in ([5, 6, 7], [8, 9, 10, 11])]
+    finished, failures = {}, []
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        failures += engine.take_failures()
+    assert [request_id for request_id, _ in failures] == [bad.request_id] and bad.request_id not in finished
+    assert [finished[i].outputs[0].token_ids for i in ids] == [r.outputs[0].token_ids for r in reference]
+    assert engine.pool.num_used == 0
