@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
 # One device call for issue 6's W2 (about 5-7 minutes on an H200): the int4 GPU tests, the int4 GEMV tune
 # (the fastest config per shape to $OUT/int4.json) and the int4 prefill GEMM tune ($OUT/gemm.json), then W2
-# int4 at the built-in defaults, with the tunes' configs (DFLASH2_INT4_CONFIGS, DFLASH2_GEMM_CONFIGS), and with
-# the step's edges as torch ops (DFLASH2_STEP_EDGES=0), then W2 bf16 with and without the edge kernels (the ratio's
-# denominator). STEPS picks a subset: any of tests tune prefill default tuned no_edges bf16 bf16_no_edges (default:
-# all).
+# int4 at the built-in defaults and with the tunes' configs (DFLASH2_INT4_CONFIGS, DFLASH2_GEMM_CONFIGS), then W2
+# bf16 (the ratio's denominator). STEPS picks a subset: any of tests tune prefill default tuned bf16 (default: all).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-STEPS=${STEPS:-"tests tune prefill default tuned no_edges bf16 bf16_no_edges"}
+STEPS=${STEPS:-"tests tune prefill default tuned bf16"}
 mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 w2() {  # name, then environment assignments for the run
@@ -37,6 +35,4 @@ tuned=()  # the tunes' tables, where they were written
 [ -f "$OUT/gemm.json" ] && tuned+=(DFLASH2_GEMM_CONFIGS="$OUT/gemm.json")
 has default && w2 default
 has tuned && [ ${#tuned[@]} -gt 0 ] && w2 tuned "${tuned[@]}"
-has no_edges && w2 no_edges DFLASH2_STEP_EDGES=0
 has bf16 && WEIGHTS=bf16 w2 bf16
-has bf16_no_edges && WEIGHTS=bf16 w2 bf16_no_edges DFLASH2_STEP_EDGES=0

@@ -36,7 +36,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memo
 # Two runs, each bounded by W3_TIMEOUT (default 240 s). At 4,800 requests the overload phase took 59-61 s and
 # the waiting line peaked at 1,641-1,761 requests (eighth session); W3_ARGS="--synthetic 1600" gives the earlier
 # size (20 s, 478 waiting at most):
-#   closed: 128 requests in flight (closed loop), as the first GPU run (results/w3_gpu_2026-11-29.json: 6.47x);
+#   closed: 128 requests in flight (closed loop), as the first GPU run (2026-11-29: 6.47x; benchmarks/RESULTS.md);
 #   poisson: Poisson arrivals at 1.5x the measured capacity, 4,800 requests (~60 s, 480 urgent: a p99 that is
 #   not the worst one or two; with 80 urgent, six runs of the same code gave ratios from 1.74 to 5.01, and with
 #   160 the client's urgent p99 still moved 12-25 ms between runs of the same code, seventh session).
