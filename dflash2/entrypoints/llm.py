@@ -55,7 +55,7 @@ class LLM:
 
     def close(self) -> None:
         """Free the engine's device and host memory now (the page pool, CUDA graphs, pinned buffers, weights);
-        also on `with LLM(...) as llm:` exit, and when the last reference to this LLM goes."""
+        also on `with LLM(...) as llm:` exit; dropping the last reference to the engine does the same."""
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.close()
@@ -64,9 +64,6 @@ class LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
         self.close()
 
     @property
