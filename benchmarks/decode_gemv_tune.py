@@ -1,9 +1,8 @@
-"""Decode matmuls (M = 1 by default) on llama-3-8b shapes: cuBLAS bf16, the Triton 16-bit GEMV, the legacy int4
-GEMV (quant_matmul._gemv_kernel) and the int4 GEMV of kernels/triton/int4_gemv.py over a few configs; prints one
-JSON line per (kernel, config, shape), the best config per kernel (least total time over the shapes) and the
-best int4 config per shape. A few minutes on an H200. At M = 1 it also times the int4 GEMV with silu(gate) * up
-fused on either side (silu_variants): gate_up's epilogue, as the engine runs it, or down's input. Kernel
-"gemv_int4_half2_sum": the weights in the ONE_PLUS layout (DFLASH2_INT4_GEMV=half2-sum) at a few configs.
+"""Decode matmuls (M = 1 by default) on llama-3-8b shapes: cuBLAS bf16, the Triton 16-bit GEMV and the int4 GEMV
+of kernels/triton/int4_gemv.py over a few configs; prints one JSON line per (kernel, config, shape), the best
+config per kernel (least total time over the shapes) and the best int4 config per shape. A few minutes on an
+H200. At M = 1 it also times the int4 GEMV with silu(gate) * up fused on either side (silu_variants): gate_up's
+epilogue, as the engine runs it, or down's input.
 
     PYTHONPATH=$PWD python3 benchmarks/decode_gemv_tune.py [--rows 1] [--output tune.json] [--int4-only]
                                                            [--configs-out int4.json]             (GPU)
@@ -32,11 +31,10 @@ from dflash2.kernels.triton import quant_matmul as qm  # noqa: E402
 from dflash2.kernels.triton.int4_gemv import int4_config, int4_gemv, pair_gate_up, prepare_int4  # noqa: E402
 from dflash2.quantization.formats import WeightFormat  # noqa: E402
 
-# CHUNKS = 32 num_warps (int4_gemv checks it); PREFETCH: the next K step's words loaded before this one's math
-INT4_CONFIGS = [dict(BLOCK_N=bn, CHUNKS=32 * w, num_warps=w, num_stages=1, SPLIT_K=sk, PREFETCH=pf)
-                for bn, w, sk, pf in [(8, 4, 1, 0), (4, 4, 1, 0), (16, 4, 1, 0), (2, 4, 1, 0), (8, 8, 1, 0),
-                                      (4, 4, 2, 0), (8, 2, 1, 0), (8, 2, 1, 1), (8, 1, 1, 1), (16, 1, 1, 1),
-                                      (16, 4, 2, 0), (16, 2, 1, 1), (16, 2, 2, 1)]]
+# CHUNKS = 32 num_warps (int4_gemv checks it)
+INT4_CONFIGS = [dict(BLOCK_N=bn, CHUNKS=32 * w, num_warps=w, num_stages=1, SPLIT_K=sk)
+                for bn, w, sk in [(8, 4, 1), (4, 4, 1), (16, 4, 1), (2, 4, 1), (8, 8, 1), (4, 4, 2), (8, 2, 1),
+                                  (8, 1, 1), (16, 1, 1), (16, 4, 2), (16, 2, 1), (16, 2, 2)]]
 # 16 rows on 4 warps take 168 registers a thread with packed fp16 products (254 with float32 ones: two programs
 # an SM; benchmarks/sass_count.py), three programs an SM. Capped (ptxas spills past the cap), four fit at 128
 CAPPED_CONFIGS = [{**INT4_CONFIGS[2], "maxnreg": r} for r in (168, 128)]
@@ -128,26 +126,16 @@ def main() -> None:
                                                                   config=c), dense, n * k * 2)
                            for c in GEMV16_CONFIGS[:1]]
         fmt = WeightFormat(4, 128)
-        int4, legacy, one_plus = [], [], []
+        int4 = []
         for _ in range(copies_for(fmt.storage_bytes(n, k))):
             t = random_packed(fmt, n, k).tensors
             int4.append(prepare_int4(t["qweight"], t["scales"], t["zeros"], 128))
-            one_plus.append(prepare_int4(t["qweight"], t["scales"], t["zeros"], 128, half2=True, one_plus=True))
-            legacy.append({"bits": 4, "n": n, "k": k, "group_size": 128, "w": t["qweight"],
-                           "words": t["qweight"].view(torch.int32), "scales": t["scales"], "zeros": t["zeros"]})
         int4_bytes = fmt.storage_bytes(n, k)
-        legacy_config = qm.gemv_config(4, n, k)
-        candidates += [("legacy_gemv_int4", legacy_config, lambda w, c: qm.gemv(x, w, out=out, config=c), legacy,
-                        int4_bytes)]
         default = int4_config(n, k, m, int4[0]["half2"])
         configs = int4_configs + [c for c in [default] if c not in int4_configs]
         candidates += [("gemv_int4", c, lambda w, c: int4_gemv(x, w, out=out, config=c), int4, int4_bytes)
                        for c in configs]
-        # DFLASH2_INT4_GEMV=half2-sum (no bias fix) at the shape's default and the likeliest others
-        candidates += [("gemv_int4_half2_sum", c, lambda w, c: int4_gemv(x, w, out=out, config=c), one_plus,
-                        int4_bytes) for c in [default] + [c for c in int4_configs[:3] + persistent[:4]
-                                                          if c != default]]
-        expected = int4_gemv(x, int4[0], config=default).float()  # the same codes in every int4 layout
+        expected = int4_gemv(x, int4[0], config=default).float()
         for kernel, config, fn, weights, nbytes in candidates:
             check = expected if kernel.startswith("gemv_int4") else None
             row = timed_row(shape, m, kernel, config, fn, weights, nbytes, check)
@@ -155,7 +143,7 @@ def main() -> None:
                 continue
             rows.append(row)
             totals.setdefault((kernel, json.dumps(config, sort_keys=True)), {})[shape] = row["us"]
-        del candidates, int4, legacy, one_plus
+        del candidates, int4
         torch.cuda.empty_cache()
     if m == 1:
         rows += silu_variants(int4_configs[:3] + capped + persistent, shapes, dtype)

@@ -1,5 +1,6 @@
 """Matmul kernels on llama-3-8b shapes: cuBLAS bf16 against the Triton 16-bit GEMV and int8/int4/int6 kernels,
-then a sweep of GEMV configs at M=1 (prints the GEMV_CONFIGS to paste into kernels/triton/quant_matmul.py;
+then a sweep of quant_matmul._gemv_kernel's configs (16, 8 and 6 bits; int4 has its own kernel and tune,
+decode_gemv_tune.py) at M=1 (prints the GEMV_CONFIGS to paste into kernels/triton/quant_matmul.py;
 `--sweep-rows 4` sweeps at 4 rows instead).
 
     PYTHONPATH=$PWD python3 benchmarks/gemv_bench.py [--output gemv.json] [--sweep-budget-s 240] [--no-sweep]
@@ -152,21 +153,21 @@ def table() -> list[dict[str, Any]]:
 # -- the M=1 sweep -----------------------------------------------------------------------------------------
 def candidate_configs(bits: int) -> list[dict[str, int]]:
     """Tile configs with SPLIT_K=1, likely-good first (the sweep stops at its time budget)."""
-    block_ns = (8, 16, 32) if bits in (4, 6) else (4, 8, 16)
+    block_ns = (8, 16, 32) if bits == 6 else (4, 8, 16)
     block_ks = (512, 256, 1024) if bits != 16 else (512, 1024, 256)
     configs = []
     for warps, stages, block_n, block_k in itertools.product((4, 8), (2, 1, 3), block_ns, block_ks):
         configs.append({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": 1, "num_warps": warps,
-                        "num_stages": stages, **({"WORDS": 1} if bits in (4, 8) else {})})
+                        "num_stages": stages, **({"WORDS": 1} if bits == 8 else {})})
     configs.sort(key=lambda c: (c["num_stages"] == 3, c["num_warps"] == 8))
-    if bits in (4, 8):  # bytes instead of words, for the likeliest tiles
+    if bits == 8:  # bytes instead of words, for the likeliest tiles
         configs[6:6] = [{**c, "WORDS": 0} for c in configs[:3]]
     return configs
 
 
 def sweep(bits: int, budget_s: float, x: torch.Tensor) -> dict[str, list[dict[str, Any]]]:
     """shape -> rows sorted fastest first."""
-    fmt = WeightFormat(bits) if bits != 4 and bits != 6 else WeightFormat(bits, 128)
+    fmt = WeightFormat(bits, 128 if bits == 6 else None)
     weights = {}
     for shape, (n, k) in SHAPES.items():
         if bits == 16:
@@ -234,7 +235,7 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--sweep-budget-s", type=float, default=240.0, help="for all bit widths together")
-    parser.add_argument("--sweep-bits", default="4,16,8")
+    parser.add_argument("--sweep-bits", default="16,8", help="of 16, 8, 6")
     parser.add_argument("--sweep-rows", type=int, default=1,
                         help="activation rows of the sweep (at most GEMV_MAX_M; 4: a decode batch of 4). The suggested "
                              "configs are for these rows; quant_matmul's GEMV_CONFIGS serve 1-4 rows alike")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 6's W2 (about 5-7 minutes on an H200): the int4 GPU tests, the int4 GEMV tune
 # (the fastest config per shape to $OUT/int4.json) and the int4 prefill GEMM tune ($OUT/gemm.json), then W2
-# int4 at the built-in defaults and with the tunes' configs (DFLASH2_INT4_CONFIGS, DFLASH2_GEMM_CONFIGS), then W2
+# int4 at the built-in defaults and with the tunes' configs (DFLASH2_INT4_CONFIGS, DFLASH2_INT4_GEMM_CONFIGS), then W2
 # bf16 (the ratio's denominator). STEPS picks a subset: any of tests tune prefill default tuned bf16 (default: all).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -32,7 +32,7 @@ if has prefill; then
 fi
 tuned=()  # the tunes' tables, where they were written
 [ -f "$OUT/int4.json" ] && tuned+=(DFLASH2_INT4_CONFIGS="$OUT/int4.json")
-[ -f "$OUT/gemm.json" ] && tuned+=(DFLASH2_GEMM_CONFIGS="$OUT/gemm.json")
+[ -f "$OUT/gemm.json" ] && tuned+=(DFLASH2_INT4_GEMM_CONFIGS="$OUT/gemm.json")
 has default && w2 default
 has tuned && [ ${#tuned[@]} -gt 0 ] && w2 tuned "${tuned[@]}"
 has bf16 && WEIGHTS=bf16 w2 bf16

@@ -23,7 +23,6 @@ from benchmarks.common import finish, sync  # noqa: E402
 from benchmarks.kernel_times import exposed_table, kernel_events, kernel_table  # noqa: E402
 from benchmarks.roofline import H200_BYTES_PER_S, weight_bytes  # noqa: E402
 from dflash2 import LLM, SamplingParams  # noqa: E402
-from dflash2.layers.quant_linear import QuantLinear  # noqa: E402
 from dflash2.quantization.config import QuantConfig, parse_bits  # noqa: E402
 
 WEIGHT_CHOICES = ("bf16", "int8", "int6", "int4")
@@ -49,9 +48,6 @@ def streamed_weight_bytes(llm: LLM) -> int:
     for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
         if not name.startswith("embed_tokens") and not name.startswith("rotary"):
             total += tensor.numel() * tensor.element_size()
-    for layer in module.modules():  # layers whose stored tensors were released (DFLASH2_INT4_ONE_COPY) stream
-        if isinstance(layer, QuantLinear) and layer.packed_released:  # their runtime's copy, the same bytes
-            total += layer.fmt.storage_bytes(layer.out_features, layer.in_features)
     if getattr(module, "lm_head", None) is None:  # tied: the head streams the embedding
         total += sum(t.numel() * t.element_size() for t in module.embed_tokens.state_dict().values())
     return total

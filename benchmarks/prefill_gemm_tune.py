@@ -1,13 +1,13 @@
-"""W2's prefill matmuls with int4 weights (llama-3-8b layer shapes, 128 rows) over a grid of configs, against
-cuBLAS on bf16 weights of the same shape: `--kernel int4_gemm` (the default) tunes kernels/triton/int4_gemm.py
-(the legacy kernel's table configs run beside it, for comparison), `--kernel legacy` the general tl.dot kernel
-that dequantizes tiles (quant_matmul.gemm's _gemm_kernel). Prints one JSON line per (shape, config), then each
-shape's best config, and with --configs-out writes those as DFLASH2_INT4_GEMM_CONFIGS ({"NxK": config}) or
-DFLASH2_GEMM_CONFIGS ({"4:NxK": config}, legacy) reads them.
+"""Prefill matmuls of quantized weights (llama-3-8b layer shapes, 128 rows: W2's prompt) over a grid of configs,
+against cuBLAS on bf16 weights of the same shape: `--kernel int4_gemm` (the default) tunes int4 weights on
+kernels/triton/int4_gemm.py, `--kernel gemm --bits 8|6` the general tl.dot kernel that dequantizes tiles
+(quant_matmul.gemm's _gemm_kernel, the int8 and int6 prefill). Prints one JSON line per (shape, config), then
+each shape's best config, and with --configs-out writes those as DFLASH2_INT4_GEMM_CONFIGS ({"NxK": config}) or
+DFLASH2_GEMM_CONFIGS ({"bits:NxK": config}) reads them (docs/TUNING.md).
 
-    PYTHONPATH=$PWD python3 benchmarks/prefill_gemm_tune.py [--kernel int4_gemm|legacy] [--rows 128] \
+    PYTHONPATH=$PWD python3 benchmarks/prefill_gemm_tune.py [--kernel int4_gemm|gemm] [--bits 8] [--rows 128] \
         [--output t.json] [--configs-out g.json] [--shapes down,o_proj] [--splits 1,2,4]
-    TRITON_INTERPRET=1 python3 benchmarks/prefill_gemm_tune.py --smoke [--kernel legacy]   (CPU: tiny shape, two configs)
+    TRITON_INTERPRET=1 python3 benchmarks/prefill_gemm_tune.py --smoke [--kernel gemm]   (CPU: tiny shape, two configs)
 
 Why: W2 int4's first token took 16.9 ms against bf16's 6.1 (twelfth session, call 7): 11 ms of a 514 ms request,
 about 2% of the ratio. The default config (BLOCK_M 64) reads every weight twice at 128 rows.
@@ -70,8 +70,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--output", default=None)
-    parser.add_argument("--configs-out", default=None, help="the best config per shape, as DFLASH2_INT4_GEMM_CONFIGS (legacy: DFLASH2_GEMM_CONFIGS) reads it")
-    parser.add_argument("--kernel", choices=("int4_gemm", "legacy"), default="int4_gemm")
+    parser.add_argument("--configs-out", default=None,
+                        help="the best config per shape, as DFLASH2_INT4_GEMM_CONFIGS (--kernel gemm: "
+                             "DFLASH2_GEMM_CONFIGS) reads it")
+    parser.add_argument("--kernel", choices=("int4_gemm", "gemm"), default="int4_gemm")
+    parser.add_argument("--bits", type=int, choices=(8, 6), default=8, help="--kernel gemm: the weights' bits")
     parser.add_argument("--splits", default=None,
                         help="comma-separated SPLIT_K values: each shape's default config at each (int4_gemm)")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
@@ -84,7 +87,7 @@ def main() -> None:
     if args.smoke:
         gemv_bench.DEVICE = "cpu"
         shapes, dtype = {"tiny": (64, 256)}, torch.float32
-    fmt = WeightFormat(4, 128)
+    fmt = WeightFormat(args.bits, 128 if args.bits == 6 else None) if args.kernel == "gemm" else WeightFormat(4, 128)
     results, best = [], {}
     for shape, (n, k) in shapes.items():
         x = torch.randn(args.rows, k, device=gemv_bench.DEVICE, dtype=dtype)
@@ -93,14 +96,13 @@ def main() -> None:
         packed = [gemv_bench.random_packed(fmt, n, k) for _ in range(copies)]
         weights = [qm.device_tensors(p, dtype) for p in packed]
         reference = x.float() @ dequantize(fmt, packed[0].tensors).float().T
-        if args.kernel == "legacy":
+        if args.kernel == "gemm":
             grid = configs()
-            candidates = [("triton_gemm_int4", c, lambda w, c: qm.gemm(x, w, out=out, config=c)) for c in grid]
+            candidates = [(f"triton_gemm_int{args.bits}", c, lambda w, c: qm.gemm(x, w, out=out, config=c))
+                          for c in grid]
         else:
             grid = int4_gemm_configs(n, k, splits)
             candidates = [("int4_gemm", c, lambda w, c: ig.int4_gemm(x, w, out=out, config=c)) for c in grid]
-            legacy = [] if args.smoke or splits else [qm.gemm_config(4, n, k, args.rows)]
-            candidates += [("legacy_table", c, lambda w, c: qm.gemm(x, w, out=out, config=c)) for c in legacy]
         if args.smoke:
             grid, candidates = grid[:2], candidates[:2]
         if not args.smoke:
@@ -115,17 +117,15 @@ def main() -> None:
             if row is None:
                 continue
             results.append(row)
-            if kernel != "legacy_table" and (shape not in best or row["us"] < best[shape]["us"]):
+            if shape not in best or row["us"] < best[shape]["us"]:
                 best[shape] = row
         del weights, packed
     summary = {shape: {"us": row["us"], "config": row["config"],
                        "default_us": next((r["us"] for r in results if r["shape"] == shape
-                                           and r.get("config") == grid[0]), None),
-                       "legacy_us": next((r["us"] for r in results if r["shape"] == shape
-                                          and r["kernel"] == "legacy_table"), None)} for shape, row in best.items()}
+                                           and r.get("config") == grid[0]), None)} for shape, row in best.items()}
     print_tune(results, summary, args.output)
     if args.configs_out:
-        prefix = "4:" if args.kernel == "legacy" else ""
+        prefix = f"{args.bits}:" if args.kernel == "gemm" else ""
         with open(args.configs_out, "w") as f:
             json.dump({f"{prefix}{n}x{k}": best[shape]["config"] for shape, (n, k) in shapes.items()
                        if shape in best}, f, indent=1)

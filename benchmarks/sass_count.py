@@ -48,7 +48,7 @@ def compile_sm90(kernel, types: dict[str, str], constants: dict, num_warps: int,
     parameters = inspect.signature(kernel.fn).parameters
     names = list(parameters)
     defaults = {n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty}
-    constants = {**defaults, **constants}  # constexpr parameters with defaults (HALF2, EARLY) as the launcher's
+    constants = {**defaults, **constants}  # constexpr parameters with defaults (HALF2, NORM) as the launcher's
     if "USE_PDL" in names:  # programmatic dependent launch as on the H200 (kernels/triton/pdl.py)
         constants = {"USE_PDL": True, **constants}
     values = values or {}
@@ -160,19 +160,15 @@ def engine_int4_reports() -> None:
 
 
 def int4_gemm_reports() -> None:
-    """The int4 prefill GEMM at its default tile (64 weight rows x 128 activation rows x 128 columns, 3 stages) on
-    the stored words and on the int4 GEMV's half2 copy (REPACKED: DFLASH2_INT4_ONE_COPY; PAIRED: a gate_up)."""
+    """The int4 prefill GEMM at its default tile (64 weight rows x 128 activation rows x 128 columns, 3 stages)."""
     from dflash2.kernels.triton import int4_gemm
 
-    for repacked, paired in ((False, False), (True, False), (True, True)):
-        scales = "*i32" if repacked else "*fp16"
-        types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": scales, "z_ptr": scales, "out_ptr": "*bf16",
-                 "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-        constants = {"GS": 128, "T": 1, "BLOCK_N": 64, "BLOCK_M": 128, "SPLIT_K": 1, "EVEN_K": True, "IEEE": False,
-                     "ASM": True, "REPACKED": repacked, "PAIRED": paired}
-        report(f"int4 GEMM 64 x 128 x 128, {'the GEMV copy' if repacked else 'stored words'}"
-               f"{', paired' if paired else ''} (per weight of a 128-row block)", int4_gemm._int4_gemm_kernel, types,
-               constants, elements_per_iteration=64 * 128, num_warps=4, num_stages=3)
+    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16",
+             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    constants = {"GS": 128, "T": 1, "BLOCK_N": 64, "BLOCK_M": 128, "SPLIT_K": 1, "EVEN_K": True, "IEEE": False,
+                 "ASM": True}
+    report("int4 GEMM 64 x 128 x 128 (per weight of a 128-row block)", int4_gemm._int4_gemm_kernel, types, constants,
+           elements_per_iteration=64 * 128, num_warps=4, num_stages=3)
 
 
 def main() -> None:
@@ -182,23 +178,21 @@ def main() -> None:
     int4_gemm_reports()
     gemv_types = {"x_ptr": "*bf16", "hi_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*bf16",
                   "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    for bits, weight, block_n, gs, t, words in ((16, "*bf16", 8, 512, 1, False), (8, "*i32", 8, 512, 1, True),
-                                               (4, "*i32", 16, 128, 4, True)):
+    for bits, weight, block_n, gs, t, words in ((16, "*bf16", 8, 512, 1, False), (8, "*i32", 8, 512, 1, True)):
         constants = {"BITS": bits, "GS": gs, "T": t, "BLOCK_M": 1, "BLOCK_N": block_n, "SPLIT_K": 1,
                      "SILU_MUL": False, "WORDS": words}
         report(f"GEMV {bits}-bit, M=1 (per weight)", quant_matmul._gemv_kernel, {**gemv_types, "w_ptr": weight},
                constants, elements_per_iteration=block_n * gs * t)
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32",
              "cnt_ptr": "*i32", "nw_ptr": "*bf16", "eps": "fp32"}
-    # DFLASH2_INT4_GEMV=half2: packed fp16 products; =half2-sum: the same without the bias fix (ONE_PLUS)
-    for half2, one_plus in ((False, False), (True, False), (True, True)):
+    # half2: packed fp16 products (16-bit models); else float32 ones (float32 models)
+    for half2 in (False, True):
         for block_m, config in sorted(int4_configs.INT4_GEMV_CONFIGS.items()):
             for block_n in sorted({config["BLOCK_N"], 2 * config["BLOCK_N"]} if block_m == 1 else {config["BLOCK_N"]}):
                 constants = {"GS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNKS": config["CHUNKS"],
                              "SPLIT_K": 1, "SILU_MUL": False, "EVEN_M": True, "EVEN_N": True, "EVEN_K": True,
-                             "PREFETCH": False, "ASM": True, "PAIRED": False, "SILU_OUT": False, "HALF2": half2,
-                             "ONE_PLUS": one_plus}
-                products = ", half2-sum" if one_plus else ", half2" if half2 else ""
+                             "PREFETCH": False, "ASM": True, "PAIRED": False, "SILU_OUT": False, "HALF2": half2}
+                products = ", half2" if half2 else ""
                 report(f"int4 GEMV, repacked{products}, M={block_m}, BLOCK_N={block_n} (per weight)",
                        int4_gemv._int4_gemv_kernel, types, constants,
                        elements_per_iteration=block_n * config["CHUNKS"] * 32, num_warps=config["num_warps"],
@@ -211,7 +205,7 @@ def main() -> None:
     for block_n, fused in ((8, {}), (16, {}), (8, {"NORM": True}), (8, {"ADD_OUT": True})):
         constants = {"GS": 128, "BLOCK_M": 1, "BLOCK_N": block_n, "CHUNKS": 128, "STEPS": 1, "SILU_MUL": False,
                      "EVEN_M": True, "EVEN_K": True, "ASM": True, "PAIRED": False, "SILU_OUT": False, "HALF2": True,
-                     "EARLY": True, **fused}
+                     **fused}
         report(f"int4 GEMV, persistent, half2, M=1, BLOCK_N={block_n}{''.join(', ' + f for f in fused)} "
                "(per weight)", int4_gemv._int4_gemv_persistent_kernel, persistent_types, constants,
                elements_per_iteration=block_n * 128 * 32, num_warps=4, num_stages=1)

@@ -143,6 +143,15 @@ class StepLog:
                                         for i, name in ((3, "plan"), (4, "launch"), (5, "finish"))} if decode else None}
 
 
+def decode_config(spec: str) -> tuple[str, dict[str, int]]:
+    """--decode-config's "LABEL=BLOCK_N,num_warps,num_stages" (three positive integers)."""
+    label, _, values = spec.partition("=")
+    parts = values.split(",")
+    if not label or len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected LABEL=BLOCK_N,num_warps,num_stages, e.g. float=32,2,2")
+    return label, dict(zip(("BLOCK_N", "num_warps", "num_stages"), (int(p) for p in parts)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "..", ".bench", "w1_throughput.jsonl"))
@@ -160,10 +169,9 @@ def main() -> None:
     parser.add_argument("--profile-prefill", action="store_true", help="print the top kernels of prefill steps")
     parser.add_argument("--blas", default=None, help="torch.backends.cuda.preferred_blas_library: cublas or cublaslt")
     parser.add_argument("--warmup-tokens", type=int, default=32)
-    parser.add_argument("--decode-block-n", type=int, default=None)
-    parser.add_argument("--decode-config", action="append", default=[],
+    parser.add_argument("--decode-config", action="append", default=[], type=decode_config,
                         help="LABEL=BLOCK_N,num_warps,num_stages for a DECODE_CONFIGS entry (repeat), e.g. "
-                             "int8-imma_t=128,2,2 (the labels tune_decode.py prints)")
+                             "int8-imma_t=128,2,2 (the labels tune_decode.py prints; float for a 16-bit cache)")
     parser.add_argument("--peer-json", default=None)
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
@@ -176,15 +184,10 @@ def main() -> None:
     started = time.perf_counter()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
-    if args.decode_block_n:
-        from dflash2.kernels.triton.attention import DECODE_CONFIG
+    for label, config in args.decode_config:
+        from dflash2.kernels.triton.attention import DECODE_CONFIGS
 
-        DECODE_CONFIG["BLOCK_N"] = args.decode_block_n
-    for spec in args.decode_config:
-        from dflash2.kernels.triton.attention import DECODE_CONFIGS, parse_decode_config
-
-        label, _, values = spec.partition("=")
-        DECODE_CONFIGS[label] = parse_decode_config(values, f"--decode-config {label}")
+        DECODE_CONFIGS[label] = config
     llm = LLM(args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               prefill_chunk_size=args.prefill_chunk_size,
@@ -219,7 +222,7 @@ def main() -> None:
               "max_num_batched_tokens": args.max_num_batched_tokens, "prefill_chunk_size": args.prefill_chunk_size,
               "phases": log.summary()}
     if args.decode_config:
-        result["decode_configs"] = args.decode_config
+        result["decode_configs"] = dict(args.decode_config)
     if args.profile_prefill:
         result["prefill_profile"] = prefill_profile(llm, prompts[:64], params)
     if args.profile:

@@ -12,25 +12,22 @@ from dflash2.quantization.formats import WeightFormat, dequantize_rows
 
 def resolve_placeholders(token_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
     """token_ids with each placeholder -(i + 1) replaced by the token the previous step left in future slot i
-    (one Triton launch on CUDA unless DFLASH2_STEP_EDGES=0: kernels/triton/step_edges.py)."""
+    (one Triton launch on CUDA: kernels/triton/step_edges.py)."""
     if token_ids.is_cuda:
-        from dflash2.kernels.triton import step_edges
+        from dflash2.kernels.triton.step_edges import resolve_tokens
 
-        if step_edges.STEP_EDGES:
-            return step_edges.resolve_tokens(token_ids, future_tokens)
+        return resolve_tokens(token_ids, future_tokens)
     return torch.where(token_ids < 0, future_tokens[(-token_ids - 1).clamp(min=0)], token_ids)
 
 
 def graph_lookup(table: torch.Tensor | None, token_ids: torch.Tensor, dtype: torch.dtype,
                  future_tokens: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """A step graph's lookup: (rows, ids). Where the table is 16-bit on CUDA (DFLASH2_STEP_EDGES on), the rows
-    from one launch that also resolves the placeholders; else None and the ids with the placeholders resolved,
-    for the caller's own lookup."""
+    """A step graph's lookup: (rows, ids). Where the table is 16-bit on CUDA, the rows from one launch that also
+    resolves the placeholders; else None and the ids with the placeholders resolved, for the caller's own lookup."""
     if table is not None and table.is_cuda and table.element_size() == 2 and table.stride(1) == 1:
-        from dflash2.kernels.triton import step_edges
+        from dflash2.kernels.triton.step_edges import embed_tokens
 
-        if step_edges.STEP_EDGES:
-            return step_edges.embed_tokens(token_ids, table, dtype, future_tokens), token_ids
+        return embed_tokens(token_ids, table, dtype, future_tokens), token_ids
     return None, resolve_placeholders(token_ids, future_tokens)
 
 
@@ -57,8 +54,6 @@ class QuantEmbedding(QuantLinear):
     A lookup dequantizes only the rows asked for, from the on-disk layout (kept after `prepare`);
     `project` is the quantized matmul, for a tied output projection.
     """
-
-    keeps_packed = True
 
     def __init__(self, num_embeddings: int, embedding_dim: int, fmt: WeightFormat) -> None:
         super().__init__(embedding_dim, num_embeddings, fmt)

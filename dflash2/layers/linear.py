@@ -5,12 +5,9 @@ Both take `silu_mul=True`: the input is the fused [gate | up] projection and the
 silu(gate) * up first (on CUDA inside the GEMV for decode-sized batches, one launch fewer a layer).
 On CUDA a float weight (a Linear's, or a tied embedding's output projection: `float_matmul`) with one input row
 runs the Triton GEMV (kernels/triton/quant_matmul.py), and with up to `SKINNY_MAX_ROWS` the Triton skinny GEMM
-where a tune found it faster than cuBLAS (kernels/triton/skinny_gemm.py), instead of cuBLAS;
-`DFLASH2_DECODE_GEMV=0` and `DFLASH2_SKINNY_GEMM=0` turn them off.
+where a tune found it faster than cuBLAS (kernels/triton/skinny_gemm.py), instead of cuBLAS.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +48,8 @@ class Linear(nn.Module):
 # shape, else cuBLAS. The GEMV took up to 4 rows before: on Qwen3-0.6B a decode step of 4 rows took 1.807 ms with
 # it against 1.104 ms with skinny + cuBLAS, and one of 12 rows 1.461 ms with cuBLAS against 1.280 with skinny
 # (twentieth session, benchmarks/decode_profile.py).
-DECODE_GEMV_MAX_ROWS = 1 if os.environ.get("DFLASH2_DECODE_GEMV", "1") == "1" else 0
-SKINNY_MAX_ROWS = 16 if os.environ.get("DFLASH2_SKINNY_GEMM", "1") == "1" else 0
+DECODE_GEMV_MAX_ROWS = 1
+SKINNY_MAX_ROWS = 16
 
 
 def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

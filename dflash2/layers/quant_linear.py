@@ -18,10 +18,6 @@ from dflash2.quantization.formats import WeightFormat, dequantize
 
 
 class QuantLinear(nn.Module):
-    # whether the stored tensors stay after prepare even where the runtime does not need them (an embedding
-    # looks rows up in them)
-    keeps_packed = False
-
     def __init__(self, in_features: int, out_features: int, fmt: WeightFormat, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
@@ -30,16 +26,12 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.runtime: RuntimeWeight | None = None
         self.gate_up = False  # rows [gate | up]: forward(silu_out=True) may fuse silu(gate) * up (see prepare)
-        self.packed_released = False  # the stored tensors were released after prepare (the runtime has its own)
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
         return tuple(self.fmt.tensor_shapes(self.out_features, self.in_features))
 
     def packed(self) -> PackedWeight:
-        if self.packed_released:
-            raise RuntimeError(f"{self.fmt.name} layer: its stored tensors were released after prepare (the "
-                               "runtime keeps its own copy: DFLASH2_INT4_ONE_COPY)")
         return PackedWeight(self.fmt, self.out_features, self.in_features,
                             {name: getattr(self, name) for name in self.tensor_names})
 
@@ -55,16 +47,10 @@ class QuantLinear(nn.Module):
         self.runtime = None
 
     def prepare(self, backend: Any, dtype: torch.dtype) -> None:
-        """The runtime form; where the runtime keeps a copy of its own (releases_packed), the stored tensors are
-        released (empty buffers; packed() then raises)."""
+        """The runtime form (the stored tensors stay: an embedding looks rows up in them)."""
         self.runtime = backend.prepare(self.packed(), dtype)
         if self.gate_up and hasattr(self.runtime, "pair_gate_up"):
             self.runtime.pair_gate_up()
-        if getattr(self.runtime, "releases_packed", False) and not self.keeps_packed:
-            for name in self.tensor_names:
-                stored = getattr(self, name)
-                self.register_buffer(name, torch.empty(0, dtype=stored.dtype, device=stored.device))
-            self.packed_released = True
 
     @property
     def fuses_silu_out(self) -> bool:
@@ -79,7 +65,7 @@ class QuantLinear(nn.Module):
 
     def fuses_norm(self, rows: int) -> bool:
         """Whether forward(norm=, add_to=) can fold the RMSNorm and the residual add into the matmul's own kernel
-        for `rows` activation rows (the int4 GEMV, unless DFLASH2_FUSE_NORM=0)."""
+        for `rows` activation rows (the int4 GEMV)."""
         return self.bias is None and getattr(self.runtime, "fuses_norm", lambda rows: False)(rows)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

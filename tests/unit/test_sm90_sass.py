@@ -37,12 +37,11 @@ from dflash2.kernels.triton import int4_gemv
 types = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
          "nw_ptr": "*bf16", "eps": "fp32"}
 result = {}
-for l2_rows in (False, True):  # down's case: 16 rows, K over several steps, the residual add folded in
+for prefetch in (False, True):  # down's case (K over several steps), 16 rows, the residual add folded in; or one step
     constants = {"GS": 128, "BLOCK_M": 1, "BLOCK_N": 16, "CHUNKS": 128, "SPLIT_K": 1, "SILU_MUL": False,
-                 "EVEN_M": True, "EVEN_N": True, "EVEN_K": False, "PREFETCH": True, "ASM": True, "PAIRED": False,
-                 "SILU_OUT": False, "HALF2": True, "EARLY": True, "ADD_OUT": True, "ADD_EARLY": True,
-                 "L2_ROWS": l2_rows}
-    result[str(l2_rows)] = positions(int4_gemv._int4_gemv_kernel, types, constants, 4, "UBLKPF")
+                 "EVEN_M": True, "EVEN_N": True, "EVEN_K": False, "PREFETCH": prefetch, "ASM": True, "PAIRED": False,
+                 "SILU_OUT": False, "HALF2": True, "ADD_OUT": True, "ADD_EARLY": True}
+    result[str(prefetch)] = positions(int4_gemv._int4_gemv_kernel, types, constants, 4, "UBLKPF")
 print(json.dumps(result))
 """
 
@@ -55,8 +54,8 @@ types = {"q_ptr": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "k_scales": "
 result = {}
 for lines in (0, 2):  # the short graph's launch on llama-3-8b's bf16 cache: 4 splits of 128 tokens, 4 warps
     constants = {"GROUP": 4, "GROUP_PAD": 16, "GROUP_P2": 4, "HEAD_DIM": 128, "BLOCK_N": 128, "NUM_SPLITS": 4,
-                 "SPLITS_PAD": 4, "PRECISION": "tf32", "KIND": 0, "INT8_LOOP": "", "INT8_SUB": 1,
-                 "LATE_RELEASE": True, "ROTARY": True, "PAGES_EARLY": True, "KV_PREFETCH_LINES": lines}
+                 "SPLITS_PAD": 4, "PRECISION": "tf32", "KIND": 0, "INT8_LOOP": "", "INT8_SUB": 1, "ROTARY": True,
+                 "KV_PREFETCH_LINES": lines}
     result[str(lines)] = positions(attention._decode_split_kernel, types, constants, 4, "CCTL.E.PF2")
 print(json.dumps(result))
 """
@@ -80,9 +79,9 @@ def _compiled(script: str) -> dict:
 
 
 def test_int4_gemv_asks_l2_for_its_rows_after_the_wait():
-    """L2_ROWS (int4_gemv.L2_ROWS): a program whose K takes several steps issues two bulk L2 prefetches (its rows'
-    words, their scales), after its PDL wait (griddepcontrol.wait: ACQBULK), so that they do not compete with
-    the previous kernel's last loads; without it, none."""
+    """A program whose K takes several steps (PREFETCH, SPLIT_K 1) issues two bulk L2 prefetches (its rows' words,
+    their scales), after its PDL wait (griddepcontrol.wait: ACQBULK), so that they do not compete with the
+    previous kernel's last loads; with one step, none."""
     result = _compiled(_INT4_GEMV)
     assert result["False"]["prefetches"] == []
     prefetches, waits = result["True"]["prefetches"], result["True"]["waits"]

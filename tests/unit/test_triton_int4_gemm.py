@@ -76,30 +76,6 @@ def test_int4_gemm_matches_dequantized_reference(group_size, k, n, rows, config)
     assert not split_counters(x.device, 1).any()
 
 
-@pytest.mark.parametrize("group_size, k, n, rows, config", [
-    (32, 192, 38, 20, {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}),
-    (64, 192, 38, 40, {"BLOCK_N": 16, "BLOCK_M": 32, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}),
-    (128, 256, 40, 9, None),
-])
-def test_int4_gemm_reads_the_gemv_half2_copy(group_size, k, n, rows, config):
-    """int4_gemm on the int4 GEMV's half2 copy (prepare_int4: codes of columns 4 p + j in nibble slots, scale and
-    zero as one int32) gives what it gives on the stored words (the same tile; the interpreter's float32 dot may
-    sum it in another order: within 1e-5); on the paired copy (pair_gate_up: rows gate i, up i interleaved) the
-    outputs come back in [gate | up] order."""
-    from dflash2.kernels.triton.int4_gemv import pair_gate_up, prepare_int4
-
-    weight = _weight(n, k, group_size, seed=k + n)
-    t = weight.tensors
-    copy = prepare_int4(t["qweight"], t["scales"], t["zeros"], group_size, half2=True, one_plus=False)
-    assert ig.int4_gemm_fits_repacked(copy) and not ig.int4_gemm_fits_repacked({**copy, "one_plus": True})
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    stored = ig.int4_gemm(x, qm.device_tensors(weight, torch.float32), config=config)
-    torch.testing.assert_close(stored, x @ dequantize(weight.fmt, t).T, atol=3e-5, rtol=1e-5)
-    torch.testing.assert_close(ig.int4_gemm(x, copy, config=config), stored, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ig.int4_gemm(x, pair_gate_up(copy), config=config), stored, atol=1e-5, rtol=1e-5)
-    assert not split_counters(x.device, 1).any()
-
-
 def test_int4_gemm_takes_an_output_and_no_rows():
     weight = _weight(24, 128, 32)
     tensors = qm.device_tensors(weight, torch.float32)
@@ -110,11 +86,13 @@ def test_int4_gemm_takes_an_output_and_no_rows():
     assert ig.int4_gemm(torch.empty(0, 128), tensors).shape == (0, 24)
     with pytest.raises(ValueError, match="expected x"):
         ig.int4_gemm(torch.randn(6, 64), tensors)
+    with pytest.raises(ValueError, match="int32 words"):
+        ig.int4_gemm(x, {**tensors, "words": None})
 
 
-def test_gemm_routes_int4_here_unless_legacy(monkeypatch):
-    """quant_matmul.gemm sends int4 weights with group scales here (no config, no SiLU-mul on its input);
-    DFLASH2_INT4_GEMM=legacy (ENABLED false) keeps them on _gemm_kernel. Both give the reference."""
+def test_gemm_routes_int4_here(monkeypatch):
+    """quant_matmul.gemm sends int4 weights here, as the backend's matmul does above GEMV_MAX_M rows (a [gate |
+    up] input multiplied first, by silu_and_mul)."""
     weight = _weight(37, 256, 64)
     tensors = qm.device_tensors(weight, torch.float32)
     x = torch.randn(18, 256)
@@ -128,9 +106,13 @@ def test_gemm_routes_int4_here_unless_legacy(monkeypatch):
     assert "int4 GEMM" in runtime.kernel
     torch.testing.assert_close(runtime.matmul(x), expected, atol=3e-5, rtol=1e-5)
     assert calls == [1, 1]
-    monkeypatch.setattr(ig, "ENABLED", False)
-    torch.testing.assert_close(qm.gemm(x, tensors), expected, atol=3e-5, rtol=1e-5)
-    assert calls == [1, 1] and not ig.int4_gemm_fits(tensors)
+    gate_up = torch.randn(18, 512)
+    silu = torch.nn.functional.silu(gate_up[:, :256]) * gate_up[:, 256:]
+    torch.testing.assert_close(runtime.matmul(gate_up, silu_mul=True), silu @ dequantize(weight.fmt, weight.tensors).T,
+                               atol=3e-5, rtol=1e-5)
+    assert calls == [1, 1, 1]
+    with pytest.raises(ValueError, match="silu_mul"):
+        qm.gemm(gate_up, tensors, silu_mul=True)
 
 
 def test_int4_gemm_config_lookup(tmp_path, monkeypatch):
@@ -155,36 +137,3 @@ def test_int4_gemm_config_lookup(tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv("DFLASH2_INT4_GEMM_CONFIGS")
         shape_configs.cache_clear()
-
-
-def test_one_copy_int4_layer_releases_its_stored_tensors(monkeypatch):
-    """DFLASH2_INT4_ONE_COPY: a bf16 int4 layer keeps only the GEMV's half2 copy; prefill-sized batches run
-    int4_gemm on it (a gate_up's silu_out too: the paired copy's outputs come back as [gate | up]); its stored
-    tensors are released (empty buffers, packed() raises); an int4 embedding keeps them (its lookups read them)."""
-    from dflash2.layers.embedding import QuantEmbedding
-    from dflash2.layers.quant_linear import QuantLinear
-
-    monkeypatch.setattr(qm, "INT4_ONE_COPY", True)
-    fmt = WeightFormat(4, 32)
-    packed = _weight(48, 96, 32, seed=5).tensors
-    reference = dequantize(fmt, packed)
-    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(9)).bfloat16()
-    want = x.float() @ reference.T
-    for gate_up in (False, True):
-        layer = QuantLinear(96, 48, fmt)
-        layer.set_packed(packed)
-        layer.gate_up = gate_up
-        layer.prepare(qm.TritonQuantMatmul(), torch.bfloat16)
-        assert layer.runtime.releases_packed and "one copy" in layer.runtime.kernel
-        assert all(getattr(layer, name).numel() == 0 for name in layer.tensor_names)
-        with pytest.raises(RuntimeError, match="released after prepare"):
-            layer.packed()
-        torch.testing.assert_close(layer(x).float(), want, atol=2e-2, rtol=2e-2)
-        if gate_up:
-            silu = torch.nn.functional.silu(want[:, :24]) * want[:, 24:]
-            torch.testing.assert_close(layer(x, silu_out=True).float(), silu, atol=2e-2, rtol=2e-2)
-    embedding = QuantEmbedding(48, 96, fmt)
-    embedding.set_packed(packed)
-    embedding.prepare(qm.TritonQuantMatmul(), torch.bfloat16)
-    assert embedding.runtime.releases_packed and embedding.qweight.numel() == 48 * 48
-    torch.testing.assert_close(embedding.packed().tensors["qweight"], packed["qweight"])

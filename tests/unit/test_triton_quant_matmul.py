@@ -52,10 +52,10 @@ def test_silu_mul_input(bits, group_size, rows):
 
 
 @pytest.mark.parametrize("bits, group_size, k, words", [(16, None, 100, 0), (8, None, 72, 0), (8, None, 96, 1),
-                                                         (4, 32, 192, 0), (4, 32, 192, 1), (6, 64, 192, 0)])
+                                                         (6, 64, 192, 0)])
 def test_gemv_split_k_and_ragged_k(bits, group_size, k, words):
     """Split along K (the last program sums the partials and resets its counter), K not a tile multiple;
-    int4/int8 codes read as bytes and as int32 words."""
+    int8 codes read as bytes and as int32 words."""
     weight = packed(bits, group_size, k)
     tensors = qm.device_tensors(weight, torch.float32)
     config = {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 3, "num_warps": 4, "num_stages": 1, "WORDS": words}
@@ -67,7 +67,7 @@ def test_gemv_split_k_and_ragged_k(bits, group_size, k, words):
     assert not qm.split_counters(x.device, 1).any()
 
 
-@pytest.mark.parametrize("bits, group_size, words", [(8, None, 0), (8, None, 1), (4, 64, 0), (4, 64, 1), (6, 32, 0)])
+@pytest.mark.parametrize("bits, group_size, words", [(8, None, 0), (8, None, 1), (6, 32, 0)])
 def test_gemm_many_row_blocks_and_split_k(bits, group_size, words):
     weight = packed(bits, group_size, 192)
     tensors = qm.device_tensors(weight, torch.float32)
@@ -122,17 +122,15 @@ def test_dispatch_picks_triton_on_cuda_only():
     assert quant_matmul_backend("auto", "cpu").name == "torch_cpu"
 
 
-def _int4_prepared(n: int, k: int, group_size: int, seed: int = 0, half2: bool = False, one_plus: bool = False):
-    """A random int4 weight and its prepare_int4 tensors (the float32-product layout unless half2; one_plus: the
-    half2 layout's ONE_PLUS variant)."""
+def _int4_prepared(n: int, k: int, group_size: int, seed: int = 0, half2: bool = False):
+    """A random int4 weight and its prepare_int4 tensors (the float32-product layout unless half2)."""
     from dflash2.kernels.triton.int4_gemv import prepare_int4
 
     g = torch.Generator().manual_seed(seed)
     fmt = WeightFormat(4, group_size)
     weight = PackedWeight(fmt, n, k, quantize(torch.randn(n, k, generator=g) * 0.05, fmt))
     tensors = weight.tensors
-    return weight, prepare_int4(tensors["qweight"], tensors["scales"], tensors["zeros"], group_size,
-                                half2=half2 or one_plus, one_plus=one_plus)
+    return weight, prepare_int4(tensors["qweight"], tensors["scales"], tensors["zeros"], group_size, half2=half2)
 
 
 def test_int4_repack_layout():
@@ -153,23 +151,23 @@ def test_int4_repack_layout():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("group_size, k, block_n, chunks, split_k, prefetch", [
-    (128, 512, 8, 4, 1, 0),    # K a whole number of steps, N = 37 not of blocks
-    (64, 448, 4, 4, 1, 0),     # K not a multiple of the step (the last step is part masked)
-    (32, 480, 8, 8, 3, 0),     # split along K, ragged
-    (128, 256, 16, 2, 2, 0),   # split along K, even
-    (64, 448, 8, 4, 1, 1),     # the next step's words loaded ahead, ragged K
-    (32, 512, 4, 2, 2, 1),     # ... even K, split
+@pytest.mark.parametrize("group_size, k, block_n, chunks, split_k", [
+    (128, 512, 8, 4, 1),    # K a whole number of steps, N = 37 not of blocks
+    (64, 448, 4, 4, 1),     # K not a multiple of the step (the last step is part masked)
+    (32, 480, 8, 8, 3),     # split along K, ragged
+    (128, 256, 16, 2, 2),   # split along K, even
+    (32, 128, 8, 4, 1),     # one step: nothing loaded ahead
+    (32, 512, 4, 2, 2),     # split, several steps a split
 ])
-def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split_k, prefetch):
-    """The int4 decode kernel (repacked words, 1 + q/16 and 16 + q/16 floats, scales outside the slot loop)
-    for 1..4 activation rows, ragged N and K, group sizes 32/64/128, split along K."""
+def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split_k):
+    """The int4 decode kernel (repacked words, 1 + q/16 and 16 + q/16 floats, scales outside the slot loop;
+    the first step's words loaded before the PDL wait, each next step's a step ahead) for 1..4 activation rows,
+    ragged N and K, group sizes 32/64/128, split along K."""
     from dflash2.kernels.triton.int4_gemv import int4_gemv
 
     weight, prepared = _int4_prepared(N, k, group_size, seed=rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    config = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k,
-              "PREFETCH": prefetch}
+    config = {"BLOCK_N": block_n, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
     got = int4_gemv(x, prepared, config=config)
     torch.testing.assert_close(got, expected(x, weight), atol=2e-5, rtol=1e-5)
     assert torch.equal(int4_gemv(x, prepared, config=config), got)  # the split-K tickets reset themselves
@@ -178,20 +176,19 @@ def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split
 
 @pytest.mark.parametrize("half2", [False, True])
 @pytest.mark.parametrize("k, chunks, split_k", [(256, 8, 1), (1024, 8, 1), (1024, 8, 2), (384, 4, 4)])
-def test_int4_gemv_early_loads(k, chunks, split_k, half2):
-    """DFLASH2_INT4_EARLY's order (the first step's weights loaded before the PDL wait, PREFETCH after when K
-    takes more steps: one step, several, split along K) computes what the plain order does."""
+def test_int4_gemv_steps_and_splits(k, chunks, split_k, half2):
+    """One step, several (the next one's words loaded ahead, the rows asked of L2 after the wait), split along
+    K, with either product layout."""
     from dflash2.kernels.triton.int4_gemv import int4_gemv
 
     weight, prepared = _int4_prepared(N, k, 32, seed=k + split_k, half2=half2)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(k))
     config = {"BLOCK_N": 8, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
-    plain = int4_gemv(x, prepared, config={**config, "EARLY": 0})
-    assert torch.equal(int4_gemv(x, prepared, config={**config, "EARLY": 1}), plain)
-    torch.testing.assert_close(plain, expected(x, weight), atol=3e-3 if half2 else 2e-5, rtol=3e-3 if half2 else 1e-5)
+    got = int4_gemv(x, prepared, config=config)
+    torch.testing.assert_close(got, expected(x, weight), atol=3e-3 if half2 else 2e-5, rtol=3e-3 if half2 else 1e-5)
 
 
-@pytest.mark.parametrize("products", ["float", "half2", "one_plus"])
+@pytest.mark.parametrize("products", ["float", "half2"])
 @pytest.mark.parametrize("rows, k, chunks, programs, mode", [
     (1, 128, 4, 2, "plain"),     # one step a tile: activations loaded once; 5 tiles over 2 programs
     (3, 448, 4, 3, "plain"),     # 4 steps a tile, the last part masked (K not a multiple of the step)
@@ -205,17 +202,15 @@ def test_int4_gemv_persistent(rows, k, chunks, programs, mode, products):
     from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up
 
     half2 = products != "float"
-    weight, prepared = _int4_prepared(N + 3 if mode == "silu_out" else N, k, 32, seed=rows + k, half2=half2,
-                                      one_plus=products == "one_plus")
+    weight, prepared = _int4_prepared(N + 3 if mode == "silu_out" else N, k, 32, seed=rows + k, half2=half2)
     x = torch.randn(rows, 2 * k if mode == "silu_mul" else k, generator=torch.Generator().manual_seed(k))
     config = {"BLOCK_N": 8, "CHUNKS": chunks, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1}
     kwargs = {"silu_out": mode == "silu_out", "silu_mul": mode == "silu_mul"}
     if mode == "silu_out":
         prepared = pair_gate_up(prepared)
     plain = int4_gemv(x, prepared, config=config, **kwargs)
-    for early in (0, 1):
-        persistent = {**config, "PERSISTENT": 1, "PROGRAMS": programs, "EARLY": early}
-        assert torch.equal(int4_gemv(x, prepared, config=persistent, **kwargs), plain)
+    persistent = {**config, "PERSISTENT": 1, "PROGRAMS": programs}
+    assert torch.equal(int4_gemv(x, prepared, config=persistent, **kwargs), plain)
     if mode == "plain":
         torch.testing.assert_close(plain, expected(x, weight), atol=3e-3 if half2 else 2e-5,
                                    rtol=3e-3 if half2 else 1e-5)
@@ -260,7 +255,7 @@ def test_int4_gemv_norm_and_residual_add(k, config, half2):
 
 
 def test_int4_half2_layout():
-    """DFLASH2_INT4_GEMV=half2: the same slots (column 32 c + 4 s + j in word j), each at HALF2_SLOT_BITS[s]:
+    """16-bit models' layout (half2): the same slots (column 32 c + 4 s + j in word j), each at HALF2_SLOT_BITS[s]:
     slots 0/1, 2/3 (and of the word >> 8: 4/5, 6/7) share a LOP3 that makes two fp16 values."""
     from dflash2.kernels.triton.int4_gemv import HALF2_SLOT_BITS
     from dflash2.quantization.formats import unpack_int4
@@ -274,33 +269,14 @@ def test_int4_half2_layout():
         assert torch.equal(((words >> bit) & 15).reshape(5, 4, 4), codes.reshape(5, 4, 8, 4)[:, :, s, :])
 
 
-def test_int4_one_plus_layout():
-    """DFLASH2_INT4_GEMV=half2-sum: slot s at ONE_PLUS_SLOT_BITS[s] (slot 7 rotated: its low two bits at 30-31),
-    so that the word, << 4, >> 4 and rotated right by 8 hold slot pairs 0/1, 2/3, 4/5, 6/7 at bits 6 and 22."""
-    from dflash2.kernels.triton.int4_gemv import ONE_PLUS_SLOT_BITS
-    from dflash2.quantization.formats import unpack_int4
-
-    weight, prepared = _int4_prepared(5, 128, 32, one_plus=True)
-    assert prepared["half2"] and prepared["one_plus"]
-    codes = unpack_int4(weight.tensors["qweight"]).long().reshape(5, 4, 8, 4)
-    words = prepared["words"].long() & 0xFFFFFFFF
-    views = (words, (words << 4) & 0xFFFFFFFF, words >> 4, ((words >> 8) | (words << 24)) & 0xFFFFFFFF)
-    for pair, view in enumerate(views):
-        for half, bit in enumerate((6, 22)):
-            assert torch.equal(((view >> bit) & 15).reshape(5, 4, 4), codes[:, :, 2 * pair + half, :])
-    assert ONE_PLUS_SLOT_BITS == (6, 22, 2, 18, 10, 26, 14, 30)
-
-
-@pytest.mark.parametrize("one_plus", [False, True])
 @pytest.mark.parametrize("rows, group_size, k, split_k, paired", [(1, 32, 96, 1, False), (3, 64, 384, 1, False),
                                                                    (4, 128, 256, 2, False), (2, 32, 128, 1, True)])
-def test_int4_half2_gemv_matches_reference(rows, group_size, k, split_k, paired, one_plus):
-    """The half2 variant and its ONE_PLUS form (here their interpreter path: the same codes, activations rounded
-    to fp16) against dequantize() + matmul; with paired gate/up rows, silu_out too."""
+def test_int4_half2_gemv_matches_reference(rows, group_size, k, split_k, paired):
+    """The half2 products (here their interpreter path: the same codes, activations rounded to fp16) against
+    dequantize() + matmul; with paired gate/up rows, silu_out too."""
     from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up
 
-    weight, prepared = _int4_prepared(N + 1 if paired else N, k, group_size, seed=rows, half2=True,
-                                      one_plus=one_plus)
+    weight, prepared = _int4_prepared(N + 1 if paired else N, k, group_size, seed=rows, half2=True)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
     config = {"BLOCK_N": 8, "CHUNKS": 4, "num_warps": 1, "num_stages": 1, "SPLIT_K": split_k}
     want = expected(x, weight)
@@ -328,18 +304,12 @@ def test_int4_gemv_silu_mul(rows, split_k):
 
 
 def test_int4_gemv_is_the_backend_default():
-    """TritonQuantMatmul prepares the repacked copy and runs M <= GEMV_MAX_M through it (unless
-    DFLASH2_INT4_GEMV=legacy); the default configs run (BLOCK_M 1, 2, 4). Packed fp16 products (half2) for a
-    16-bit model by default, float32 products for a float32 one."""
-    from dflash2.kernels.triton.int4_gemv import HALF2
-
+    """TritonQuantMatmul prepares the repacked copy and runs M <= GEMV_MAX_M through it; the default configs
+    run (BLOCK_M 1, 2, 4). Packed fp16 products (half2) for a 16-bit model, float32 products for a float32 one."""
     weight = packed(4, 128, 256)
     runtime = qm.TritonQuantMatmul().prepare(weight, torch.float32)
-    assert ("int4" in runtime.weight) == qm.INT4_REPACKED
-    if qm.INT4_REPACKED:
-        assert not runtime.weight["int4"]["half2"]
-        assert qm.TritonQuantMatmul().prepare(weight, torch.bfloat16).weight["int4"]["half2"] == HALF2
-        assert HALF2 == (os.environ.get("DFLASH2_INT4_GEMV", "half2") == "half2")
+    assert not runtime.weight["int4"]["half2"]
+    assert qm.TritonQuantMatmul().prepare(weight, torch.bfloat16).weight["int4"]["half2"]
     for rows in (1, 2, 4):  # seeded: from the global generator the inputs would depend on the tests run before
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(runtime.matmul(x), expected(x, weight), atol=2e-5, rtol=1e-5)
@@ -384,7 +354,7 @@ def test_quant_linear_gate_up_applies_silu_in_its_gemv():
     layer.gate_up = True
     for module in (layer, plain):
         module.prepare(qm.TritonQuantMatmul(), torch.float32)
-    assert layer.runtime.fuses_silu_out == qm.INT4_REPACKED and not plain.runtime.fuses_silu_out
+    assert layer.runtime.fuses_silu_out and not plain.runtime.fuses_silu_out
     for rows in (1, 3, 9):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(layer(x, silu_out=True), silu_and_mul(plain(x)), atol=1e-6, rtol=1e-6)
@@ -394,14 +364,15 @@ def test_quant_linear_gate_up_applies_silu_in_its_gemv():
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decoder_layers_fold_norms_into_int4_gemvs(arch, tmp_path, monkeypatch):
-    """DFLASH2_FUSE_NORM: a tiny int4 model on the Triton backend (interpreted) whose decode steps fold both
-    RMSNorms and both residual adds of every layer into the GEMVs generates the same greedy tokens as with the
-    separate steps (Qwen3: its q/k norms still run after qkv); prefill steps (more rows than the GEMV takes)
-    keep them separate."""
+    """A tiny int4 model on the Triton backend (interpreted) whose decode steps fold both RMSNorms and both
+    residual adds of every layer into the GEMVs generates the same greedy tokens as with the separate steps
+    (fuses_norms patched off; Qwen3: its q/k norms still run after qkv); prefill steps (more rows than the GEMV
+    takes) keep them separate."""
     import dflash2.engine.engine as engine_module
     from dflash2 import LLM, SamplingParams
     from dflash2.cli.main import main as dflash2_main
     from dflash2.loading.model_loader import load_model
+    from dflash2.models.llama import LlamaDecoderLayer
     from tests.tiny_models import build_tiny_model
 
     source, out = str(tmp_path / "source"), str(tmp_path / "int4")
@@ -412,12 +383,14 @@ def test_decoder_layers_fold_norms_into_int4_gemvs(arch, tmp_path, monkeypatch):
                         lambda *args, **kw: load_model(*args, **{**kw, "quant_backend": "triton"}))
     prompts = [[5, 17, 99, 3, 250, 8], [40, 41, 42]]
     params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0)
+    fuses_norms = LlamaDecoderLayer.fuses_norms
     runs = {}
-    for fused in (False, True):
-        monkeypatch.setattr(qm, "FUSE_NORM", fused)
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(LlamaDecoderLayer, "fuses_norms", lambda self, rows: False)
         llm = LLM(out, kv_cache_memory="4MiB", max_num_seqs=2)
         layer = llm.engine.model.module.layers[0]
-        assert layer.fuses_norms(1) == (fused and qm.INT4_REPACKED) and not layer.fuses_norms(qm.GEMV_MAX_M + 1)
+        assert fuses_norms(layer, 1) and not fuses_norms(layer, qm.GEMV_MAX_M + 1)
         runs[fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
     assert runs[True] == runs[False]
@@ -482,36 +455,36 @@ def _smoke_tune(script: str, *args: str) -> list[dict]:
 
 def test_decode_gemv_tune_smoke(tmp_path):
     """benchmarks/decode_gemv_tune.py --smoke (interpreted): every int4 variant it times (the tables' configs,
-    persistent, half2-sum, SiLU-mul on either side) is checked against the shape's default config, and the
-    table it writes names one config per shape."""
+    persistent, SiLU-mul on either side) is checked against the shape's default config, and the table it
+    writes names one config per shape."""
     import json
 
     out = tmp_path / "int4.json"
     rows = _smoke_tune("decode_gemv_tune.py", "--int4-only", "--configs-out", str(out))
     int4 = [r for r in rows if r.get("kernel", "").startswith("gemv_int4")]
-    assert {r["kernel"] for r in int4} == {"gemv_int4", "gemv_int4_half2_sum"}
+    assert {r["kernel"] for r in int4} == {"gemv_int4"}
     assert {r["shape"] for r in int4} == {"qkv", "gate_up", "down", "gate_up_silu_out", "down_silu_mul"}
     assert all("error" not in r and r["rel_error"] < 1e-2 for r in int4)
     assert sorted(json.loads(out.read_text())) == ["32x512", "48x256", "64x256"]
 
 
 def test_prefill_gemm_tune_writes_configs_the_gemm_takes(tmp_path, monkeypatch):
-    """benchmarks/prefill_gemm_tune.py --kernel legacy --smoke (interpreted) times its configs, checks their
-    results, and writes the best per shape; DFLASH2_GEMM_CONFIGS makes gemm() take it for more than
+    """benchmarks/prefill_gemm_tune.py --kernel gemm --smoke (interpreted, int8 weights) times its configs, checks
+    their results, and writes the best per shape; DFLASH2_GEMM_CONFIGS makes gemm() take it for more than
     GEMM_SMALL_M rows only."""
     import json
 
     out = tmp_path / "gemm.json"
-    rows = _smoke_tune("prefill_gemm_tune.py", "--kernel", "legacy", "--rows", "40", "--configs-out", str(out))
-    assert len(rows) == 2 and all(r["rel_error"] < 1e-4 for r in rows)
+    rows = _smoke_tune("prefill_gemm_tune.py", "--kernel", "gemm", "--rows", "40", "--configs-out", str(out))
+    assert len(rows) == 2 and all(r["kernel"] == "triton_gemm_int8" and r["rel_error"] < 1e-4 for r in rows)
     table = json.loads(out.read_text())
-    assert list(table) == ["4:64x256"] and table["4:64x256"] in [r["config"] for r in rows]
+    assert list(table) == ["8:64x256"] and table["8:64x256"] in [r["config"] for r in rows]
     monkeypatch.setenv("DFLASH2_GEMM_CONFIGS", str(out))
     shape_configs.cache_clear()
     try:
-        assert qm.gemm_config(4, 64, 256, 40) == table["4:64x256"]
-        assert qm.gemm_config(4, 64, 256, qm.GEMM_SMALL_M) == qm.GEMM_SMALL_M_CONFIG
-        assert qm.gemm_config(4, 64, 512, 40) == qm.GEMM_CONFIG and qm.gemm_config(8, 64, 256, 40) == qm.GEMM_CONFIG
+        assert qm.gemm_config(8, 64, 256, 40) == table["8:64x256"]
+        assert qm.gemm_config(8, 64, 256, qm.GEMM_SMALL_M) == qm.GEMM_SMALL_M_CONFIG
+        assert qm.gemm_config(8, 64, 512, 40) == qm.GEMM_CONFIG and qm.gemm_config(4, 64, 256, 40) == qm.GEMM_CONFIG
     finally:
         monkeypatch.delenv("DFLASH2_GEMM_CONFIGS")
         shape_configs.cache_clear()

@@ -13,16 +13,13 @@ Each program parks its fp32 partial in a workspace and takes a ticket from the t
 sums the partials, stores the tile and resets the counter (_reset_ticket, without a fence), so the counters stay
 zero between calls and the whole thing is safe inside CUDA graphs. The split decode attention (attention.py) and
 the greedy argmax (step_edges.py) take their tickets from the same `split_counters` (kernels on one stream never
-hold tickets at the same time). Kernels of another stream that may run at the same time (the express lane's
-graphs) take theirs from a set of their own: `counter_set(name)` around their warm-up and capture.
+hold tickets at the same time).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -133,30 +130,16 @@ def _k_range(K, pid_k, TILE_K: tl.constexpr, SPLIT_K: tl.constexpr):
     return k_start, tl.minimum(K, k_start + tiles_per_split * TILE_K)
 
 
-_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
-_counter_set = "main"
-
-
-@contextlib.contextmanager
-def counter_set(name: str) -> Iterator[None]:
-    """Kernels launched (or captured) inside take their tickets from the counter set `name`."""
-    global _counter_set
-    previous, _counter_set = _counter_set, name
-    try:
-        yield
-    finally:
-        _counter_set = previous
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def split_counters(device: torch.device, size: int) -> torch.Tensor:
-    """Zeroed int32 tickets for split-K (each tile's last program resets its own), from the current counter
-    set. Allocated outside any graph capture: the first call with a new size should run eagerly (warm-up)
-    before capturing."""
-    key = (device, _counter_set)
-    counters = _COUNTERS.get(key)
+    """Zeroed int32 tickets for split-K (each tile's last program resets its own). Allocated outside any graph
+    capture: the first call with a new size should run eagerly (warm-up) before capturing."""
+    counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < size:
         counters = torch.zeros(max(size, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
+        _COUNTERS[device] = counters
     return counters
 
 

@@ -12,7 +12,7 @@ from dflash2.kernels.triton.gemv_parts import shape_configs
 # (sm_90, M = 1, float32 products: BLOCK_N 8 / 16 -> 128 / 254 registers; half2: 96 / 168). A config may also
 # cap the registers a thread ("maxnreg", passed to the launch): ptxas spills past the cap, and more programs fit
 # an SM. "PERSISTENT": P programs an SM (the grid is P times the SMs, or the tiles if fewer), each walking its
-# row tiles in _int4_gemv_persistent_kernel; SPLIT_K and PREFETCH do not apply there.
+# row tiles in _int4_gemv_persistent_kernel; SPLIT_K does not apply there.
 INT4_GEMV_CONFIGS: dict = {
     1: {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
     2: {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1},
@@ -21,7 +21,7 @@ INT4_GEMV_CONFIGS: dict = {
 # (BLOCK_M, N, K) -> a config for one shape, over the above: the best of benchmarks/decode_gemv_tune.py on the
 # H200 for the llama-3-8b shapes where it beat the default (results/decode_gemv_tune_int4_2026-11-29.json):
 # o_proj 5.16 vs 5.75 us, gate_up 22.21 vs 23.9, lm_head 82.66 vs 85.5+ (qkv and down: the default)
-_ONE_WARP = {"BLOCK_N": 8, "CHUNKS": 32, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1, "PREFETCH": 1}
+_ONE_WARP = {"BLOCK_N": 8, "CHUNKS": 32, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1}
 _SIXTEEN_ROWS = {"BLOCK_N": 16, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1}
 INT4_GEMV_SHAPE_CONFIGS: dict = {
     (1, 4096, 4096): _SIXTEEN_ROWS,
@@ -34,7 +34,7 @@ INT4_GEMV_SHAPE_CONFIGS: dict = {
 # engine runs it (silu_out) 19.13 at 8 rows, 4 programs an SM, against 20.94; lm_head 66.57 at 8 rows, 5 an SM,
 # against 73.31 (the one-warp config before); qkv 6.03 and o_proj 4.18 capped at 168 registers, against 6.21 and
 # 4.32. W2 int4 with these and the prefill GEMM table below: 527.4 / 528.5 tok/s against 497.5 (calls 1-2).
-_CAPPED = {**_SIXTEEN_ROWS, "PREFETCH": 0, "maxnreg": 168}
+_CAPPED = {**_SIXTEEN_ROWS, "maxnreg": 168}
 _PERSISTENT = {"BLOCK_N": 8, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1}
 _TWO_WARPS = {"BLOCK_N": 8, "CHUNKS": 64, "num_warps": 2, "num_stages": 1, "SPLIT_K": 1}
 _FOUR_ROWS_EIGHT = {"BLOCK_N": 4, "CHUNKS": 128, "num_warps": 4, "num_stages": 1, "SPLIT_K": 1, "PERSISTENT": 8}

@@ -29,7 +29,6 @@ shapes with few output tiles (down_proj: 4,096 rows), by gemv_parts' tickets.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -55,8 +54,6 @@ SHAPE_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (4096, 4096): {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
     (6144, 4096): {**DEFAULT_CONFIG, "SPLIT_K": 1},
 }
-# DFLASH2_INT4_GEMM=legacy keeps int4 prefill on quant_matmul._gemm_kernel
-ENABLED = os.environ.get("DFLASH2_INT4_GEMM", "on") != "legacy"
 
 
 def int4_gemm_config(n: int, k: int, m: int) -> dict[str, int]:
@@ -109,20 +106,13 @@ def _code_floats(w, ASM: tl.constexpr):
 
 @triton.jit
 def _dequantized_tile(w_ptr, s_ptr, z_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS: tl.constexpr,
-                      T: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                      REPACKED: tl.constexpr):
+                      T: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """The weight tile [BLOCK_N, T * GS] from column k0 as float32 (groups past k_end are zeros; EVEN_K: there
-    are none). Rows past N were clamped to row 0 (rows64): their loads need no mask. REPACKED: the words are the
-    int4 GEMV's half2 copy (int4_math.HALF2_SLOT_BITS: word j of a 32-column chunk holds columns 4 p + j, slot p
-    at nibble (0, 4, 1, 5, 2, 6, 3, 7)[p]) and s_ptr its int32 scale/zero pairs (the fp16 scale in the low half)."""
+    are none). Rows past N were clamped to row 0 (rows64): their loads need no mask."""
     t = tl.arange(0, T)
     g_ok = (k0 + t * GS < k_end)[None, :]  # [1, T]: loads broadcast it
     g_offs = rows64[:, None] * stride_sn + k0 // GS + t[None, :]
-    if REPACKED:
-        sz = tl.load(s_ptr + g_offs) if EVEN_K else tl.load(s_ptr + g_offs, mask=g_ok, other=0)
-        s = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    elif EVEN_K:
+    if EVEN_K:
         s = tl.load(s_ptr + g_offs).to(tl.float32)
         z = tl.load(z_ptr + g_offs).to(tl.float32)
     else:
@@ -138,12 +128,6 @@ def _dequantized_tile(w_ptr, s_ptr, z_ptr, rows64, stride_wn, stride_sn, k0, k_e
     f0, f1, f2, f3, f4, f5, f6, f7 = _code_floats(words, ASM)
     v0, v1, v2, v3 = f0 * s16 + c_even, f1 * s16 + c_odd, f2 * s16 + c_even, f3 * s16 + c_odd
     v4, v5, v6, v7 = f4 * s16 + c_even, f5 * s16 + c_odd, f6 * s16 + c_even, f7 * s16 + c_odd
-    if REPACKED:
-        # nibble i = slot p: [.., word, p] with p's bits from the joins (outermost: bit 0), then the chunk's
-        # words (j) and slots swapped, so that column 4 p + j of each chunk comes out in order
-        slots = tl.join(tl.join(tl.join(v0, v2), tl.join(v1, v3)), tl.join(tl.join(v4, v6), tl.join(v5, v7)))
-        slots = slots.reshape(BLOCK_N, T, GS // 32, 4, 8)
-        return tl.permute(slots, (0, 1, 2, 4, 3)).reshape(BLOCK_N, T * GS)
     # code i of word j -> column 8 j + i (each join adds a trailing axis: the outermost picks bit 0 of i)
     even = tl.join(tl.join(v0, v4), tl.join(v2, v6))
     odd = tl.join(tl.join(v1, v5), tl.join(v3, v7))
@@ -155,11 +139,10 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
                       stride_xm, stride_wn, stride_sn, stride_om,
                       GS: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
-                      USE_PDL: tl.constexpr, REPACKED: tl.constexpr = False, PAIRED: tl.constexpr = False):
+                      USE_PDL: tl.constexpr):
     """out[m, n] = sum_k x[m, k] W[n, k]; a program owns BLOCK_N weight rows x BLOCK_M activation rows (the
     activation row blocks of one weight block are neighbours in the grid, so they share its tiles in L2) and
-    one of SPLIT_K slices of K. REPACKED: the words are the int4 GEMV's half2 copy and s_ptr its scale/zero
-    pairs (z_ptr unused); PAIRED: its rows are interleaved (gate i, up i), stored back in [gate | up] order."""
+    one of SPLIT_K slices of K."""
     pdl_start(USE_PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -170,7 +153,7 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(k_start, k_end, T * GS):
         w = _dequantized_tile(w_ptr, s_ptr, z_ptr, rows64, stride_wn, stride_sn, k0, k_end, GS, T, BLOCK_N,
-                              EVEN_K, ASM, REPACKED)
+                              EVEN_K, ASM)
         cols = k0 + tl.arange(0, T * GS)
         x_ptrs = x_ptr + m64[None, :] * stride_xm + cols[:, None]  # [T * GS, BLOCK_M]; rows past M clamped to 0
         if EVEN_K:
@@ -181,20 +164,19 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
             acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w.to(x_ptr.dtype.element_ty), xt, acc)
-    if PAIRED:  # row 2 i is gate i, row 2 i + 1 up i; rows past N stay past it (masked)
-        rows = tl.where(rows < N, rows // 2 + (rows % 2) * (N // 2), N)
     _store_or_reduce(tl.trans(acc), out_ptr, ws_ptr, cnt_ptr, m_idx, rows, M, N, stride_om, pid, pid_k, SPLIT_K)
 
 
 def int4_gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None,
               config: dict[str, int] | None = None) -> torch.Tensor:
-    """y = x @ W^T for an int4 weight as quant_matmul.device_tensors holds it (its int32 `words`), or as the int4
-    GEMV's half2 copy (int4_gemv.prepare_int4, paired or not: int4_gemm_fits_repacked)."""
+    """y = x @ W^T for an int4 weight as quant_matmul.device_tensors holds it (its int32 `words`)."""
     x, out = prepare_io(x, weight, out, False)
     m, n = out.shape
     if m == 0:
         return out
     k, gs, words = weight["k"], weight["group_size"], weight["words"]
+    if words is None or gs % 8 or weight["scales"].dim() != 2:
+        raise ValueError("int4 GEMM reads the codes as int32 words, with group-wise scales")
     config = config or int4_gemm_config(n, k, m)
     t = max(1, config["BLOCK_K"] // gs)
     block_m = config["BLOCK_M"]
@@ -210,26 +192,12 @@ def int4_gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None 
     split_k = max(1, min(split_k, k_tiles // 4 if "SPLIT_K" not in config else k_tiles))  # >= 4 tiles a slice
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = split_counters(x.device, grid_mn) if split_k > 1 else out
-    repacked = "sz" in weight
-    scales, zeros = (weight["sz"], weight["sz"]) if repacked else (weight["scales"], weight["zeros"])
+    scales = weight["scales"]
     ieee = x.dtype == torch.float32 or not INLINE_ASM  # the interpreter's tl.dot gets bfloat16 wrong
     _int4_gemm_kernel[(grid_mn, split_k)](
-        x, words, scales, zeros, out, ws, counters, m, n, k, x.stride(0), words.stride(0), scales.stride(0),
-        out.stride(0), GS=gs, T=t, BLOCK_N=config["BLOCK_N"], BLOCK_M=block_m, SPLIT_K=split_k,
-        EVEN_K=k % (gs * t) == 0, IEEE=ieee,
-        ASM=INLINE_ASM, REPACKED=repacked, PAIRED=repacked and weight.get("paired", False),
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        x, words, scales, weight["zeros"], out, ws, counters, m, n, k, x.stride(0), words.stride(0),
+        scales.stride(0), out.stride(0), GS=gs, T=t, BLOCK_N=config["BLOCK_N"], BLOCK_M=block_m, SPLIT_K=split_k,
+        EVEN_K=k % (gs * t) == 0, IEEE=ieee, ASM=INLINE_ASM, num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}), **pdl_args())
     return out
-
-
-def int4_gemm_fits(weight: dict[str, Any]) -> bool:
-    """Whether int4_gemm takes this weight: int4 codes readable as int32 words, group-wise scales."""
-    return (ENABLED and weight["bits"] == 4 and weight.get("words") is not None and weight.get("group_size")
-            is not None and weight["group_size"] % 8 == 0 and weight["scales"].dim() == 2)
-
-
-def int4_gemm_fits_repacked(int4: dict[str, Any]) -> bool:
-    """Whether int4_gemm reads this int4 GEMV copy (prepare_int4's): the half2 layout, whose codes sit in whole
-    nibbles (not the float32 or half2-sum ones)."""
-    return ENABLED and int4.get("half2", False) and not int4.get("one_plus", False) and int4["group_size"] % 32 == 0

@@ -23,32 +23,20 @@ from dflash2.kernels.triton.elementwise import _silu_mul
 from dflash2.kernels.triton.gemv_parts import (_added, _k_range, _l2_prefetch, _store_or_reduce, multiprocessors,
                                                prepare_io, split_counters)
 from dflash2.kernels.triton.int4_configs import int4_config
-from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, ONE_PLUS_SLOT_BITS, SLOT_BITS,
+from dflash2.kernels.triton.int4_math import (CHUNK, HALF2_SLOT_BITS, SLOT_BITS,
                                               _norm_weight_slots, _rms_rstd, _slot_activations, _slots_normed_by,
                                               _step_from_activations, _step_sum, _sum_squares, repack_int4)
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# packed fp16 products for 16-bit models (int4_math.py, "half2"); DFLASH2_INT4_GEMV=float: float32 ones;
-# =half2-sum: packed ones without the bias fix (ONE_PLUS; W2 int4 512.1 against 528.5 tok/s, fourteenth session)
-HALF2 = os.environ.get("DFLASH2_INT4_GEMV", "half2") in ("half2", "half2-sum")
-ONE_PLUS = os.environ.get("DFLASH2_INT4_GEMV", "half2") == "half2-sum"
-# each program requests its first step's weights before it waits for the previous kernel (EARLY in
-# _int4_gemv_kernel; DFLASH2_INT4_EARLY=0 turns it off). W2 int4 on the H200: 475.9 / 476.5 tok/s with it,
-# 467.4 / 466.6 without (eleventh session, call 3, half2 at the configs before the tune below)
-EARLY_LOADS = os.environ.get("DFLASH2_INT4_EARLY", "1") == "1"
-# A decoder layer whose four linears run this GEMV folds its two RMSNorms into the GEMVs that read them (qkv,
-# gate_up: norm=) and its two residual adds into the GEMVs that produce them (o_proj, down: add_out), two
-# launches a layer fewer (models/llama.py); DFLASH2_FUSE_NORM=0 keeps them separate. W2 int4 on the H200: 542.0
-# / 541.9 tok/s fused against 527.5 (fourteenth session, call 3, once the add read its tile before the wait).
-FUSE_NORM = os.environ.get("DFLASH2_FUSE_NORM", "1") == "1"
-# When K takes several steps (down: 4), each program of the regular kernel asks L2 for all of its rows right
-# after its PDL wait (L2_ROWS, gemv_parts._l2_prefetch): its registers hold one step ahead, so each later step's
-# words would otherwise come a loaded HBM latency after it asks. DFLASH2_INT4_L2_ROWS=0 turns it off. W2 int4
-# on the H200: 575.3 / 575.4 tok/s with it against 562.9 (eighteenth session, call 5); before the wait (while
-# the previous GEMV still streams) it measured slower (555.3), as did a prefetch line by line, tiles ahead in the
-# persistent kernel (gate_up), and qkv asking for o_proj's weights (results/s18/).
-L2_ROWS = os.environ.get("DFLASH2_INT4_L2_ROWS", "1") == "1"
+# Measured on the H200 (W2 int4, tok/s): each program requests its first step's weights before its PDL wait,
+# 475.9 against 467.4 (eleventh session); a decoder layer whose four linears run this GEMV folds its two RMSNorms
+# into the GEMVs that read them (qkv, gate_up: norm=) and its two residual adds into the GEMVs that produce them
+# (o_proj, down: add_out), two launches a layer fewer (models/llama.py), 542.0 against 527.5 (fourteenth); where
+# K takes several steps (down: 4) each program of the regular kernel asks L2 for all of its rows right after its
+# wait (its registers hold one step ahead, so each later step's words would otherwise come a loaded HBM latency
+# after it asks), 575.3 against 562.9 (eighteenth; before the wait, line by line, or tiles ahead in the
+# persistent kernel it measured slower).
 
 
 @triton.jit
@@ -73,31 +61,26 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
                       BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
                       ASM: tl.constexpr, PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, USE_PDL: tl.constexpr,
-                      HALF2: tl.constexpr = False, EARLY: tl.constexpr = False, NORM: tl.constexpr = False,
-                      ADD_OUT: tl.constexpr = False, ONE_STEP: tl.constexpr = False,
-                      ONE_PLUS: tl.constexpr = False, ADD_EARLY: tl.constexpr = False,
-                      L2_ROWS: tl.constexpr = False):
+                      HALF2: tl.constexpr = False, NORM: tl.constexpr = False, ADD_OUT: tl.constexpr = False,
+                      ONE_STEP: tl.constexpr = False, ADD_EARLY: tl.constexpr = False):
     """out[m, n] = sum_k (q - z) s x for every row m < M. The 4-D tensors are (chunk, m, n, word): the chunk
     axis first, so that Triton's coalescing (which orders equally non-contiguous axes by index) spreads the
     threads over the chunks and leaves each thread all the rows. sz: int32 [N, K / GS], the fp16 scale in the
-    low half and the fp16 zero in the high half. Offsets are int32 (the launcher checks they fit). PREFETCH: the
-    words and scales of step i + 1 are requested before step i is computed (registers for one more step).
+    low half and the fp16 zero in the high half. Offsets are int32 (the launcher checks they fit).
+    The first step's words and scales are requested before the wait for the previous kernel (programmatic
+    dependent launch), which never writes them, so they stream in while it finishes. PREFETCH (K takes more
+    than one step): the words and scales of step i + 1 are requested before step i is computed (registers for
+    one more step), and with SPLIT_K = 1 the program asks L2 for all of its rows' words and scales right after
+    the wait.
     PAIRED: the weight is a [gate | up] pair with its rows interleaved (pair_gate_up: row 2i is gate row i, row
     2i + 1 up row i); the outputs go back to [gate | up] order, or with SILU_OUT (SPLIT_K = 1) a program stores
     silu(gate) * up of its BLOCK_N / 2 pairs, rounded as the separate silu_and_mul kernel would.
-    EARLY (with programmatic dependent launch): the first step's words and scales are requested before the wait
-    for the previous kernel, which never writes them, so they stream in while it finishes; the launcher sets
-    PREFETCH too when K takes more than one step.
     NORM: x is the residual stream, and the GEMV's input is its RMSNorm with weight nw (rms_norm's arithmetic;
     every program computes the rows' statistics in a pass over x first, or from the step's activations when
     ONE_STEP: all of K in one step, SPLIT_K = 1). ADD_OUT: out += the result (the residual add: the product
     rounded to out's dtype, then added in float32). ADD_EARLY (ADD_OUT, SPLIT_K = 1): out was last
     written two or more launches back (pdl.py's rule), so its tile is read before the wait, with the first
-    weights, not after the K loop; with ONE_STEP the norm weights are read there too (constants).
-    ONE_PLUS: the words are in that layout (int4_math.py). L2_ROWS (SPLIT_K = 1, several steps): after the wait,
-    the program asks L2 for all of its rows' words and scales (L2_ROWS above)."""
-    if not EARLY:
-        pdl_start(USE_PDL)
+    weights, not after the K loop; with ONE_STEP the norm weights are read there too (constants)."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     STEP: tl.constexpr = CHUNKS * 32
     k_start, k_end = _k_range(K, pid_k, STEP, SPLIT_K)
@@ -115,8 +98,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     x_cols = c4 * 32 + j4  # [C, 1, 1, 4]; + 4 p for slot p
     sz_base = sz_ptr + rows[None, None, :] * stride_sn  # [1, 1, BN]
     acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
-    if PREFETCH or EARLY:
-        words_next, sz_next = _load_step(w_base, sz_base, k_start, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
+    words_next, sz_next = _load_step(w_base, sz_base, k_start, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
     if NORM and ONE_STEP:
         c_ok1 = c4 * 32 < K
         w0, w1, w2, w3, w4, w5, w6, w7 = _norm_weight_slots(nw_ptr, x_cols, c_ok1)
@@ -125,9 +107,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
         cols = _out_cols(pid, N, BLOCK_N, PAIRED)
         prior = tl.load(out_ptr + m_idx[:, None] * stride_om + cols[None, :],
                         mask=m_ok[:, None] & (cols < N)[None, :], other=0.0)
-    if EARLY:
-        pdl_start(USE_PDL)
-    if L2_ROWS:  # prepare_int4's rows follow each other: one range of words, one of scales
+    pdl_start(USE_PDL)
+    if PREFETCH and SPLIT_K == 1:  # prepare_int4's rows follow each other: one range of words, one of scales
         r0 = pid * BLOCK_N
         rows_here = tl.minimum(N - r0, BLOCK_N)
         _l2_prefetch(w_ptr + r0 * stride_wn, rows_here * stride_wn, ASM)
@@ -145,18 +126,14 @@ def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, s
     for k0 in range(k_start, k_end, STEP):
         c_ok = k0 + c * 32 < k_end
         c_ok4 = c_ok[:, None, None, None]
-        if PREFETCH:  # this step's words came with the previous one; ask for the next step's now
-            words, sz = words_next, sz_next
+        words, sz = words_next, sz_next  # requested with the step before (the first one before the wait)
+        if PREFETCH:  # ask for the next step's now
             words_next, sz_next = _load_step(w_base, sz_base, k0 + STEP, k_end, c, n_ok, GS, EVEN_N, EVEN_K, True)
-        elif EARLY:  # one step (the launcher's rule): its words came before the wait
-            words, sz = words_next, sz_next
-        else:
-            words, sz = _load_step(w_base, sz_base, k0, k_end, c, n_ok, GS, EVEN_N, EVEN_K, False)
         if NORM and ONE_STEP:  # the activations were loaded and normed before the loop
-            acc += _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM, ONE_PLUS)
+            acc += _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
         else:
             acc += _step_from_activations(words, sz, x_base, k0 + x_cols, c_ok4 & m_ok[None, :, None, None], c_ok4,
-                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM, ONE_PLUS)
+                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM)
     _int4_store(tl.sum(acc, axis=0), pid, out_ptr, ws_ptr, cnt_ptr, m_idx, M, N, stride_om, pid_k, BLOCK_M, BLOCK_N,
                 SPLIT_K, PAIRED, SILU_OUT, ADD_OUT, prior, ADD_EARLY)
 
@@ -219,16 +196,13 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                                  BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr,
                                  SILU_MUL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                                  PAIRED: tl.constexpr, SILU_OUT: tl.constexpr, HALF2: tl.constexpr,
-                                 USE_PDL: tl.constexpr, EARLY: tl.constexpr, NORM: tl.constexpr = False,
-                                 ADD_OUT: tl.constexpr = False, ONE_PLUS: tl.constexpr = False):
+                                 USE_PDL: tl.constexpr, NORM: tl.constexpr = False, ADD_OUT: tl.constexpr = False):
     """The same GEMV with fewer programs than row tiles (int4_gemv's config "PERSISTENT"): program p takes tiles
     p, p + P, p + 2 P, ... (P programs), each in STEPS steps along K, and requests the next step's words (the
     next tile's, after a tile's last step) before it computes this one, so its loads keep streaming while it
     computes, and no wave of programs ends half-empty. With one step a tile (K <= 32 CHUNKS) the activations
     are loaded once, before the loop (and with NORM normed once, the norm weights requested with the first
-    words). EARLY: the first words are requested before the PDL wait. NORM, ADD_OUT: as in _int4_gemv_kernel."""
-    if not EARLY:
-        pdl_start(USE_PDL)
+    words), the first words before the PDL wait. NORM, ADD_OUT: as in _int4_gemv_kernel."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     STEP: tl.constexpr = CHUNKS * 32
     MASKED: tl.constexpr = not (EVEN_K and EVEN_M)
@@ -246,8 +220,7 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                                           BLOCK_N)
     if NORM and STEPS == 1:  # the norm weights are constants: requested with the first words
         w0, w1, w2, w3, w4, w5, w6, w7 = _norm_weight_slots(nw_ptr, x_cols, c4 * 32 < K)
-    if EARLY:
-        pdl_start(USE_PDL)
+    pdl_start(USE_PDL)
     if STEPS == 1:
         c_ok4 = c4 * 32 < K
         x_mask = c_ok4 & m_ok[None, :, None, None]
@@ -269,32 +242,23 @@ def _int4_gemv_persistent_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, stride_
                                               ((f + 1) % STEPS) * STEP, N, K, c, lanes, offs, stride_wn, stride_sn,
                                               GS, BLOCK_N)
         if STEPS == 1:
-            part = _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM, ONE_PLUS)
+            part = _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)
             _int4_store(tl.sum(part, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0, BLOCK_M,
                         BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT)
         else:
             c_ok4 = k0 + c4 * 32 < K
             acc += _step_from_activations(words, sz, x_base, k0 + x_cols, c_ok4 & m_ok[None, :, None, None], c_ok4,
-                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM,
-                                          ONE_PLUS)
+                                          K, rstd, nw_ptr, SILU_MUL, MASKED, NORM, HALF2, ASM)
             if k0 + STEP >= K:
                 _int4_store(tl.sum(acc, axis=0), tile, out_ptr, out_ptr, out_ptr, m_idx, M, N, stride_om, 0,
                             BLOCK_M, BLOCK_N, 1, PAIRED, SILU_OUT, ADD_OUT)
                 acc = tl.zeros([CHUNKS, BLOCK_M, BLOCK_N], tl.float32)
 
 
-def int4_gemv_fits(k: int, group_size: int, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
-    """Whether prepare_int4 takes this weight (whole 32-column chunks in every group, fp16 scales and zeros)."""
-    return (group_size % CHUNK == 0 and k % group_size == 0 and scales.dtype == torch.float16
-            and zeros.dtype == torch.float16)
-
-
 def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 half2: bool | None = None, one_plus: bool | None = None) -> dict:
-    """Device tensors for the kernel: the repacked words (half2: in the HALF2 layout, or with one_plus in its
-    ONE_PLUS variant; None: as DFLASH2_INT4_GEMV says); scales and zeros as stored."""
-    half2 = HALF2 if half2 is None else half2
-    one_plus = half2 and (ONE_PLUS if one_plus is None else one_plus)
+                 half2: bool = True) -> dict:
+    """Device tensors for the kernel: the repacked words (half2: in the HALF2 layout, for packed fp16 products:
+    16-bit models; else the float32 products' layout: float32 models); scales and zeros as stored."""
     if group_size % CHUNK:
         raise ValueError(f"int4 GEMV needs a group size divisible by {CHUNK}, got {group_size}")
     split_counters(qweight.device, 1 << 16)  # allocated now, not inside a graph capture
@@ -304,10 +268,9 @@ def prepare_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     if n * k // 8 >= 1 << 31:
         raise ValueError(f"int4 GEMV indexes with int32 offsets: [{n}, {k}] is too large")
     pairs = torch.stack((scales.contiguous().view(torch.int16), zeros.contiguous().view(torch.int16)), dim=-1)
-    slot_bits = ONE_PLUS_SLOT_BITS if one_plus else HALF2_SLOT_BITS if half2 else SLOT_BITS
-    words = repack_int4(qweight, slot_bits=slot_bits)
+    words = repack_int4(qweight, slot_bits=HALF2_SLOT_BITS if half2 else SLOT_BITS)
     return {"words": words, "sz": pairs.view(torch.int32).reshape(n, -1).contiguous(),
-            "group_size": group_size, "n": n, "k": k, "half2": half2, "one_plus": one_plus}
+            "group_size": group_size, "n": n, "k": k, "half2": half2}
 
 
 def pair_gate_up(weight: dict) -> dict:
@@ -365,10 +328,8 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
         raise ValueError("int4 GEMV indexes with int32 offsets: the activation is too large")
     tiles = triton.cdiv(n, config["BLOCK_N"])
     pdl = pdl_args()
-    # config["EARLY"] overrides the switch (tests and the tune; under the interpreter it only reorders the loads)
-    early = bool(config.get("EARLY", EARLY_LOADS)) and (pdl["USE_PDL"] or _INTERPRETED)
     constants = launch_constants(weight, m, config, silu_mul=silu_mul, silu_out=silu_out, norm=norm is not None,
-                                 add_out=add_out, out_settled=out_settled, early=early, asm=not _INTERPRETED)
+                                 add_out=add_out, out_settled=out_settled, asm=not _INTERPRETED)
     strides = (x.stride(0), weight["words"].stride(0), weight["sz"].stride(0), out.stride(0))
     if config.get("PERSISTENT"):
         programs = min(tiles, config.get("PROGRAMS") or config["PERSISTENT"] * multiprocessors(x.device))
@@ -385,7 +346,7 @@ def int4_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor | None = None, si
 
 def launch_constants(weight: dict, m: int, config: dict, *, silu_mul: bool = False, silu_out: bool = False,
                      norm: bool = False, add_out: bool = False, out_settled: bool = False,
-                     early: bool = EARLY_LOADS, asm: bool = True) -> dict:
+                     asm: bool = True) -> dict:
     """The constexpr arguments and launch options (num_warps, num_stages, maxnreg) int4_gemv passes its kernel
     for m activation rows at `config`: the persistent kernel's where config has PERSISTENT, else the regular
     one's. Only the weight's scalars are read (n, k, group_size and the layout flags), so benchmarks/
@@ -395,13 +356,12 @@ def launch_constants(weight: dict, m: int, config: dict, *, silu_mul: bool = Fal
     step = config["CHUNKS"] * CHUNK
     common = {"GS": weight["group_size"], "BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNKS": config["CHUNKS"],
               "SILU_MUL": silu_mul, "EVEN_M": m == block_m, "ASM": asm, "PAIRED": weight.get("paired", False),
-              "SILU_OUT": silu_out, "HALF2": weight.get("half2", False), "EARLY": early, "NORM": norm,
-              "ADD_OUT": add_out, "ONE_PLUS": weight.get("one_plus", False), "num_warps": config["num_warps"],
-              "num_stages": config["num_stages"], **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {})}
+              "SILU_OUT": silu_out, "HALF2": weight.get("half2", False), "NORM": norm, "ADD_OUT": add_out,
+              "num_warps": config["num_warps"], "num_stages": config["num_stages"],
+              **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {})}
     if config.get("PERSISTENT"):
         return {**common, "STEPS": triton.cdiv(k, step), "EVEN_K": k % step == 0}
     split_k = max(1, min(config.get("SPLIT_K", 1), triton.cdiv(k, step)))
     return {**common, "SPLIT_K": split_k, "EVEN_N": n % block_n == 0, "EVEN_K": k % (step * split_k) == 0,
-            "PREFETCH": (early or bool(config.get("PREFETCH", 0))) and k > step * split_k,
-            "ONE_STEP": norm and split_k == 1 and k <= step, "ADD_EARLY": add_out and out_settled and split_k == 1,
-            "L2_ROWS": bool(config.get("L2_ROWS", L2_ROWS)) and split_k == 1 and k > step}
+            "PREFETCH": k > step * split_k, "ONE_STEP": norm and split_k == 1 and k <= step,
+            "ADD_EARLY": add_out and out_settled and split_k == 1}

@@ -99,7 +99,7 @@ def _bf16_pairs_to_float(v):
                                      dtype=tl.float32, is_pure=True, pack=2)
 
 
-# half2 (the default for 16-bit activations; DFLASH2_INT4_GEMV=float turns it off): the same chunks and slots,
+# half2 (16-bit activations; float32 models take the float products above): the same chunks and slots,
 # but slot s of a word sits at bit HALF2_SLOT_BITS[s], so that one LOP3 with 0x64006400 makes two fp16 values
 # 1024 + q (slots 0/1 of the word, and of the word >> 8: slots 4/5) or 1024 + 16 q (slots 2/3, 6/7); one fp16
 # FMA each makes them q / 256 exactly, and the products run as packed fp16 FMAs (two a lane): per word 1 shift,
@@ -107,14 +107,6 @@ def _bf16_pairs_to_float(v):
 # rounded to fp16 (saturating); each 32-column chunk's 16 products a lane add up in fp16, then in float32. With
 # q / 256 those sums stay within 16 * 15 / 256 < 1 times the largest activation: they cannot overflow fp16.
 HALF2_SLOT_BITS = (0, 16, 4, 20, 8, 24, 12, 28)
-# ONE_PLUS (DFLASH2_INT4_GEMV=half2-sum; measured slower in W2, fourteenth session): no bias fix. Slot s sits at bit
-# ONE_PLUS_SLOT_BITS[s] (slot 7 wraps around: rotated), so that the word itself, << 4, >> 4 and rotated right by
-# 8 each put a pair of codes in the top mantissa bits of two fp16 values, and one LOP3 with 0x2C002C00 makes
-# them (1 + q / 16) / 16 exactly: per word 3 shifts, 4 LOP3 and 4 HFMA2 (11 instructions for 8 weights). The
-# products then carry x / 16 beside q x / 256: sum q x = 256 F - 16 X (F the sums of products, X of the
-# activations, which the zero point needs anyway). The sums stay below 2 x the largest activation; the part
-# that is x / 16 costs about one bit of the fp16 sums' precision.
-ONE_PLUS_SLOT_BITS = (6, 22, 2, 18, 10, 26, 14, 30)
 
 
 @triton.jit
@@ -122,14 +114,6 @@ def _half2_pack(lo, hi):
     """Two float32 tensors -> one int32 of two fp16 values (lo in the low half), saturating at fp16's range."""
     return tl.inline_asm_elementwise("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi],
                                      dtype=tl.int32, is_pure=True, pack=1)
-
-
-# The end of _half2_word's and _one_plus_word's PTX: acc += the four fp16 pairs a..d times the activation pairs.
-_PACKED_PRODUCTS = tl.constexpr("""fma.rn.f16x2 $0, a, $2, $6;
-        fma.rn.f16x2 $0, b, $3, $0;
-        fma.rn.f16x2 $0, c, $4, $0;
-        fma.rn.f16x2 $0, d, $5, $0;
-        }""")
 
 
 @triton.jit
@@ -152,25 +136,11 @@ def _half2_word(w, p01, p23, p45, p67, acc):
         fma.rn.f16x2 c, c, ka, kb;
         fma.rn.f16x2 b, b, kc, kd;
         fma.rn.f16x2 d, d, kc, kd;
-        """ + _PACKED_PRODUCTS, "=r,r,r,r,r,r,r", [w, p01, p23, p45, p67, acc], dtype=tl.int32, is_pure=True,
-        pack=1)
-
-
-@triton.jit
-def _one_plus_word(w, p01, p23, p45, p67, acc):
-    """_half2_word for the ONE_PLUS layout: acc + the word's 8 values (1 + q / 16) / 16 times their activations."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 t1, t2, t3, a, b, c, d;
-        shl.b32 t1, $1, 4;
-        shr.b32 t2, $1, 4;
-        shf.r.wrap.b32 t3, $1, $1, 8;
-        lop3.b32 a, $1, 0x03C003C0, 0x2C002C00, 0xEA;
-        lop3.b32 b, t1, 0x03C003C0, 0x2C002C00, 0xEA;
-        lop3.b32 c, t2, 0x03C003C0, 0x2C002C00, 0xEA;
-        lop3.b32 d, t3, 0x03C003C0, 0x2C002C00, 0xEA;
-        """ + _PACKED_PRODUCTS, "=r,r,r,r,r,r,r", [w, p01, p23, p45, p67, acc], dtype=tl.int32, is_pure=True,
-        pack=1)
+        fma.rn.f16x2 $0, a, $2, $6;
+        fma.rn.f16x2 $0, b, $3, $0;
+        fma.rn.f16x2 $0, c, $4, $0;
+        fma.rn.f16x2 $0, d, $5, $0;
+        }""", "=r,r,r,r,r,r,r", [w, p01, p23, p45, p67, acc], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -198,10 +168,10 @@ def _fp16_product(q, x):
 
 
 @triton.jit
-def _half2_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr, ONE_PLUS: tl.constexpr = False):
+def _half2_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
     """sum over the chunk's 32 columns of q x: [C, BM, BN] float32 (words [C, 1, BN, 4] in the HALF2 layout,
-    x_s [C, BM, 1, 4] the activations of slot s); ONE_PLUS (its layout): sum (q + 16) x, whose 16 X the caller
-    takes off. Under the interpreter: the same codes and fp16-rounded activations in float32."""
+    x_s [C, BM, 1, 4] the activations of slot s). Under the interpreter: the same codes and fp16-rounded
+    activations in float32."""
     if ASM:
         w0, w1, w2, w3 = _split4(words)
         a0, a1, a2, a3 = _split4(_half2_pack(x0, x1))
@@ -209,26 +179,14 @@ def _half2_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr, ONE_PLU
         c0, c1, c2, c3 = _split4(_half2_pack(x4, x5))
         d0, d1, d2, d3 = _split4(_half2_pack(x6, x7))
         acc = tl.zeros(w0.shape, tl.int32) + tl.zeros(a0.shape, tl.int32)  # [C, BM, BN]
-        if ONE_PLUS:
-            acc = _one_plus_word(w0, a0, b0, c0, d0, acc)
-            acc = _one_plus_word(w1, a1, b1, c1, d1, acc)
-            acc = _one_plus_word(w2, a2, b2, c2, d2, acc)
-            acc = _one_plus_word(w3, a3, b3, c3, d3, acc)
-        else:
-            acc = _half2_word(w0, a0, b0, c0, d0, acc)
-            acc = _half2_word(w1, a1, b1, c1, d1, acc)
-            acc = _half2_word(w2, a2, b2, c2, d2, acc)
-            acc = _half2_word(w3, a3, b3, c3, d3, acc)
-        dot = 256.0 * _half2_total(acc)  # the products were of q / 256 (ONE_PLUS: (q + 16) / 256)
+        acc = _half2_word(w0, a0, b0, c0, d0, acc)
+        acc = _half2_word(w1, a1, b1, c1, d1, acc)
+        acc = _half2_word(w2, a2, b2, c2, d2, acc)
+        acc = _half2_word(w3, a3, b3, c3, d3, acc)
+        dot = 256.0 * _half2_total(acc)  # the products were of q / 256
     else:
-        if ONE_PLUS:  # slot 7 wraps: its code's two low bits at 30-31, its two high bits at 0-1
-            q0, q1, q2, q3 = (words >> 6) & 15, (words >> 22) & 15, (words >> 2) & 15, (words >> 18) & 15
-            q4, q5, q6 = (words >> 10) & 15, (words >> 26) & 15, (words >> 14) & 15
-            q7 = ((words >> 30) & 3) | ((words & 3) << 2)
-            q0, q1, q2, q3, q4, q5, q6, q7 = q0 + 16, q1 + 16, q2 + 16, q3 + 16, q4 + 16, q5 + 16, q6 + 16, q7 + 16
-        else:
-            q0, q1, q2, q3 = words & 15, (words >> 16) & 15, (words >> 4) & 15, (words >> 20) & 15
-            q4, q5, q6, q7 = (words >> 8) & 15, (words >> 24) & 15, (words >> 12) & 15, (words >> 28) & 15
+        q0, q1, q2, q3 = words & 15, (words >> 16) & 15, (words >> 4) & 15, (words >> 20) & 15
+        q4, q5, q6, q7 = (words >> 8) & 15, (words >> 24) & 15, (words >> 12) & 15, (words >> 28) & 15
         f = (_fp16_product(q0, x0) + _fp16_product(q1, x1) + _fp16_product(q2, x2) + _fp16_product(q3, x3)
              + _fp16_product(q4, x4) + _fp16_product(q5, x5) + _fp16_product(q6, x6) + _fp16_product(q7, x7))
         dot = tl.sum(f, axis=3)
@@ -314,18 +272,14 @@ def _slot_activations(x_base, cols, mask, K, SILU_MUL: tl.constexpr, MASKED: tl.
 
 
 @triton.jit
-def _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2: tl.constexpr, ASM: tl.constexpr,
-              ONE_PLUS: tl.constexpr = False):
-    """One step's sum (q - z) s x per chunk, [C, BM, BN] float32: words [C, 1, BN, 4] (the HALF2 layout, its
-    ONE_PLUS variant, or the float one, see the docstring), sz [C, 1, BN] their scale/zero pairs, x_p the
-    activations of slot p."""
+def _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2: tl.constexpr, ASM: tl.constexpr):
+    """One step's sum (q - z) s x per chunk, [C, BM, BN] float32: words [C, 1, BN, 4] (the HALF2 layout, or the
+    float one, see the docstring), sz [C, 1, BN] their scale/zero pairs, x_p the activations of slot p."""
     s = sz.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     z = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     if HALF2:
         xs = tl.sum(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, axis=3)  # [C, BM, 1]
-        if ONE_PLUS:
-            z = z + 16.0
-        part = s * (_half2_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM, ONE_PLUS) - z * xs)
+        part = s * (_half2_dot(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM) - z * xs)
     else:
         f0, f1, f2, f3, f4, f5, f6, f7 = _slot_floats(words, ASM)
         f = f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3 + f4 * x4 + f5 * x5 + f6 * x6 + f7 * x7  # [C, BM, BN, 4]
@@ -339,12 +293,11 @@ def _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2: tl.constexpr, AS
 
 @triton.jit
 def _step_from_activations(words, sz, x_base, cols, mask, c_ok4, K, rstd, nw_ptr, SILU_MUL: tl.constexpr,
-                           MASKED: tl.constexpr, NORM: tl.constexpr, HALF2: tl.constexpr, ASM: tl.constexpr,
-                           ONE_PLUS: tl.constexpr = False):
+                           MASKED: tl.constexpr, NORM: tl.constexpr, HALF2: tl.constexpr, ASM: tl.constexpr):
     """_step_sum with the step's activations loaded here (at cols: slot 0 of each chunk), and with NORM normed
     (rstd, the weights at nw_ptr)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _slot_activations(x_base, cols, mask, K, SILU_MUL, MASKED, ASM)
     if NORM:
         x0, x1, x2, x3, x4, x5, x6, x7 = _slots_normed(x0, x1, x2, x3, x4, x5, x6, x7, rstd, nw_ptr, cols, c_ok4,
                                                        x_base.dtype.element_ty)
-    return _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM, ONE_PLUS)
+    return _step_sum(words, sz, x0, x1, x2, x3, x4, x5, x6, x7, HALF2, ASM)

@@ -12,16 +12,14 @@ On by default on CUDA devices of compute capability 9.0 or newer; `DFLASH2_PDL=0
 the interpreter. Launchers pass `**pdl_args()` (the kernel's USE_PDL constant and the launch option).
 
 Letting the next kernel launch before the wait instead of after measured slower (W2 int4 452.2 against 459.0
-tok/s, tenth session; the switch is gone). What may come before the wait is a read of memory that no kernel of
-the step writes, or that only a kernel two or more launches back writes (the wait comes before the trigger, so
-a kernel starts only once the one before its predecessor has completed): the int4 GEMV requests its first
-weights there (int4_gemv.EARLY_LOADS), the fused residual add its tile of the residual stream (int4_gemv's
-out_settled), the KV-write kernels their host-written indices and the rotary tables (kv_write.py), and decode
-attention its lengths and slots, the rotary tables and the new token's page (DECODE_ROTARY) and its first KV
-tile's pages (DECODE_PAGES_EARLY). A kernel may let the next one launch later than right after its wait
-(pdl_wait, then pdl_release): decode attention does, after its partial is stored
-(attention.DECODE_LATE_RELEASE), so that the next GEMV's early weight loads do not queue ahead of its own few
-latency-bound ones.
+tok/s, tenth session). What may come before the wait is a read of memory that no kernel of the step writes, or
+that only a kernel two or more launches back writes (the wait comes before the trigger, so a kernel starts only
+once the one before its predecessor has completed): the int4 GEMV requests its first weights there, the fused
+residual add its tile of the residual stream (int4_gemv's out_settled), the KV-write kernels their host-written
+indices and the rotary tables (kv_write.py), and decode attention its lengths and slots, the rotary tables and
+the new token's page (its ROTARY) and its first KV tile's pages (PAGES_EARLY). A kernel may let the next one
+launch later than right after its wait (pdl_wait, then pdl_release): decode attention does, after its partial
+is stored, so that the next GEMV's early weight loads do not queue ahead of its own few latency-bound ones.
 """
 from __future__ import annotations
 

@@ -3,17 +3,16 @@
     rows M <= GEMV_MAX_M (decode)   _gemv_kernel: streams the weight once; BLOCK_N rows a program, K in tiles,
                                     optionally split along K (SPLIT_K programs per row block; the last one to
                                     finish sums the fp32 partials, so it stays one launch)
-    more rows (prefill)             _gemm_kernel: tiles dequantized in registers, tl.dot, fp32 accumulation;
-                                    int4 with group scales: int4_gemm.py (the dequantized tile as wgmma's
-                                    register operand, fewer instructions a weight)
+    more rows (prefill)             _gemm_kernel: tiles dequantized in registers, tl.dot, fp32 accumulation
+    int4                            int4_gemv.py (decode, on a repacked copy of the weight) and int4_gemm.py
+                                    (prefill: the dequantized tile as wgmma's register operand)
     16-bit weights                  the GEMV kernel for one row (`gemv_16bit`; layers/linear.float_matmul picks)
 
-A weight tile is [BLOCK_N, T, GS]: T groups of GS weights along K (int4/int6: GS = group size; int8 and 16:
-one "group" of BLOCK_K). Codes become floats by the exponent trick (int | 0x4B000000 is 2^23 + int as a
-float) instead of int->float conversions, which run at a quarter of the FMA rate. int4/int6 fold the zero
-point out of the inner loop:  sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k).
+A weight tile is [BLOCK_N, T, GS]: T groups of GS weights along K (int6: GS = group size; int8 and 16: one
+"group" of BLOCK_K). Codes become floats by the exponent trick (int | 0x4B000000 is 2^23 + int as a float)
+instead of int->float conversions, which run at a quarter of the FMA rate. int6 folds the zero point out of
+the inner loop:  sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k).
 
-    int4   qweight [N, K/2] u8 as on disk: the low and high nibbles are joined back into K order in registers
     int8   qweight [N, K] i8 as on disk, the per-row scale applied once at the end
     int6   repacked at prepare() into a 4-bit plane ([N, K/2], int4's layout) and a 2-bit plane ([N, K/4],
            4 codes a byte, lowest bits first): the 3-byte words cannot be loaded as vectors. Both planes are
@@ -36,49 +35,32 @@ import triton.language as tl
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
 from dflash2.kernels.triton.gemv_parts import (_activation, _block_indices, _k_range, _store_or_reduce, prepare_io,
                                                 shape_configs, split_counters)
-from dflash2.kernels.triton.int4_gemm import int4_gemm, int4_gemm_fits, int4_gemm_fits_repacked
-from dflash2.kernels.triton.int4_gemv import FUSE_NORM, HALF2, int4_gemv, int4_gemv_fits, pair_gate_up, prepare_int4
+from dflash2.kernels.triton.int4_gemm import int4_gemm
+from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up, prepare_int4
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 from dflash2.quantization.formats import WeightFormat, unpack_int6
 
 GEMV_MAX_M = 4  # more rows than this run the tl.dot kernel (16-bit: cuBLAS)
 # M <= GEMV_MAX_M, per bit width; benchmarks/gemv_bench.py sweeps these on the GPU and prints the best.
-# BLOCK_K is in weights (int4/int6: rounded to whole groups). (bits, N, K) keys override for one shape.
+# BLOCK_K is in weights (int6: rounded to whole groups). (bits, N, K) keys override for one shape.
 GEMV_CONFIGS: dict[Any, dict[str, int]] = {
     16: {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
     8: {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "WORDS": 1},
     6: {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
-    4: {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "WORDS": 1},
 }
-# WORDS: read int4/int8 codes as int32 words (8 or 4 a word) rather than bytes; either works for any shape
+# WORDS: read int8 codes as int32 words (4 a word) rather than bytes; either works for any shape
 GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "WORDS": 1}
 GEMM_SMALL_M_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 3,
                        "WORDS": 1}
 GEMM_SMALL_M = 32  # up to this many rows the GEMM takes GEMM_SMALL_M_CONFIG (split along K for occupancy)
-# (bits, N, K) -> the best of benchmarks/prefill_gemm_tune.py at 128 rows on the H200 for the llama-3-8b int4
-# shapes (fourteenth session, results/s14/call1_prefill_tune.log, us against GEMM_CONFIG): qkv 33.51 / 49.28,
-# o_proj 28.10 / 43.02, gate_up 121.56 / 142.31, down 94.20 / 161.58
-GEMM_SHAPE_CONFIGS: dict[tuple[int, int, int], dict[str, int]] = {
-    (4, 6144, 4096): {**GEMM_CONFIG, "BLOCK_M": 128, "num_warps": 8, "num_stages": 4},
-    (4, 4096, 4096): {**GEMM_CONFIG, "num_warps": 8, "num_stages": 4},
-    (4, 28672, 4096): {**GEMM_CONFIG, "BLOCK_M": 128, "BLOCK_N": 128, "num_stages": 4},
-    (4, 4096, 14336): {**GEMM_CONFIG, "BLOCK_K": 256, "num_warps": 8, "num_stages": 4},
-}
 
-# A GEMM with silu_mul loads a gate and an up tile of activations a stage: llama-3-8b's down config (BLOCK_K 256,
-# 4 stages) then needs 253,952 bytes of shared memory against the H200's 232,448 (and 180,224 at 3 stages)
+# A GEMM with silu_mul loads a gate and an up tile of activations a stage: a config of BLOCK_K 256 at 4 stages
+# then needs 253,952 bytes of shared memory against the H200's 232,448 (and 180,224 at 3 stages)
 SILU_MUL_MAX_STAGES = 3
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # int4 decode (M <= GEMV_MAX_M) through kernels/triton/int4_gemv.py: a second, repacked copy of each weight,
-# ~2.2-2.5 (16-bit models) to ~3.2 sm_90 instructions a weight against ~8.6 for _gemv_kernel
-# (benchmarks/sass_count.py), no shared memory in its K loop. DFLASH2_INT4_GEMV=legacy keeps int4 decode on
-# _gemv_kernel (and skips the repacked copy); =float keeps the repacked kernel's float32 products instead of its
-# default packed fp16 ones (int4_gemv.HALF2); =half2-sum takes those without the bias fix (int4_gemv.ONE_PLUS).
-INT4_REPACKED = os.environ.get("DFLASH2_INT4_GEMV", "half2") != "legacy"
-# DFLASH2_INT4_ONE_COPY=1: an int4 weight keeps only the GEMV's half2 copy on the device; the prefill GEMM reads it
-# too (int4_gemm's REPACKED) and the stored tensors are released after prepare (QuantLinear.prepare), so int4
-# weights take 0.5 bytes a weight at run time instead of 1. Off until measured on the GPU (prefill speed).
-INT4_ONE_COPY = os.environ.get("DFLASH2_INT4_ONE_COPY", "0") != "0"
+# ~2.2-2.5 (16-bit models: packed fp16 products) to ~3.2 (float32 models: float32 products) sm_90 instructions a
+# weight against ~8.6 for _gemv_kernel (benchmarks/sass_count.py), no shared memory in its K loop.
 
 
 def gemv_config(bits: int, n: int, k: int) -> dict[str, int]:
@@ -87,12 +69,11 @@ def gemv_config(bits: int, n: int, k: int) -> dict[str, int]:
 
 def gemm_config(bits: int, n: int, k: int, m: int) -> dict[str, int]:
     """GEMM_SMALL_M_CONFIG up to GEMM_SMALL_M rows; above, a tune's config for the shape where
-    DFLASH2_GEMM_CONFIGS names one (benchmarks/prefill_gemm_tune.py --configs-out), else GEMM_SHAPE_CONFIGS's
-    or GEMM_CONFIG."""
+    DFLASH2_GEMM_CONFIGS names one (benchmarks/prefill_gemm_tune.py --kernel gemm --configs-out), else
+    GEMM_CONFIG."""
     if m <= GEMM_SMALL_M:
         return GEMM_SMALL_M_CONFIG
-    tuned = shape_configs("DFLASH2_GEMM_CONFIGS").get((bits, n, k))
-    return tuned or GEMM_SHAPE_CONFIGS.get((bits, n, k), GEMM_CONFIG)
+    return shape_configs("DFLASH2_GEMM_CONFIGS").get((bits, n, k)) or GEMM_CONFIG
 
 
 # -- device helpers --------------------------------------------------------------------------------------
@@ -111,22 +92,11 @@ def _fields(w, SHIFT: tl.constexpr, MASK: tl.constexpr):
 
 
 @triton.jit
-def _nibbles(w):
-    """int32 words [A, B, W] -> codes [A, B, 8 W] in 0..15: nibble i of word j goes to position 8 j + i
-    (each join adds a trailing axis: the outermost join picks bit 0 of i, the innermost bit 2)."""
-    q0, q1, q2, q3 = w & 15, (w >> 4) & 15, (w >> 8) & 15, (w >> 12) & 15
-    q4, q5, q6, q7 = (w >> 16) & 15, (w >> 20) & 15, (w >> 24) & 15, (w >> 28) & 15
-    even = tl.join(tl.join(q0, q4), tl.join(q2, q6))
-    odd = tl.join(tl.join(q1, q5), tl.join(q3, q7))
-    return tl.join(even, odd).reshape(w.shape[0], w.shape[1], w.shape[2] * 8)
-
-
-@triton.jit
 def _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS: tl.constexpr, T: tl.constexpr,
            GS: tl.constexpr, WORDS: tl.constexpr):
-    """The weight tile starting at column k0 as float32 [BLOCK_N, T, GS] (codes for 4/6 bits, else values).
-    WORDS: the packed weight is read as int32 words (4 int8 or 8 int4 codes each). One if/else chain with a
-    single return: Triton compiles the statements after a return inside a constexpr branch as well."""
+    """The weight tile starting at column k0 as float32 [BLOCK_N, T, GS] (codes for 6 bits, else values).
+    WORDS: the packed int8 weight is read as int32 words (4 codes each). One if/else chain with a single return:
+    Triton compiles the statements after a return inside a constexpr branch as well."""
     t = tl.arange(0, T)[None, :, None]
     base = w_ptr + rows[:, None, None] * stride_wn
     if BITS == 8 and WORDS:
@@ -141,20 +111,14 @@ def _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS: t
         cols = k0 + t * GS + tl.arange(0, GS)[None, None, :]
         w = tl.load(base + cols, mask=n_mask[:, None, None] & (cols < k_end), other=0)
         result = (w.to(tl.int32) + (0x4B000000 + 128)).to(tl.float32, bitcast=True) - 8388736.0
-    elif BITS == 4 and WORDS:
-        mask = n_mask[:, None, None] & (k0 + t * GS < k_end)  # K is whole groups
-        w = tl.load(base + (k0 + t * GS) // 8 + tl.arange(0, GS // 8)[None, None, :], mask=mask, other=0)
-        result = _as_float(_nibbles(w))
-    else:
+    else:  # int6: the 4-bit plane (byte j: codes 2j low, 2j + 1 high) and the 2-bit plane
         mask = n_mask[:, None, None] & (k0 + t * GS < k_end)
         b = tl.load(base + (k0 + t * GS) // 2 + tl.arange(0, GS // 2)[None, None, :], mask=mask, other=0)
-        q = tl.join(b & 15, b >> 4).reshape(b.shape[0], T, GS)  # byte j: codes 2j (low) and 2j + 1 (high)
-        if BITS == 6:
-            hi_base = hi_ptr + rows[:, None, None] * stride_hn + (k0 + t * GS) // 4
-            c = tl.load(hi_base + tl.arange(0, GS // 4)[None, None, :], mask=mask, other=0)
-            high = tl.join(tl.join(c & 3, (c >> 4) & 3), tl.join((c >> 2) & 3, c >> 6)).reshape(b.shape[0], T, GS)
-            q = q | (high << 4)
-        result = _as_float(q)
+        q = tl.join(b & 15, b >> 4).reshape(b.shape[0], T, GS)
+        hi_base = hi_ptr + rows[:, None, None] * stride_hn + (k0 + t * GS) // 4
+        c = tl.load(hi_base + tl.arange(0, GS // 4)[None, None, :], mask=mask, other=0)
+        high = tl.join(tl.join(c & 3, (c >> 4) & 3), tl.join((c >> 2) & 3, c >> 6)).reshape(b.shape[0], T, GS)
+        result = _as_float(q | (high << 4))
     return result
 
 
@@ -170,7 +134,7 @@ def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
     out_rows, n_mask, rows = _block_indices(pid_n * BLOCK_N, N, BLOCK_N)
     m_idx = tl.arange(0, BLOCK_M)
     k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
-    grouped: tl.constexpr = BITS == 4 or BITS == 6
+    grouped: tl.constexpr = BITS == 6
     defer: tl.constexpr = BLOCK_M == 1 and not grouped  # one row, no groups: reduce over K once, at the end
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     wide = tl.zeros([BLOCK_N, T, GS], tl.float32)
@@ -213,7 +177,7 @@ def _gemm_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
     m_idx, m_ok, m64 = _block_indices(pid_m * BLOCK_M, M, BLOCK_M)
     rows, n_mask, rows64 = _block_indices(pid_n * BLOCK_N, N, BLOCK_N)
     k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
-    grouped: tl.constexpr = BITS == 4 or BITS == 6
+    grouped: tl.constexpr = BITS == 6
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     t = tl.arange(0, T)[:, None]
     for k0 in range(k_start, k_end, T * GS):
@@ -240,7 +204,7 @@ def _gemm_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
 # -- launchers -------------------------------------------------------------------------------------------
 def _tile(bits: int, group_size: int | None, block_k: int) -> tuple[int, int]:
     """(GS, T) for a K tile of about block_k weights."""
-    if bits in (4, 6):
+    if bits == 6:
         return group_size, max(1, block_k // group_size)
     return block_k, 1
 
@@ -249,7 +213,7 @@ def _launch(kernel: Any, x: torch.Tensor, weight: dict[str, Any], out: torch.Ten
             block_m: int, silu_mul: bool, **extra: Any) -> None:
     bits, n, k = weight["bits"], weight["n"], weight["k"]
     gs, t = _tile(bits, weight.get("group_size"), config["BLOCK_K"])
-    words = bool(config.get("WORDS", 1)) and weight.get("words") is not None and (bits == 4 or k % (gs * t) == 0)
+    words = bool(config.get("WORDS", 1)) and weight.get("words") is not None and k % (gs * t) == 0
     split_k = max(1, min(config["SPLIT_K"], triton.cdiv(k, gs * t)))
     w = weight["words"] if words else weight["w"]
     hi = weight.get("hi", w)
@@ -266,7 +230,10 @@ def _launch(kernel: Any, x: torch.Tensor, weight: dict[str, Any], out: torch.Ten
 
 def gemv(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
          config: dict[str, int] | None = None) -> torch.Tensor:
-    """y = act(x) @ W^T for x [M, K] (M <= GEMV_MAX_M, or any M; the kernel is built for few rows)."""
+    """y = act(x) @ W^T for x [M, K] (M <= GEMV_MAX_M, or any M; the kernel is built for few rows). int4:
+    int4_gemv on the weight's repacked copy (`config`: one of its configs)."""
+    if weight["bits"] == 4:
+        return int4_gemv(x, weight["int4"], out=out, silu_mul=silu_mul, config=config)
     x, out = prepare_io(x, weight, out, silu_mul)
     m, n = out.shape
     if m == 0:
@@ -279,10 +246,12 @@ def gemv(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = Non
 
 def gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
          config: dict[str, int] | None = None) -> torch.Tensor:
-    """y = act(x) @ W^T with the weight dequantized tile by tile (tl.dot); for 16/8/6/4 bits. Without a config
-    or silu_mul, int4 weights with group scales go to int4_gemm (DFLASH2_INT4_GEMM=legacy: here)."""
-    if config is None and not silu_mul and int4_gemm_fits(weight):
-        return int4_gemm(x, weight, out)
+    """y = act(x) @ W^T with the weight dequantized tile by tile (tl.dot); for 16/8/6 bits. int4: int4_gemm
+    (`config`: one of its configs; no silu_mul)."""
+    if weight["bits"] == 4:
+        if silu_mul:
+            raise ValueError("the int4 GEMM takes no silu_mul input")
+        return int4_gemm(x, weight, out, config)
     x, out = prepare_io(x, weight, out, silu_mul)
     m, n = out.shape
     if m == 0:
@@ -308,7 +277,8 @@ def gemv_16bit(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None =
 # -- the backend -----------------------------------------------------------------------------------------
 def device_tensors(packed: PackedWeight, dtype: torch.dtype) -> dict[str, Any]:
     """The tensors the kernels read for one packed weight: the stored ones, int4/int8 also as an int32 view
-    (`words`, no copy; None where the row is not whole words), int6 repacked into its two planes."""
+    (`words`, no copy; None where the row is not whole words), int6 repacked into its two planes, int4 also
+    repacked for int4_gemv (`int4`)."""
     fmt, tensors = packed.fmt, packed.tensors
     weight: dict[str, Any] = {"bits": fmt.bits, "n": packed.out_features, "k": packed.in_features,
                               "group_size": fmt.group_size, "words": None}
@@ -324,11 +294,9 @@ def device_tensors(packed: PackedWeight, dtype: torch.dtype) -> dict[str, Any]:
             weight["w"], weight["hi"] = int6_planes(tensors["qweight"])
     if fmt.bits in (4, 8) and weight["w"].shape[1] % 4 == 0 and weight["w"].storage_offset() % 4 == 0:
         weight["words"] = weight["w"].view(torch.int32)
-    if INT4_REPACKED and fmt.bits == 4 and int4_gemv_fits(packed.in_features, fmt.group_size, weight["scales"],
-                                                           weight["zeros"]):
-        # packed fp16 products for 16-bit activations (HALF2); a float32 model keeps float32 products
+    if fmt.bits == 4:  # packed fp16 products for 16-bit activations; a float32 model keeps float32 products
         weight["int4"] = prepare_int4(weight["w"], weight["scales"], weight["zeros"], fmt.group_size,
-                                      half2=HALF2 and dtype != torch.float32)
+                                      half2=dtype != torch.float32)
     return weight
 
 
@@ -348,20 +316,8 @@ class TritonWeight:
         self.fmt, self.weight = fmt, weight
         small = "Triton GEMV" + (" (int6 as 4+2-bit planes)" if fmt.bits == 6 else "")
         large = "F.linear" if fmt.bits == 16 else "Triton GEMM (dequantized tiles, tl.dot)"
-        if int4_gemm_fits(weight):
-            large = "Triton int4 GEMM (register-operand wgmma)"
-        if "int4" in weight:
-            small = "Triton int4 GEMV (repacked words)"
-        # one copy (INT4_ONE_COPY): the GEMM reads the GEMV's words; the stored tensors are dropped here and
-        # released by the layer (releases_packed)
-        self.releases_packed = INT4_ONE_COPY and "int4" in weight and int4_gemm_fits_repacked(weight["int4"])
-        if self.releases_packed and weight["int4"]["words"].is_cuda:
-            raise RuntimeError("DFLASH2_INT4_ONE_COPY=1 is not usable on a GPU yet: its GEMM's GPU tests fail (the "
-                               "outputs differ from the stored words', session 29) and its prefill is slower; unset it")
-        if self.releases_packed:
-            large = "Triton int4 GEMM (register-operand wgmma) on the GEMV's words, one copy"
-            for name in ("w", "words", "scales", "zeros"):
-                weight.pop(name, None)
+        if fmt.bits == 4:
+            small, large = "Triton int4 GEMV (repacked words)", "Triton int4 GEMM (register-operand wgmma)"
         self.kernel = f"{small} for <= {GEMV_MAX_M} rows, {large} above ({fmt.name})"
         # [gate | up] input: fused into the 16-bit GEMV, where spare instructions hide behind the bytes;
         # at 8 and 4 bits recomputing silu in every row block costs more than the separate kernel
@@ -373,14 +329,14 @@ class TritonWeight:
         pair_gate_up), so that matmul(silu_out=True) applies silu(gate) * up as it stores the outputs: one
         launch a layer fewer than a separate silu_and_mul, and no recomputed silu in every program of the next
         GEMV (which is why the int4 GEMV does not fuse silu_mul on its input)."""
-        if "int4" in self.weight:
+        if self.fmt.bits == 4:
             self.weight["int4"] = pair_gate_up(self.weight["int4"])
             self.fuses_silu_out = True
 
     def fuses_norm(self, rows: int) -> bool:
         """Whether matmul(norm=, add_to=) runs the RMSNorm and the residual add inside the GEMV for `rows`
-        activation rows (the int4 GEMV, unless DFLASH2_FUSE_NORM=0)."""
-        return FUSE_NORM and "int4" in self.weight and rows <= GEMV_MAX_M
+        activation rows (the int4 GEMV)."""
+        return self.fmt.bits == 4 and rows <= GEMV_MAX_M
 
     def matmul(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False,
                norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
@@ -404,18 +360,14 @@ class TritonWeight:
 
             return silu_and_mul(self.matmul(x, silu_mul))
         if x.shape[0] <= GEMV_MAX_M:
-            if "int4" in self.weight:
-                return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul)
             return gemv(x, self.weight, silu_mul=silu_mul)
-        if self.fmt.bits != 16 and not self.releases_packed:
-            return gemm(x, self.weight, silu_mul=silu_mul)
-        if silu_mul:
+        if silu_mul and self.fmt.bits in (4, 16):  # their GEMMs take no [gate | up] input
             from dflash2.kernels.triton.elementwise import silu_and_mul
 
-            x = silu_and_mul(x)
-        if self.releases_packed:  # a paired gate_up's outputs come back in [gate | up] order
-            return int4_gemm(x, self.weight["int4"])
-        return F.linear(x, self.weight["w"])
+            x, silu_mul = silu_and_mul(x), False
+        if self.fmt.bits == 16:
+            return F.linear(x, self.weight["w"])
+        return gemm(x, self.weight, silu_mul=silu_mul)
 
 
 class TritonQuantMatmul:

@@ -1,5 +1,4 @@
-"""The kernels at a decode step's two ends, each one launch instead of several torch ops (CUDA; DFLASH2_STEP_EDGES=0
-turns them off).
+"""The kernels at a decode step's two ends, each one launch instead of several torch ops (CUDA).
 
     resolve_tokens   token ids with the placeholders -(i + 1) replaced by future slot i's token (the previous
                      step's sample): torch's where / neg / clamp / index are six launches
@@ -20,8 +19,6 @@ them (torch's argmax picks a NaN; here it depends on the chunk). Measured (fifte
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +26,6 @@ import triton.language as tl
 from dflash2.kernels.triton.gemv_parts import _reset_ticket, split_counters
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
-STEP_EDGES = os.environ.get("DFLASH2_STEP_EDGES", "1") != "0"
 ARGMAX_BLOCK = 4096  # logits a program reduces: 32 programs a row for a 128k vocabulary
 ARGMAX_MAX_CHUNKS = 64  # what the last program merges in one tile (vocabularies up to 256k)
 
