@@ -78,7 +78,8 @@ def start_server(held: HeldEngine) -> tuple[str, Any, threading.Thread]:
     from dflash2.server.app import build_app
     from dflash2.server.launch import build_state
 
-    config = ServerConfig(port=free_port(), disable_log_requests=True, disable_log_stats=True, log_level="warning")
+    config = ServerConfig(port=free_port(), disable_log_requests=True, disable_log_stats=True, log_level="warning",
+                          max_queue_len=None)  # the long waiting line is the point here
     app = build_app(build_state(config, held))
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            backlog=4096))

@@ -133,6 +133,7 @@ def server_flags(args: argparse.Namespace) -> list[str]:
              "--prefill-chunk-size", str(args.prefill_chunk_size),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--preemption-threshold", str(args.preemption_threshold),
+             "--max-queue-len", "100000",  # overload piles up thousands waiting: measured, not refused
              "--disable-log-stats"]
     if args.max_outranked_prefill_tokens is not None:
         flags += ["--max-outranked-prefill-tokens", str(args.max_outranked_prefill_tokens)]

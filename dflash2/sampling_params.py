@@ -1,9 +1,16 @@
 """SamplingParams: how one request's tokens are chosen and when it stops (vLLM's names)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_PRIORITY = 65535
+MAX_INT32 = 2**31 - 1  # the largest token count, top_k, logprobs or token id a request may name
+MAX_TEMPERATURE = 100.0  # far past where the distribution is flat; keeps logits / temperature finite
+# logits * or / the penalty stay finite in float32 (|logit| < 1e4 at most, times 100); 1e-300 made every
+# penalized logit +-inf and the row degenerate (token 0 over and over)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed seed, as vLLM (torch's generators take these)
 
 
 @dataclass
@@ -42,26 +49,32 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        """ValueError naming the first field out of range (each message starts with the field's name)."""
         _check(self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0,
-               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(_int(self.top_k) and 0 <= self.top_k <= MAX_INT32,
+               f"top_k must be -1, 0 (disabled) or a positive integer up to the vocabulary, got {self.top_k}")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check(self.seed is None or (_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+               f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
+        _check(self.max_tokens is None or (_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32),
+               f"max_tokens must be in [1, {MAX_INT32}], got {self.max_tokens}")
+        _check(_int(self.min_tokens) and 0 <= self.min_tokens <= MAX_INT32,
+               f"min_tokens must be in [0, {MAX_INT32}], got {self.min_tokens}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
-        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-               f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_int(value) and 0 <= value <= MAX_INT32),
+                   f"{name} must be >= 0, got {value}")
         _check(self.output_kind in OUTPUT_KINDS,
                f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
+        _check(all(_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids or []),
                "stop_token_ids must be non-negative integers")
 
     @property
@@ -81,6 +94,30 @@ class SamplingParams:
 OUTPUT_KINDS = ("every_step", "final_only")
 
 
+def check_against_vocab(params: SamplingParams, vocab_size: int, max_logprobs: int | None = None) -> None:
+    """The checks that need the model: top_k, logprobs and stop_token_ids within the vocabulary, logprobs and
+    prompt_logprobs at most `max_logprobs` (None: the vocabulary). ValueError naming the field."""
+    _check(params.top_k <= vocab_size, f"top_k must be at most the vocabulary size {vocab_size}, got {params.top_k}")
+    limit = vocab_size if max_logprobs is None else min(max_logprobs, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        _check(value is None or value <= limit, f"{name} must be at most {limit}, got {value}")
+    _check(all(t < vocab_size for t in params.stop_token_ids or []), f"stop_token_ids must be in [0, {vocab_size})")
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_float(name: str, value: object, low: float, high: float) -> None:
+    """NaN and infinities fail too (a NaN compares false)."""
+    _check(_finite(value) and low <= value <= high, f"{name} must be in [{low:g}, {high:g}], got {value}")

@@ -11,11 +11,8 @@ import sys
 from typing import Any
 
 from dflash2.cli.args import add_engine_flags, add_flag, engine_kwargs
-from dflash2.sampling_params import MAX_PRIORITY
-from dflash2.server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
-
-DEFAULT_MAX_NUM_SEQS = 64
-
+from dflash2.server.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_QUEUE_LEN,
+                                   DEFAULT_MAX_REQUEST_BYTES, ServerConfig)
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API)")
@@ -44,11 +41,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
              help="plan and launch each step only after the previous one is committed (on the GPU the default "
                   "plans step N+1 while N runs): the device idles for each step's host work, but a request "
                   "that arrives during step N runs in N+1 instead of N+2")
-    add_flag(parser, "--overlap-max-step-tokens", type=int, default=None,
-             help="overlap only steps of at most this many tokens: a longer (prefill) step is committed before "
-                  "the next is planned, so a request arriving during it runs in the next step (decode steps "
-                  "keep the overlap; default: every step overlaps)")
-    add_flag(parser, "--max-batch-size", type=int, default=None, help="alias of --max-num-seqs")
+    add_flag(parser, "--max-batch-size", type=int, default=None,
+             help="the most requests that run in one step (the scheduler's batch); with --max-num-seqs also given, "
+                  "that one bounds the requests the server holds (running, paused and waiting: past it, 503)")
     add_flag(parser, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
     add_flag(parser, "--cuda-graph-max-prefill-tokens", type=int, default=2048,
              help="steps with prefill chunks of up to this many tokens also replay CUDA graphs (captured at "
@@ -62,34 +57,30 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-outranked-prefill-tokens", type=int, default=64,
              help="while a more urgent request waits or prefills, the prefill chunks it outranks share at most "
                   "this many tokens a step (keeps its steps short; -1: no cap)")
-    add_flag(parser, "--outranked-decodes-wait", action="store_true",
-             help="... and the decodes it outranks skip the steps that run its prompt (shorter urgent steps)")
-    add_flag(parser, "--express-lane", action=argparse.BooleanOptionalAction, default=False,
-             help="run an urgent prompt (one that outranks a running request) on a CUDA stream of its own, from "
-                  "CUDA graphs of its own, beside the steps in flight (default: off)")
-    add_flag(parser, "--express-max-tokens", type=int, default=None,
-             help="the longest prompt the express lane takes, in tokens (default: --prefill-chunk-size)")
-    add_flag(parser, "--express-reserve-tokens", type=int, default=None,
-             help="KV pages, in tokens, kept free for the express lane even when the pool runs full "
-                  "(default: --express-max-tokens)")
-    add_flag(parser, "--express-min-priority", type=int, default=None,
-             help="the express lane only takes requests at least this urgent (e.g. 1000: the top class only, so a "
-                  "middle class does not hold the lane when the top one comes; default: any that outranks a "
-                  "running request)")
     add_flag(parser, "--low-priority-values-first", action="store_true",
              help="vLLM's convention: a smaller priority value is more urgent")
-    add_flag(parser, "--max-queue-len", type=int, default=None,
-             help="waiting requests beyond this many get 503 with Retry-After (default: no bound)")
+    add_flag(parser, "--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
+             help="waiting requests beyond this many get 503 with Retry-After; each prompt of a request counts "
+                  f"(default: {DEFAULT_MAX_QUEUE_LEN})")
+    add_flag(parser, "--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+             help="a /v1/completions request with more prompts gets 400 "
+                  f"(default: {DEFAULT_MAX_PROMPTS_PER_REQUEST})")
+    add_flag(parser, "--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
+             help=f"the most logprobs / top_logprobs / prompt_logprobs a request may ask for; more gets 400 "
+                  f"(default: {DEFAULT_MAX_LOGPROBS}, as vLLM)")
     add_flag(parser, "--single-process", action="store_true",
              help="run the engine on a thread of the HTTP server's process instead of a process of its own "
                   "(one process to debug or profile; the engine's host work and the HTTP side then share a GIL)")
+    add_flag(parser, "--disable-nagle", action="store_true",
+             help="accepted for compatibility: TCP_NODELAY is always on (uvicorn sets it on every connection)")
     # Accepted so that they fail loudly: these features are not built yet.
     add_flag(parser, "--tensor-parallel-size", "--tp", type=int, default=1)
+    add_flag(parser, "--pipeline-parallel-size", "--pp", type=int, default=1)
     add_flag(parser, "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
     add_flag(parser, "--ray-address", default=None)
     add_flag(parser, "--enable-l3-cache", action="store_true", help="spill KV pages to disk (not built)")
     add_flag(parser, "--l3-cache-path", default=None)
-    parser.set_defaults(log_level="info", max_num_seqs=None)  # None: see llm_kwargs
+    parser.set_defaults(log_level="info")
 
 
 def check_unbuilt(args: argparse.Namespace) -> None:
@@ -97,6 +88,8 @@ def check_unbuilt(args: argparse.Namespace) -> None:
     not_built = [
         (args.tensor_parallel_size != 1, f"--tensor-parallel-size {args.tensor_parallel_size}",
          "tensor parallelism is not built yet; only 1 is supported"),
+        (args.pipeline_parallel_size != 1, f"--pipeline-parallel-size {args.pipeline_parallel_size}",
+         "pipeline parallelism is not built yet; only 1 is supported"),
         (args.distributed_executor_backend == "ray", "--distributed-executor-backend ray",
          "the Ray executor is not built yet"),
         (args.ray_address is not None, "--ray-address", "the Ray executor is not built yet"),
@@ -113,17 +106,17 @@ def check_unbuilt(args: argparse.Namespace) -> None:
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) keyword arguments: the engine flags plus the server's spellings of them."""
     kwargs = engine_kwargs(args)
-    if None not in (args.max_batch_size, args.max_num_seqs) and args.max_batch_size != args.max_num_seqs:
-        raise ValueError(f"--max-batch-size {args.max_batch_size} contradicts --max-num-seqs {args.max_num_seqs}")
-    kwargs["max_num_seqs"] = args.max_batch_size or args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    if args.max_batch_size is not None:
+        if args.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+        if args.max_num_seqs is not None and args.max_num_seqs < args.max_batch_size:
+            raise ValueError(f"--max-num-seqs {args.max_num_seqs} (requests held) is below --max-batch-size "
+                             f"{args.max_batch_size} (requests run in one step)")
+        kwargs["max_num_seqs"] = args.max_batch_size
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
     if args.disable_overlap_schedule:
         kwargs["overlap"] = False
-    if args.overlap_max_step_tokens is not None:
-        if args.overlap_max_step_tokens < 1:
-            raise ValueError(f"--overlap-max-step-tokens must be >= 1, got {args.overlap_max_step_tokens}")
-        kwargs["overlap_max_step_tokens"] = args.overlap_max_step_tokens
     if args.cuda_graph_max_prefill_tokens < 0:
         raise ValueError(f"--cuda-graph-max-prefill-tokens must be >= 0, got {args.cuda_graph_max_prefill_tokens}")
     kwargs["cuda_graph_max_prefill_tokens"] = args.cuda_graph_max_prefill_tokens
@@ -142,16 +135,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs.update(preemption_threshold=args.preemption_threshold,
                   priority_aging_seconds=args.priority_aging_seconds,
                   max_outranked_prefill_tokens=None if cap == -1 else cap,
-                  outranked_decodes_wait=args.outranked_decodes_wait,
                   low_priority_values_first=args.low_priority_values_first)
-    for flag, value, least in (("--express-max-tokens", args.express_max_tokens, 1),
-                               ("--express-reserve-tokens", args.express_reserve_tokens, 0)):
-        if value is not None and value < least:
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
-    if args.express_min_priority is not None and not 0 <= args.express_min_priority <= MAX_PRIORITY:
-        raise ValueError(f"--express-min-priority must be in [0, {MAX_PRIORITY}], got {args.express_min_priority}")
-    kwargs.update(express_lane=args.express_lane, express_max_tokens=args.express_max_tokens,
-                  express_reserve_tokens=args.express_reserve_tokens, express_min_priority=args.express_min_priority)
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     kwargs["stream_interval"] = args.stream_interval
@@ -165,7 +149,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         streaming_timeout_ms=args.streaming_timeout_ms, metrics_port=args.metrics_port,
                         disable_log_requests=args.disable_log_requests, disable_log_stats=args.disable_log_stats,
                         log_tokens=args.log_tokens, log_level=args.log_level, max_queue_len=args.max_queue_len,
-                        single_process=args.single_process)
+                        max_prompts_per_request=args.max_prompts_per_request, max_logprobs=args.max_logprobs,
+                        single_process=args.single_process,
+                        max_held_requests=args.max_num_seqs if args.max_batch_size is not None else None)
 
 
 def build_engine(kwargs: dict[str, Any]) -> Any:

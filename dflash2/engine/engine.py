@@ -47,7 +47,7 @@ from dflash2.engine.scheduler import Scheduler
 from dflash2.engine.step_trace import StepTrace
 from dflash2.loading.model_loader import load_model
 from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenView, check_priority
-from dflash2.sampling_params import MAX_PRIORITY, SamplingParams
+from dflash2.sampling_params import MAX_PRIORITY, SamplingParams, check_against_vocab
 
 
 logger = logging.getLogger("dflash2")
@@ -458,6 +458,7 @@ class Engine:
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         params.validate()
+        check_against_vocab(params, self.model.arch.vocab_size)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                              f"(at least one token must be left to generate)")
@@ -465,9 +466,6 @@ class Engine:
         if self.kv.num_pages_for(total) > self.pool.num_pages:
             raise ValueError(f"the request needs up to {total} tokens of KV cache, more than the whole pool holds "
                              f"({self.pool.num_pages * self.kv.tokens_per_page})")
-        vocab = self.model.arch.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
 
     def _max_model_len(self) -> int:
         arch = self.model.arch

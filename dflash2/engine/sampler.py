@@ -133,8 +133,8 @@ def greedy_argmax(logits: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor
     if logits.is_cuda and rows <= 64 and logits.stride(1) == 1:
         from dflash2.kernels.triton import step_edges
 
-        if step_edges.STEP_EDGES and vocab <= step_edges.ARGMAX_MAX_CHUNKS * step_edges.ARGMAX_BLOCK:
-            return step_edges.greedy_argmax(logits, future)  # one launch (DFLASH2_STEP_EDGES=0: the reductions)
+        if vocab <= step_edges.ARGMAX_MAX_CHUNKS * step_edges.ARGMAX_BLOCK:
+            return step_edges.greedy_argmax(logits, future)  # one launch
     tokens = _argmax(logits)
     if future is not None:
         slots, base = future
@@ -266,14 +266,16 @@ def _logprob_dicts(logits: torch.Tensor, token_ids: torch.Tensor,
     """Per row: {token_ids[i]: ..., then the row's top num_tops[i] tokens}, ranked in the raw distribution.
 
     Rank = 1 + number of tokens with a strictly larger logprob. Every token larger than a top-k token is
-    itself in the top k, so top-k ranks are counted within the top-k values alone.
+    itself in the top k, so a top-k rank is the position of the first equal value in the row's sorted top k
+    (a binary search: memory linear in k, where comparing every pair took k x k per row).
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     token_ranks = (logprobs > token_logprobs.unsqueeze(1)).sum(dim=-1) + 1
     max_top = min(max(num_tops, default=0), logprobs.shape[1])
-    top_logprobs, top_ids = logprobs.topk(max_top, dim=-1)
-    top_ranks = (top_logprobs.unsqueeze(1) > top_logprobs.unsqueeze(2)).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(max_top, dim=-1)  # sorted, largest first
+    ascending = -top_logprobs
+    top_ranks = torch.searchsorted(ascending, ascending, side="left") + 1
     rows = zip(token_ids.tolist(), token_logprobs.tolist(), token_ranks.tolist(),
                top_ids.tolist(), top_logprobs.tolist(), top_ranks.tolist(), num_tops)
     result = []

@@ -1,14 +1,16 @@
 """The FastAPI app: routes, the API-key and body-size guard, and OpenAI-style errors.
 
 Every client error is a JSON body {"error": {"message", "type", "param", "code"}}: 400 for bad input,
-401 for a missing or wrong API key, 413 for a body over --max-request-bytes, 503 while the model loads,
-and 503 with a Retry-After header (seconds) when --max-queue-len requests are already waiting.
-/health, /metrics and /version stay open without the key.
+401 (with WWW-Authenticate: Bearer) for a missing or wrong API key, 404 for an unknown model or route, 413 for
+a body over --max-request-bytes, 503 while the model loads, and 503 with a Retry-After header (seconds) when
+--max-queue-len requests are already waiting. A 500 (a bug) says only that it is one: the server log has the
+traceback; no error closes the connection. /health, /metrics, /version and /openapi.json stay open without the
+key; /openapi.json describes every route's request body (the pydantic models of protocol.py).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,22 +27,25 @@ import dflash2
 from dflash2.server.engine_loop import EngineError, QueueFull
 from dflash2.server.generate_api import generate
 from dflash2.server.generation import RECEIVED_AT, ClientGone
+from dflash2.server.json_body import decode_json
 from dflash2.server.metrics import CONTENT_TYPE
-from dflash2.server.openai_api import create_chat_completion, create_completion, error_body
+from dflash2.server.openai_api import INTERNAL_ERROR, create_chat_completion, create_completion, error_body
 from dflash2.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      GenerateRequest, TokenizeRequest, parse_body)
 from dflash2.server.state import NotReady, ServerState
 
 logger = logging.getLogger("dflash2.server")
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+          "/generate": GenerateRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+# answered by their own handlers; anything else a route raises is a bug (500)
+_ANSWERED = (BadRequest, NotReady, QueueFull, ClientGone, EngineError)
 
 
 def build_app(state: ServerState, on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):  # type: ignore[no-untyped-def]
-        import asyncio
-
         state.engine.start(asyncio.get_running_loop(), on_load_error or _log_load_error)
         try:
             yield
@@ -48,7 +53,8 @@ def build_app(state: ServerState, on_load_error: Callable[[BaseException], None]
             await state.engine.shutdown()
 
     app = FastAPI(title="dflash2", version=dflash2.__version__, lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+                  redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.state.server = state
     app.add_middleware(GuardMiddleware, api_key=state.config.api_key, max_request_bytes=state.config.max_request_bytes)
     _add_error_handlers(app)
@@ -61,17 +67,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     def endpoint(model: type, handler: Callable[..., Awaitable[Response]]) -> Callable[[HTTPRequest], Any]:
         async def run(http_request: HTTPRequest) -> Response:
-            state.require_ready()
-            body = parse_body(model, await read_json(http_request, limit))
-            return await handler(http_request, body, state)
+            try:
+                state.require_ready()
+                body = parse_body(model, await read_json(http_request, limit))
+                return await handler(http_request, body, state)
+            except _ANSWERED:
+                raise
+            except Exception:  # noqa: BLE001 - answered here: past the app, an error would close the connection
+                logger.exception("unexpected error in %s", http_request.url.path)
+                return JSONResponse(error_body(INTERNAL_ERROR, "internal_server_error", None), status_code=500)
         return run
 
-    app.add_api_route("/v1/completions", endpoint(CompletionRequest, create_completion), methods=["POST"])
-    app.add_api_route("/v1/chat/completions", endpoint(ChatCompletionRequest, create_chat_completion),
-                      methods=["POST"])
-    app.add_api_route("/generate", endpoint(GenerateRequest, generate), methods=["POST"])
-    app.add_api_route("/tokenize", endpoint(TokenizeRequest, tokenize), methods=["POST"])
-    app.add_api_route("/detokenize", endpoint(DetokenizeRequest, detokenize), methods=["POST"])
+    handlers = {"/v1/completions": create_completion, "/v1/chat/completions": create_chat_completion,
+                "/generate": generate, "/tokenize": tokenize, "/detokenize": detokenize}
+    for path, model in BODIES.items():
+        app.add_api_route(path, endpoint(model, handlers[path]), methods=["POST"], name=handlers[path].__name__)
 
     @app.get("/health")
     async def health() -> Response:
@@ -99,9 +109,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 async def tokenize(_http_request: HTTPRequest, body: TokenizeRequest, state: ServerState) -> Response:
     state.check_model(body.model)
     if body.messages is not None:
-        token_ids = state.encode_chat(body.messages, body.add_generation_prompt)["prompt_token_ids"]
+        prompt = await state.encode_chat(body.messages, body.add_generation_prompt, check_length=False)
+        token_ids = prompt["prompt_token_ids"]
     else:
-        token_ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokenizer = state.tokenizer
+        token_ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
     return JSONResponse({"count": len(token_ids), "max_model_len": state.require_ready().max_model_len,
                          "tokens": token_ids})
 
@@ -116,17 +128,34 @@ async def detokenize(_http_request: HTTPRequest, body: DetokenizeRequest, state:
 
 
 async def read_json(http_request: HTTPRequest, limit: int) -> Any:
-    """The body as JSON; 413 past `limit` bytes (also for chunked bodies), 400 if it is not JSON."""
+    """The body as JSON; 413 past `limit` bytes (also for chunked bodies), 400 if it is not JSON
+    (protocol.decode_json)."""
     chunks, size = [], 0
     async for chunk in http_request.stream():
         size += len(chunk)
         if size > limit:
             raise BadRequest(f"the request body is over {limit} bytes", code="request_too_large", status_code=413)
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    return decode_json(b"".join(chunks))
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document of the routes, with each POST route's request body: the routes read their bodies
+    themselves (parse_body: OpenAI-style errors), so FastAPI does not see the models."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in BODIES.items():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            document["paths"][path]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/"
+                                                                                      f"{model.__name__}"}}}}
+        app.openapi_schema = document
+    return app.openapi_schema
 
 
 class GuardMiddleware:
@@ -146,7 +175,8 @@ class GuardMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
             response = JSONResponse(error_body("missing or invalid API key (send Authorization: Bearer <key>)",
-                                               "authentication_error", "invalid_api_key"), status_code=401)
+                                               "authentication_error", "invalid_api_key"), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         length = headers.get("content-length", "")
@@ -193,10 +223,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(e.detail), error_type, None), status_code=e.status_code)
 
     @app.exception_handler(Exception)
-    async def internal_error(_request: HTTPRequest, e: Exception) -> Response:
+    async def internal_error(_request: HTTPRequest, _e: Exception) -> Response:
         logger.exception("unexpected error")
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error", None),
-                            status_code=500)
+        return JSONResponse(error_body(INTERNAL_ERROR, "internal_server_error", None), status_code=500)
 
 
 def _log_load_error(error: BaseException) -> None:

@@ -4,6 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default (and OpenAI's top_logprobs cap)
+# A request's prompts run as that many engine requests: 64 serves batch clients, while one request can neither
+# fill the queue nor hold a concurrent request for long (500 prompts held one 16.6 s; the 1 MiB body limit let
+# a request carry about 90,000; vLLM has no cap)
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
+# Waiting requests hold their prompts' token ids (and the HTTP side as many submissions on their way): 1024
+# covers a 1000-request burst, as benchmarks send, and bounds what a flood can pile up
+DEFAULT_MAX_QUEUE_LEN = 1024
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -22,7 +30,12 @@ class ServerConfig:
     log_tokens: bool = False
     log_level: str = "info"
     stats_interval_s: float = 10.0  # how often the engine thread logs a stats line
-    max_queue_len: int | None = None  # waiting requests beyond this get 503 + Retry-After; None: no bound
+    max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN  # waiting requests beyond this get 503 + Retry-After
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # logprobs / top_logprobs / prompt_logprobs above get 400
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # a completions request with more gets 400
+    # requests held (running, paused and waiting) beyond this get 503 too (--max-num-seqs beside
+    # --max-batch-size); None: no bound besides max_queue_len
+    max_held_requests: int | None = None
     single_process: bool = False  # the engine on a thread of the server's process, not a process of its own
 
     def __post_init__(self) -> None:
@@ -38,5 +51,9 @@ class ServerConfig:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.max_queue_len is not None and self.max_queue_len < 1:
             raise ValueError(f"--max-queue-len must be >= 1, got {self.max_queue_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_prompts_per_request < 1:
+            raise ValueError(f"--max-prompts-per-request must be >= 1, got {self.max_prompts_per_request}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")

@@ -2,7 +2,6 @@
 
     receive() (the transport's) ──► _drain_commands ──► engine.add_request / engine.abort
                                _step ──► engine.step() ──► observer ──► deliver() (most urgent first)
-    while a step waits for the device: engine.on_device_wait ─► _on_device_wait ─► deliver() + _drain_commands
 
 It owns the Engine, which is not thread-safe: nothing else touches it after loading. Two transports subclass it
 and say how commands come in and a refusal, an output or a failure reaches the HTTP side (the hooks at the
@@ -36,7 +35,10 @@ logger = logging.getLogger("dflash2.server")
 
 IDLE_WAIT_S = 0.5  # how long the idle loop blocks on the command queue before a stats tick
 RETRY_AFTER_RANGE_S = (1, 60)  # Retry-After is an estimate of the queue's drain time, clamped to this
-_FINISH_WINDOW = 64  # finishes the drain-rate estimate looks back over
+RATE_WINDOW_S = 30.0  # the drain rate counts the finishes of the engine's last this many busy seconds
+
+
+ENGINE_FAILED = "the engine failed while running this request (the server log has the error)"
 
 
 class EngineError(RuntimeError):
@@ -87,20 +89,16 @@ class Stop:
 
 
 class EngineLoop:
-    # whether a step that waits for the device takes in commands meanwhile (Engine.on_device_wait): the wait then
-    # polls the transport instead of blocking, so a transport whose waits must leave the GIL to other threads
-    # (EngineThread: the HTTP side shares the process) says no
-    takes_commands_while_waiting = True
-
     def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver],
-                 max_queue_len: int | None = None) -> None:
+                 max_queue_len: int | None = None, max_held_requests: int | None = None) -> None:
         self._engine_factory = engine_factory
         self._observer_factory = observer_factory
         self.max_queue_len = max_queue_len
-        self._finish_times: collections.deque[float] = collections.deque(maxlen=_FINISH_WINDOW)
+        self.max_held_requests = max_held_requests  # running, paused and waiting (--max-num-seqs beside --max-batch-size)
+        self._finish_times: collections.deque[float] = collections.deque()  # within RATE_WINDOW_S
+        self._busy_since: float | None = None  # when a request last came to an idle engine
         self.retry_after_s = RETRY_AFTER_RANGE_S[0]  # the latest drain estimate
         self._tracked: dict[str, Tracked] = {}
-        self._stopping = False  # told to stop while a step waited for the device: the loop ends after the step
         self.engine: Any = None
         self.observer: RequestObserver | None = None
 
@@ -116,9 +114,7 @@ class EngineLoop:
         self.on_loaded()
         logger.info("engine ready: model %s (%d objects left out of garbage collection, thresholds %s)",
                     self.engine.model.name, frozen, thresholds)
-        if self.takes_commands_while_waiting:
-            self.engine.on_device_wait = self._on_device_wait
-        while not self._stopping:
+        while True:
             if not self._drain_commands(block=not self.engine.has_unfinished()):
                 break
             if self.engine.has_unfinished():
@@ -142,25 +138,26 @@ class EngineLoop:
             command = self.receive(False)
         return True
 
-    def _on_device_wait(self, outputs: list[RequestOutput]) -> None:
-        """The engine's hook while a step waits for the device (Engine.on_device_wait): deliver the outputs ready
-        now (an urgent request's first token, from the express lane), and take in what arrived meanwhile, so an
-        urgent arrival starts at once instead of after the step."""
-        if outputs:
-            self._handle_outputs(outputs, time.monotonic())
-        if not self._stopping and not self._drain_commands(block=False):
-            self._stopping = True
-
     def receive(self, block: bool) -> Any:
         """The next command, or None if there is none (block: wait up to IDLE_WAIT_S for one): the transport's."""
         raise NotImplementedError
 
     def _add(self, command: Submit) -> None:
         num_waiting = len(self.engine.scheduler.waiting)
+        now = time.monotonic()
+        if self._busy_since is None or not self.engine.has_unfinished():
+            self._busy_since = now
         if self.max_queue_len is not None and num_waiting >= self.max_queue_len:
-            self.retry_after_s = self._drain_estimate_s(num_waiting)
+            self.retry_after_s = self._drain_estimate_s(num_waiting, now)
             self.settle(command, QueueFull(
                 f"{num_waiting} requests are waiting (--max-queue-len {self.max_queue_len}); retry later",
+                self.retry_after_s))
+            return
+        num_held = len(self.engine.requests)
+        if self.max_held_requests is not None and num_held >= self.max_held_requests:
+            self.retry_after_s = self._drain_estimate_s(max(1, num_waiting), now)
+            self.settle(command, QueueFull(
+                f"{num_held} requests are held (--max-num-seqs {self.max_held_requests}); retry later",
                 self.retry_after_s))
             return
         try:
@@ -186,11 +183,17 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving the next ones
             logger.exception("engine step failed; aborting %d requests", len(self._tracked))
-            self._fail_all(EngineError(f"the engine failed: {e}"))
+            self._fail_all(EngineError(ENGINE_FAILED))
             return
         now = time.monotonic()
         self.observer.on_step(self.engine, now, now - started)
         self._handle_outputs(outputs, now)
+        for request_id, reason in self.engine.take_failures():  # the request whose part of the step failed
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is not None:
+                logger.error("request %s failed alone: %s", request_id, reason)
+                self.observer.on_finished(tracked, "error", now)
+                self.fail([tracked], EngineError("the request failed in the engine (the server log has the details)"))
 
     def _handle_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         deliveries: list[tuple[Tracked, RequestOutput]] = []
@@ -202,23 +205,34 @@ class EngineLoop:
             deliveries.append((tracked, output))
             if output.finished:
                 del self._tracked[output.request_id]
-                self._finish_times.append(now)
+                self._note_finish(now)
                 self.observer.on_finished(tracked, output.outputs[0].finish_reason or "stop", now)
         if deliveries:
             # Most urgent first: their handlers wake first, so their tokens go out first on a busy loop.
             deliveries.sort(key=lambda d: -d[0].request.priority)
             self.deliver(deliveries)
 
-    def _drain_estimate_s(self, num_waiting: int) -> int:
-        """Seconds until the queue has room, at the recent finish rate (whole seconds, clamped)."""
+    def _note_finish(self, now: float) -> None:
+        self._finish_times.append(now)
+        while self._finish_times[0] < now - RATE_WINDOW_S:
+            self._finish_times.popleft()
+
+    def _drain_estimate_s(self, num_waiting: int, now: float) -> int:
+        """Seconds for the `num_waiting` requests to drain at the finish rate of the engine's last busy seconds
+        (up to RATE_WINDOW_S): a refused client that retries then finds room even if every client refused
+        meanwhile retries too. Whole seconds, clamped to RETRY_AFTER_RANGE_S.
+
+        The rate is finishes over the busy time, not over the span between the first and last finish: requests
+        of one batch finish in the same step, and 64 finishes at one instant read as an infinite rate (the
+        Retry-After of 1 s that a burst saw while draining took 8.6 s)."""
         low, high = RETRY_AFTER_RANGE_S
-        if len(self._finish_times) < 2:
-            return low
-        span = self._finish_times[-1] - self._finish_times[0]
-        if span <= 0:
-            return low
-        rate = (len(self._finish_times) - 1) / span
-        return max(low, min(high, math.ceil((num_waiting - self.max_queue_len + 1) / rate)))
+        window_start = max(now - RATE_WINDOW_S, self._busy_since if self._busy_since is not None else now)
+        while self._finish_times and self._finish_times[0] < window_start:
+            self._finish_times.popleft()
+        busy_s = now - window_start
+        if not self._finish_times:  # nothing finished in busy_s seconds: at least as long again
+            return max(low, min(high, math.ceil(busy_s)))
+        return max(low, min(high, math.ceil(num_waiting * busy_s / len(self._finish_times))))
 
     def _fail_all(self, error: EngineError) -> None:
         failed = []

@@ -125,6 +125,7 @@ class EngineProcessSpec:
     request_log: bool  # request / token records go to stdout (launch._set_up_request_log)
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    max_held_requests: int | None = None  # running, paused and waiting (EngineLoop)
 
 
 class EngineLoadError(RuntimeError):
@@ -399,7 +400,7 @@ class _ProcessLoop(EngineLoop):
     main thread does both)."""
 
     def __init__(self, spec: EngineProcessSpec, commands: Any, results: Any) -> None:
-        super().__init__(spec.engine_factory, self._make_observer, spec.max_queue_len)
+        super().__init__(spec.engine_factory, self._make_observer, spec.max_queue_len, spec.max_held_requests)
         self.spec = spec
         self.commands_in = commands  # the commands pipe (a Connection)
         self._poller: Any = None  # select.poll() on the commands pipe: whether a command (or its end) is there

@@ -30,8 +30,8 @@ from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 
 class EngineThread(EngineLoop):
     def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver],
-                 max_queue_len: int | None = None) -> None:
-        super().__init__(engine_factory, observer_factory, max_queue_len)
+                 max_queue_len: int | None = None, max_held_requests: int | None = None) -> None:
+        super().__init__(engine_factory, observer_factory, max_queue_len, max_held_requests)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # event loop -> engine thread
         self._num_submitting = 0  # submissions in the command queue, not yet taken or refused (event loop)
         self._thread: threading.Thread | None = None

@@ -1,9 +1,12 @@
 """/generate: one prompt (text or token ids) in, text and token ids out; streamed as SSE when asked.
 
     {"prompt" | "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed",
-     "priority", "stream", ...vLLM's extra sampling fields}
-    -> {"id", "model", "text", "token_ids", "finish_reason", "stop_reason", "priority", "usage"}
-    stream: data: {"id", "text": delta, "token_ids": delta, "finish_reason": null | reason[, "usage"]} ... [DONE]
+     "priority", "stream", "prompt_logprobs", ...vLLM's extra sampling fields}
+    -> {"id", "model", "text", "token_ids", "finish_reason", "stop_reason", "priority", "usage"[, "logprobs"]
+        [, "prompt_logprobs"]}
+    stream: data: {"id", "text": delta, "token_ids": delta[, "logprobs": delta], "finish_reason": null | reason
+                   [, "usage"]} ... [DONE]
+    logprobs and prompt_logprobs: per token {token id: {"logprob", "rank", "decoded_token"}} (vLLM's shape)
 """
 from __future__ import annotations
 
@@ -16,32 +19,40 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from dflash2.request import RequestOutput
 from dflash2.server.generation import Generation
-from dflash2.server.openai_api import TRUNCATION_HEADER, collect, event_text, stream_events, usage
+from dflash2.server.openai_api import (TRUNCATION_HEADER, collect, event_text, logprobs_json, stream_events,
+                                      usage, whole)
 from dflash2.server.protocol import GenerateRequest
 from dflash2.server.state import ServerState
 
 
 async def generate(http_request: HTTPRequest, body: GenerateRequest, state: ServerState) -> Response:
     model = state.check_model(body.model)
-    prompts = [state.encode(body.prompt if body.prompt is not None else body.prompt_token_ids or [])]
+    params = body.sampling_params(body.max_tokens, body.logprobs, state.limits)
+    prompt = body.prompt if body.prompt is not None else body.prompt_token_ids or []
+    prompts = await state.encode([prompt], add_special_tokens=body.add_special_tokens is not False,
+                                 check_length=body.truncate_prompt_tokens is None)
     truncated = state.truncate(prompts, body.truncate_prompt_tokens)
-    params = body.sampling_params(body.max_tokens, body.logprobs)
     generation = await Generation.start(state.engine, f"gen-{uuid.uuid4().hex}", prompts, params, body.priority,
-                                        http_request)
+                                        http_request, response_id=body.request_id)
     headers = TRUNCATION_HEADER if truncated else None
-    formatter = _GenerateFormat(generation, model, body.priority)
+    formatter = _GenerateFormat(state, generation, model, body.priority, body.logprobs is not None,
+                                body.prompt_logprobs is not None)
     if body.stream:
         return StreamingResponse(stream_events(state, generation, formatter, include_usage=False),
                                  media_type="text/event-stream", headers=headers)
-    final = (await collect(http_request, generation))[0]
-    return JSONResponse(formatter.whole(final), headers=headers)
+    finals = await collect(http_request, generation)
+    return JSONResponse(await whole(formatter, finals, params), headers=headers)
 
 
 class _GenerateFormat:
-    def __init__(self, generation: Generation, model: str, priority: int) -> None:
+    def __init__(self, state: ServerState, generation: Generation, model: str, priority: int, with_logprobs: bool,
+                 with_prompt_logprobs: bool) -> None:
+        self.state = state
         self.generation = generation
         self.model = model
         self.priority = priority
+        self.with_logprobs = with_logprobs
+        self.with_prompt_logprobs = with_prompt_logprobs
 
     def header(self, _choices: list[Any]) -> dict[str, Any]:
         return {"id": self.generation.id, "model": self.model}
@@ -50,8 +61,9 @@ class _GenerateFormat:
         return []
 
     def event_text(self, output: RequestOutput, extra: dict[str, Any]) -> str:
-        """A token's event as text around json.dumps of its text (the hot path); the last one as a dict."""
-        if output.finished:
+        """A token's event as text around json.dumps of its text (the hot path); the last one, and those with
+        logprobs, as a dict."""
+        if output.finished or self.with_logprobs:
             return event_text(self, output, extra)
         prefix = getattr(self, "_prefix", None)
         if prefix is None:
@@ -64,12 +76,22 @@ class _GenerateFormat:
         completion = output.outputs[0]
         chunk = {"id": self.generation.id, "text": output.delta_text, "token_ids": output.delta_token_ids,
                  "finish_reason": completion.finish_reason if output.finished else None}
+        if self.with_logprobs:
+            entries = completion.logprobs or []
+            count = len(output.delta_token_ids)
+            chunk["logprobs"] = logprobs_json(self.state, entries[len(entries) - count:] if count else [])
         if output.finished:
             chunk["usage"] = usage([output])
         return [chunk]
 
-    def whole(self, output: RequestOutput) -> dict[str, Any]:
+    def whole(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        output = finals[0]
         completion = output.outputs[0]
-        return {"id": self.generation.id, "model": self.model, "text": completion.text,
-                "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason, "priority": self.priority, "usage": usage([output])}
+        response = {"id": self.generation.id, "model": self.model, "text": completion.text,
+                    "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason, "priority": self.priority, "usage": usage([output])}
+        if self.with_logprobs:
+            response["logprobs"] = logprobs_json(self.state, completion.logprobs)
+        if self.with_prompt_logprobs:
+            response["prompt_logprobs"] = logprobs_json(self.state, output.prompt_logprobs)
+        return response

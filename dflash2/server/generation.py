@@ -1,6 +1,6 @@
 """Generation: the engine requests behind one HTTP request, and how the handler reads their outputs.
 
-    handler ── Generation.start() ──► engine.submit() per prompt (all or none accepted)
+    handler ── Generation.start() ──► engine.submit() per prompt, all at once (all or none accepted)
             ◄─ stream_batches(timeout) ◄── one asyncio.Queue shared by the prompts' outputs
                (each batch: every output queued so far, sent as one SSE write)
             ◄─ collect(request)        (waits for all to finish; a client that hangs up aborts them)
@@ -49,20 +49,31 @@ class Generation:
 
     @classmethod
     async def start(cls, engine: EngineThread | EngineProcess, request_id: str, prompts: list[dict[str, Any]],
-                    params: SamplingParams, priority: int, http_request: HTTPRequest | None = None) -> Generation:
-        """Submit every prompt; if the engine refuses one, abort the others and raise BadRequest."""
+                    params: SamplingParams, priority: int, http_request: HTTPRequest | None = None,
+                    response_id: str | None = None) -> Generation:
+        """Submit every prompt at once (each counts against the queue bound while it is on its way, and a
+        batch costs one trip to the engine, not one per prompt); if the engine refuses one, abort the others
+        and raise BadRequest (a prompt it found wrong) or the refusal (QueueFull, EngineError).
+        `response_id`: the id the response shows (default: request_id, which the engine's ids derive from)."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         received_at = http_request.scope.get(RECEIVED_AT) if http_request is not None else None
         generation = cls(engine, request_id, ids, received_at)
+        if response_id is not None:
+            generation.id = response_id
         try:
-            for sub_id, prompt in zip(ids, prompts):
-                await engine.submit(sub_id, prompt, params, priority, generation.outputs, generation.timing)
-        except ValueError as e:
-            generation.abort_unfinished()
-            raise BadRequest(str(e)) from None
-        except BaseException:
+            results = await asyncio.gather(*(
+                engine.submit(sub_id, prompt, params, priority, generation.outputs, generation.timing)
+                for sub_id, prompt in zip(ids, prompts)), return_exceptions=True)
+        except BaseException:  # cancelled: the client went away
             generation.abort_unfinished()
             raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            generation.abort_unfinished()
+            refused = next((e for e in errors if isinstance(e, ValueError)), None)
+            if refused is not None:
+                raise BadRequest(str(refused)) from None
+            raise errors[0]
         return generation
 
     @property

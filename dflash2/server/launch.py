@@ -42,7 +42,8 @@ def build_state(config: ServerConfig, engine_factory: Callable[[], Any]) -> Serv
         metrics = ServerMetrics(config.served_model_name or engine.model.name, registry)
         return RequestObserver(engine, metrics, observer_settings)
 
-    return ServerState(config, EngineThread(engine_factory, make_observer, config.max_queue_len), registry)
+    return ServerState(config, EngineThread(engine_factory, make_observer, config.max_queue_len,
+                                                    config.max_held_requests), registry)
 
 
 def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any]) -> ServerState:
@@ -50,7 +51,8 @@ def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any])
     pickle (a module-level function, or a functools.partial of one)."""
     spec = EngineProcessSpec(engine_factory, observer_config(config), config.served_model_name,
                              config.max_queue_len, config.log_level, request_log=_request_log_on(config),
-                             metrics_port=config.metrics_port, metrics_host=config.host)
+                             metrics_port=config.metrics_port, metrics_host=config.host,
+                             max_held_requests=config.max_held_requests)
     registry = CollectorRegistry()
 
     def on_ready() -> None:

@@ -10,7 +10,9 @@ A stream is server-sent events, one JSON chunk per `data:` line, closed by `data
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,7 +27,10 @@ from dflash2.server.engine_loop import EngineError
 from dflash2.server.protocol import ChatCompletionRequest, CompletionRequest
 from dflash2.server.state import ServerState
 
+logger = logging.getLogger("dflash2.server")
+
 TRUNCATION_HEADER = {"X-Warning": "prompt_truncated"}
+INTERNAL_ERROR = "internal error (the server log has the details)"
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -47,21 +52,61 @@ def usage(finals: list[RequestOutput]) -> dict[str, Any]:
 # -- /v1/completions ---------------------------------------------------------------------------------
 async def create_completion(http_request: HTTPRequest, body: CompletionRequest, state: ServerState) -> Response:
     model = state.check_model(body.model)
-    prompts = [state.encode(p) for p in body.prompts()]
+    limits = state.limits
+    params = body.sampling_params(body.max_tokens, body.logprobs, limits)
+    truncating = body.truncate_prompt_tokens is not None
+    prompts = await state.encode(body.prompts(limits), add_special_tokens=body.add_special_tokens is not False,
+                                 check_length=not truncating)
     truncated = state.truncate(prompts, body.truncate_prompt_tokens)
-    params = body.sampling_params(body.max_tokens, body.logprobs)
     generation = await Generation.start(state.engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, body.priority,
-                                        http_request)
+                                        http_request, response_id=_response_id("cmpl", body.request_id))
     headers = TRUNCATION_HEADER if truncated else None
     echo = [state.decode(p["prompt_token_ids"]) if p["prompt"] is None else p["prompt"] for p in prompts] \
         if body.echo else None
-    formatter = _CompletionFormat(state, generation, model, body.logprobs, echo)
+    formatter = _CompletionFormat(state, generation, model, body.logprobs, echo, body.prompt_logprobs is not None)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(state, generation, formatter, include_usage),
                                  media_type="text/event-stream", headers=headers)
     finals = await collect(http_request, generation)
-    return JSONResponse(formatter.whole(finals), headers=headers)
+    return JSONResponse(await whole(formatter, finals, params), headers=headers)
+
+
+def _response_id(prefix: str, request_id: str | None) -> str | None:
+    """The client's request_id (vLLM's field) as the response's id."""
+    return None if request_id is None else f"{prefix}-{request_id}"
+
+
+async def whole(formatter: Any, finals: list[RequestOutput], params: Any) -> dict[str, Any]:
+    """The response body of a request that does not stream; built on a worker thread when it has logprobs
+    (each one's token text decoded: many tokens for a long prompt)."""
+    if params.logprobs is None and params.prompt_logprobs is None:
+        return formatter.whole(finals)
+    return await asyncio.to_thread(formatter.whole, finals)
+
+
+def logprobs_json(state: ServerState, entries: list[dict | None] | None) -> list[dict | None] | None:
+    """Logprob entries in vLLM's shape (its `prompt_logprobs`; /generate's `logprobs` too): per token
+    {token id: {"logprob", "rank", "decoded_token"}}, the token itself and the top ones (a prompt's first token
+    has none: null)."""
+    if entries is None:
+        return None
+    texts: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if token_id not in texts:
+            texts[token_id] = state.decode([token_id])
+        return texts[token_id]
+
+    return [None if entry is None else
+            {str(token_id): {"logprob": _json_logprob(lp.logprob), "rank": lp.rank, "decoded_token": text(token_id)}
+             for token_id, lp in entry.items()}
+            for entry in entries]
+
+
+def _json_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf and NaN (a masked or overflowed logit) as OpenAI's -9999.0."""
+    return value if value >= -9999.0 else -9999.0
 
 
 def event_text(formatter: Any, output: RequestOutput, extra: dict[str, Any]) -> str:
@@ -83,12 +128,13 @@ class _CompletionFormat:
     object_name = "text_completion"
 
     def __init__(self, state: ServerState, generation: Generation, model: str, num_logprobs: int | None,
-                 echo: list[str] | None) -> None:
+                 echo: list[str] | None, with_prompt_logprobs: bool = False) -> None:
         self.state = state
         self.generation = generation
         self.model = model
         self.num_logprobs = num_logprobs
         self.echo = echo
+        self.with_prompt_logprobs = with_prompt_logprobs
         self._text_offset = [0] * len(generation.request_ids)
         self._pending_ids: list[list[int]] = [[] for _ in generation.request_ids]  # tokens not yet sent
 
@@ -147,50 +193,73 @@ class _CompletionFormat:
         for index, output in enumerate(finals):
             completion = output.outputs[0]
             prefix = self.echo[index] if self.echo else ""
-            self._text_offset[index] = len(prefix)
-            choices.append({"index": index, "text": prefix + completion.text, "finish_reason":
-                            completion.finish_reason, "stop_reason": completion.stop_reason,
-                            "logprobs": self._logprobs(index, completion.logprobs, completion.token_ids)})
+            if self.echo and self.num_logprobs is not None:  # OpenAI: the echoed prompt's tokens come first
+                self._text_offset[index] = 0
+                echoed = self._logprobs(index, output.prompt_logprobs, output.prompt_token_ids, True)
+                logprobs = _joined(echoed, self._logprobs(index, completion.logprobs, completion.token_ids))
+            else:
+                self._text_offset[index] = len(prefix)
+                logprobs = self._logprobs(index, completion.logprobs, completion.token_ids)
+            choice = {"index": index, "text": prefix + completion.text, "finish_reason": completion.finish_reason,
+                      "stop_reason": completion.stop_reason, "logprobs": logprobs}
+            if self.with_prompt_logprobs:
+                choice["prompt_logprobs"] = logprobs_json(self.state, output.prompt_logprobs)
+            choices.append(choice)
         return {**self.header(choices), "usage": usage(finals)}
 
-    def _logprobs(self, index: int, entries: list[dict] | None, token_ids: list[int]) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, entries: list[dict | None] | None, token_ids: list[int],
+                  whole_prompt: bool = False) -> dict[str, Any] | None:
+        """OpenAI's completion logprobs of the last len(token_ids) entries (whole_prompt: of all of them, the
+        first of which is None: a prompt's first token has no logprob)."""
         if self.num_logprobs is None or entries is None or not token_ids:
             return None
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for token_id, entry in zip(token_ids, entries[-len(token_ids):]):
+        for token_id, entry in zip(token_ids, entries if whole_prompt else entries[-len(token_ids):]):
             text = self.state.decode([token_id])
             tokens.append(text)
-            token_logprobs.append(entry[token_id].logprob)
-            top.append({self.state.decode([t]): lp.logprob for t, lp in _top(entry, self.num_logprobs)})
+            token_logprobs.append(None if entry is None else _json_logprob(entry[token_id].logprob))
+            top.append(None if entry is None else
+                       {self.state.decode([t]): _json_logprob(lp.logprob) for t, lp in _top(entry, self.num_logprobs)})
             offsets.append(self._text_offset[index])
             self._text_offset[index] += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _joined(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------------
 async def create_chat_completion(http_request: HTTPRequest, body: ChatCompletionRequest,
                                  state: ServerState) -> Response:
     model = state.check_model(body.model)
-    prompts = [state.encode_chat(body.messages, body.add_generation_prompt)]
+    params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, state.limits)
+    truncating = body.truncate_prompt_tokens is not None
+    prompts = [await state.encode_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                       body.chat_template_kwargs, add_special_tokens=bool(body.add_special_tokens),
+                                       check_length=not truncating)]
     truncated = state.truncate(prompts, body.truncate_prompt_tokens)
-    params = body.sampling_params(body.requested_max_tokens, body.num_logprobs)
     generation = await Generation.start(state.engine, f"chatcmpl-{uuid.uuid4().hex}", prompts, params,
-                                        body.priority, http_request)
+                                        body.priority, http_request,
+                                        response_id=_response_id("chatcmpl", body.request_id))
     headers = TRUNCATION_HEADER if truncated else None
-    formatter = _ChatFormat(state, generation, model, body.num_logprobs)
+    formatter = _ChatFormat(state, generation, model, body.num_logprobs, body.prompt_logprobs is not None)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(state, generation, formatter, include_usage),
                                  media_type="text/event-stream", headers=headers)
     finals = await collect(http_request, generation)
-    return JSONResponse(formatter.whole(finals), headers=headers)
+    return JSONResponse(await whole(formatter, finals, params), headers=headers)
 
 
 class _ChatFormat(_CompletionFormat):
     object_name = "chat.completion.chunk"
 
-    def __init__(self, state: ServerState, generation: Generation, model: str, num_logprobs: int | None) -> None:
-        super().__init__(state, generation, model, num_logprobs, None)
+    def __init__(self, state: ServerState, generation: Generation, model: str, num_logprobs: int | None,
+                 with_prompt_logprobs: bool = False) -> None:
+        super().__init__(state, generation, model, num_logprobs, None, with_prompt_logprobs)
 
     def opening(self) -> list[dict[str, Any]]:
         return [self.header([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -218,15 +287,19 @@ class _ChatFormat(_CompletionFormat):
                     "logprobs": self._chat_logprobs(output.outputs[0].logprobs, output.outputs[0].token_ids),
                     "finish_reason": output.outputs[0].finish_reason, "stop_reason": output.outputs[0].stop_reason}
                    for index, output in enumerate(finals)]
-        return {**self.header(choices), "object": "chat.completion", "usage": usage(finals)}
+        response = {**self.header(choices), "object": "chat.completion", "usage": usage(finals)}
+        if self.with_prompt_logprobs:  # vLLM: the response's, not a choice's
+            response["prompt_logprobs"] = logprobs_json(self.state, finals[0].prompt_logprobs)
+        return response
 
     def _chat_logprobs(self, entries: list[dict] | None, token_ids: list[int]) -> dict[str, Any] | None:
         if self.num_logprobs is None or entries is None or not token_ids:
             return None
         content = []
         for token_id, entry in zip(token_ids, entries[-len(token_ids):]):
-            content.append({**self._token(token_id, entry[token_id].logprob),
-                            "top_logprobs": [self._token(t, lp.logprob) for t, lp in _top(entry, self.num_logprobs)]})
+            content.append({**self._token(token_id, _json_logprob(entry[token_id].logprob)),
+                            "top_logprobs": [self._token(t, _json_logprob(lp.logprob))
+                                             for t, lp in _top(entry, self.num_logprobs)]})
         return {"content": content}
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -274,6 +347,9 @@ async def stream_events(state: ServerState, generation: Generation, formatter: A
         yield sse(error_body(str(e), "timeout_error", 504))
     except EngineError as e:
         yield sse(error_body(str(e), "internal_server_error", 500))
+    except Exception:  # noqa: BLE001 - a bug: the client gets an error event, the log the traceback
+        logger.exception("a stream failed")
+        yield sse(error_body(INTERNAL_ERROR, "internal_server_error", 500))
     finally:
         generation.abort_unfinished()
     yield sse("[DONE]")

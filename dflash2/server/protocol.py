@@ -1,20 +1,46 @@
 """Request bodies of the HTTP API (pydantic, strict types) and their mapping to SamplingParams.
 
-Field names follow OpenAI, plus vLLM's extra sampling fields and our `priority`. Unknown fields are
-ignored, as OpenAI-compatible servers do; a field we know but cannot honour (n > 1, tools, logit_bias)
-is a 400, never silently dropped.
+Field names follow OpenAI, plus vLLM's extra fields and our `priority`. Every field of either API is declared
+here, and each is honoured or refused:
+- honoured: mapped onto SamplingParams or the prompt (prompt_logprobs, echo, add_special_tokens, ...);
+- accepted because it asks for nothing that changes the answer (user, metadata, prompt_cache_key, ...);
+- refused with a 400 naming it when it asks for what this server lacks (tools, guided decoding, beam search,
+  logit_bias, n > 1, ...; UNSUPPORTED): a client written for OpenAI or vLLM never gets a silent wrong answer.
+A field of neither API passes, and the server log names it once.
+
+Types are strict (a string is not a number), except that an integer field takes an integral float (2.0), as
+OpenAI's API does; NaN and infinities are refused. Ranges are SamplingParams.validate()'s.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from dflash2.sampling_params import MAX_PRIORITY, SamplingParams
+from dflash2.sampling_params import MAX_PRIORITY, SamplingParams, check_against_vocab
+from dflash2.server.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from dflash2.server.unsupported import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, RESERVED_TEMPLATE_KWARGS, UNSUPPORTED
+
+logger = logging.getLogger("dflash2.server")
+
+_MAX_LOGGED_UNKNOWN = 256  # unknown field names logged (once each); past it, no more are logged
+
+
+def _integral(value: Any) -> Any:
+    """2.0 -> 2 (OpenAI's API takes it); 2.5 stays a float, which the strict int then refuses."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 class BadRequest(ValueError):
-    """A client error, answered as 400 with an OpenAI-style error body."""
+    """A client error, answered as 400 (or status_code) with an OpenAI-style error body."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None,
                  status_code: int = 400) -> None:
@@ -24,79 +50,162 @@ class BadRequest(ValueError):
         self.status_code = status_code
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the server allows one request (ServerConfig's flags and the model's vocabulary)."""
+
+    vocab_size: int
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    unsupported: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+
+    def check(self) -> None:
+        """BadRequest naming the first field that asks for what this server lacks."""
+        for name, (fine, why) in self.unsupported.items():
+            if not fine(getattr(self, name)):
+                raise BadRequest(f"'{name}': {why}", param=name)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted: no padding field is ever sent
+    continuous_usage_stats: bool = False
+
+    def check(self) -> None:
+        if self.continuous_usage_stats:
+            raise BadRequest("'stream_options.continuous_usage_stats' is not supported", param="stream_options")
 
 
 class _SamplingFields(_Body):
+    unsupported: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = UNSUPPORTED
+
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    # vLLM's extra sampling fields
-    top_k: int | None = None
+    user: str | None = None  # accepted: an end-user id (for the client's own abuse tracking)
+    # vLLM's extra fields
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
-    priority: int = Field(0, ge=0, le=MAX_PRIORITY)
+    truncate_prompt_tokens: Int | None = Field(None, ge=1)
+    prompt_logprobs: Int | None = None
+    add_special_tokens: bool | None = None  # None: the endpoint's default
+    request_id: str | None = Field(None, max_length=256)  # the response's id (after its prefix)
+    priority: Int = Field(0, ge=0, le=MAX_PRIORITY)
+    # refused unless absent or harmless (UNSUPPORTED)
+    logit_bias: Any = None
+    best_of: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    response_format: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    stream: bool = False
+
+    def check(self) -> None:
+        super().check()
+        if self.stream and self.prompt_logprobs is not None:
+            raise BadRequest("prompt_logprobs is only returned by requests that do not stream", param="prompt_logprobs")
+
+    def logprob_fields(self) -> dict[str, int | None]:
+        """The fields asking for top logprobs, as the client named them."""
+        return {"prompt_logprobs": self.prompt_logprobs}
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs asked for each prompt token."""
+        return self.prompt_logprobs
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, limits: RequestLimits) -> SamplingParams:
         """SamplingParams for this body; BadRequest naming the first bad value."""
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported", param="logit_bias")
+        most = min(limits.max_logprobs, limits.vocab_size)
+        for name, value in self.logprob_fields().items():
+            if value is not None and not 0 <= value <= most:
+                raise BadRequest(f"{name} must be in [0, {most}] (the server's --max-logprobs), got {value}",
+                                 param=name)
         optional = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                                       ("top_k", self.top_k), ("min_p", self.min_p),
                                       ("repetition_penalty", self.repetition_penalty)) if v is not None}
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs, **optional)
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+                prompt_logprobs=self.num_prompt_logprobs, **optional)
+            check_against_vocab(params, limits.vocab_size, limits.max_logprobs)
         except ValueError as e:
             raise BadRequest(str(e), param=str(e).split(" ", 1)[0]) from None
+        return params
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    stream: bool = False
+    unsupported: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {**UNSUPPORTED, **COMPLETION_UNSUPPORTED}
+
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
     stream_options: StreamOptions | None = None
-    logprobs: int | None = None
+    logprobs: Int | None = None
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    suffix: Any = None
+    prompt_embeds: Any = None
 
     def check(self) -> None:
-        if self.best_of not in (None, 1):
-            raise BadRequest("best_of must be 1", param="best_of")
-        if self.suffix:
-            raise BadRequest("suffix is not supported", param="suffix")
+        super().check()
+        if self.echo and self.logprobs is not None and self.stream:
+            raise BadRequest("echo with logprobs is only answered to requests that do not stream", param="echo")
 
-    def prompts(self) -> list[str | list[int]]:
+    def logprob_fields(self) -> dict[str, int | None]:
+        return {"logprobs": self.logprobs, **super().logprob_fields()}
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs asked for each prompt token: prompt_logprobs, or with echo, logprobs (as vLLM)."""
+        if self.prompt_logprobs is not None or not self.echo:
+            return self.prompt_logprobs
+        return self.logprobs
+
+    def prompts(self, limits: RequestLimits) -> list[str | list[int]]:
         """The prompt as a list of prompts (OpenAI takes one prompt or a batch)."""
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]  # type: ignore[list-item]
         if not prompt:
             raise BadRequest("the prompt is empty", param="prompt")
+        if len(prompt) > limits.max_prompts_per_request:
+            raise BadRequest(f"the request has {len(prompt)} prompts; the server takes at most "
+                             f"{limits.max_prompts_per_request} a request (--max-prompts-per-request)", param="prompt")
         return list(prompt)  # type: ignore[arg-type]
 
 
@@ -109,8 +218,17 @@ class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | list[dict[str, Any]] | None = None
     name: str | None = None
+    refusal: str | None = None  # accepted: an assistant's refusal, which the template does not show
+    # refused unless absent: a conversation with tool calls or audio (no tools, text only)
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
 
     def as_template_input(self) -> dict[str, Any]:
+        for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
+            if getattr(self, name) not in (None, [], "", {}):
+                raise BadRequest(f"messages with '{name}' are not supported (no tools, text only)", param="messages")
         content = self.content
         if isinstance(content, list):
             if not all(isinstance(part, TextPart) for part in content):
@@ -122,29 +240,54 @@ class ChatMessage(_Body):
         return message
 
 
-class ResponseFormat(_Body):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
+    unsupported: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {**UNSUPPORTED, **CHAT_UNSUPPORTED}
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    stream: bool = False
+    max_completion_tokens: Int | None = None
     stream_options: StreamOptions | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # accepted: they ask for nothing that changes the answer
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None  # (there are no tools)
+    prompt_cache_key: str | None = None  # the prefix cache needs no hint
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    # refused unless absent or harmless (CHAT_UNSUPPORTED)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    store: Any = None
+    service_tier: Any = None
+    echo: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
 
     def check(self) -> None:
-        if self.tools:
-            raise BadRequest("tools are not supported", param="tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise BadRequest(f"response_format {self.response_format.type!r} is not supported",
-                             param="response_format")
+        super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise BadRequest("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(self.chat_template_kwargs or {}))
+        if reserved:
+            raise BadRequest(f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
+
+    def logprob_fields(self) -> dict[str, int | None]:
+        return {"top_logprobs": self.top_logprobs, **super().logprob_fields()}
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -157,14 +300,17 @@ class ChatCompletionRequest(_SamplingFields):
 
 class GenerateRequest(_SamplingFields):
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    max_tokens: int | None = 16
-    stream: bool = False
-    logprobs: int | None = None
+    prompt_token_ids: list[Int] | None = None
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
 
     def check(self) -> None:
+        super().check()
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise BadRequest("give exactly one of prompt and prompt_token_ids", param="prompt")
+
+    def logprob_fields(self) -> dict[str, int | None]:
+        return {"logprobs": self.logprobs, **super().logprob_fields()}
 
 
 class TokenizeRequest(_Body):
@@ -181,9 +327,10 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
+# -- validating a decoded body ----------------------------------------------------------------------
 def parse_body(model: type[_Body], data: Any) -> Any:
     """Validate a decoded JSON body; BadRequest naming the first bad field."""
     if not isinstance(data, dict):
@@ -192,9 +339,23 @@ def parse_body(model: type[_Body], data: Any) -> Any:
         body = model.model_validate(data)
     except ValidationError as e:
         raise BadRequest(*_describe(e)) from None
-    if hasattr(body, "check"):
-        body.check()
+    _log_unknown(model, data)
+    body.check()
+    if getattr(body, "stream_options", None) is not None:
+        body.stream_options.check()
     return body
+
+
+_logged_unknown: set[str] = set()
+
+
+def _log_unknown(model: type[_Body], data: dict[str, Any]) -> None:
+    """Fields of neither API pass; the log names each once (at most _MAX_LOGGED_UNKNOWN names)."""
+    for name in data:
+        if name not in model.model_fields and name not in _logged_unknown \
+                and len(_logged_unknown) < _MAX_LOGGED_UNKNOWN:
+            _logged_unknown.add(name)
+            logger.warning("ignoring the request field %r, which this server does not know (logged once)", name[:100])
 
 
 def _describe(error: ValidationError) -> tuple[str, str | None]:

@@ -20,7 +20,8 @@ SERVER_FLAGS = {
     "--disable-log-requests": None, "--api-key": "k", "--log-tokens": None, "--max-request-bytes": "1000",
     "--kv-cache-memory": "8MiB", "--preemption-threshold": "50", "--priority-aging-seconds": "30",
     "--low-priority-values-first": None, "--max-queue-len": "7", "--stream-interval": "4",
-    "--disable-overlap-schedule": None, "--overlap-max-step-tokens": "256", "--single-process": None,
+    "--disable-overlap-schedule": None, "--single-process": None, "--pipeline-parallel-size": "1",
+    "--disable-nagle": None, "--max-logprobs": "5", "--max-prompts-per-request": "9",
 }
 BENCH_FLAGS = {
     "--url": "http://127.0.0.1:1", "--dataset": "d.jsonl", "--concurrency": "3", "--request-rate": "2.5",
@@ -69,20 +70,43 @@ def test_priority_flags_reach_the_engine_and_the_queue_bound_the_server():
     assert (kwargs["preemption_threshold"], kwargs["priority_aging_seconds"], kwargs["low_priority_values_first"],
             kwargs["kv_cache_memory"]) == (50, 30.0, True, "8MiB")
     assert server_config(args).max_queue_len == 7 and kwargs["stream_interval"] == 4
-    assert kwargs["overlap"] is False and kwargs["overlap_max_step_tokens"] == 256
+    assert (server_config(args).max_logprobs, server_config(args).max_prompts_per_request) == (5, 9)
+    assert kwargs["overlap"] is False
     defaults = build_parser().parse_args(["serve"])
     assert "overlap" not in llm_kwargs(defaults)  # the engine's default: overlapped on the GPU
-    assert "overlap_max_step_tokens" not in llm_kwargs(defaults)
     assert (llm_kwargs(defaults)["preemption_threshold"], llm_kwargs(defaults)["priority_aging_seconds"],
             llm_kwargs(defaults)["low_priority_values_first"], server_config(defaults).max_queue_len,
-            llm_kwargs(defaults)["stream_interval"]) == (1, None, False, None, 1)
+            llm_kwargs(defaults)["stream_interval"]) == (1, None, False, 1024, 1)  # a finite queue by default
+    assert (server_config(defaults).max_logprobs, server_config(defaults).max_prompts_per_request) == (20, 64)
 
 
 def test_defaults_bind_localhost_and_bundled_model():
     args = build_parser().parse_args(["serve"])
     config = server_config(args)
     assert config.host == "127.0.0.1" and args.model is None
-    assert llm_kwargs(args)["max_num_seqs"] == 64
+    kwargs = llm_kwargs(args)  # batch sizes left to the engine, which chooses them by device
+    assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"], kwargs["prefill_chunk_size"]) == (None,) * 3
+
+
+def test_max_batch_size_sizes_the_step_beside_max_num_seqs():
+    """--max-batch-size caps the requests run in one step (the engine's max_num_seqs); given with --max-num-seqs
+    (at least as large), that one bounds the requests the server holds."""
+    args = build_parser().parse_args(["serve", "--max-batch-size", "8", "--max_num_seqs", "32"])
+    assert llm_kwargs(args)["max_num_seqs"] == 8 and server_config(args).max_held_requests == 32
+    args = build_parser().parse_args(["serve", "--max_batch_size", "8"])
+    assert llm_kwargs(args)["max_num_seqs"] == 8 and server_config(args).max_held_requests is None
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "16"])
+    assert llm_kwargs(args)["max_num_seqs"] == 16 and server_config(args).max_held_requests is None
+
+
+def test_seed_spellings_parse():
+    args = build_parser().parse_args(["serve", "--pipeline_parallel_size", "1", "--disable_nagle"])
+    check_unbuilt(args)  # 1 is accepted
+    assert args.disable_nagle is True
+    convert = build_parser().parse_args(["convert", "--output_dir", "out", "--max_seq_len", "256", "--num_gpus", "1",
+                                         "--verbose"])
+    assert (convert.output_path, convert.calibration_max_tokens, convert.num_gpus, convert.log_level) == (
+        "out", 256, 1, "info")
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -94,11 +118,11 @@ def test_defaults_bind_localhost_and_bundled_model():
     (["--l3-cache-path", "/tmp/kv"], "--l3-cache-path"),
     (["--swap-space", "-1"], "--swap-space"),
     (["--max-batch-size", "8", "--max-num-seqs", "4"], "--max-batch-size"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
     (["--preemption-threshold", "0"], "--preemption-threshold"),
     (["--priority-aging-seconds", "0"], "--priority-aging-seconds"),
     (["--max-queue-len", "0"], "--max-queue-len"),
     (["--stream-interval", "0"], "--stream-interval"),
-    (["--overlap-max-step-tokens", "0"], "--overlap-max-step-tokens"),
 ])
 def test_unbuilt_features_are_startup_errors(flags, named, capsys):
     assert main(["serve", *flags]) != 0
@@ -119,23 +143,3 @@ def test_bench_needs_a_server(tmp_path):
     assert result.returncode == 0  # a run whose requests all failed still reports
     assert '"failed": 2' in (tmp_path / "r.json").read_text()
     assert '"error_rate": 1.0' in (tmp_path / "r.json").read_text()
-
-
-def test_express_lane_flags_reach_the_engine():
-    args = build_parser().parse_args(["serve", "--express_lane", "--express-max-tokens", "256",
-                                      "--express_reserve_tokens", "128"])
-    kwargs = llm_kwargs(args)
-    assert (kwargs["express_lane"], kwargs["express_max_tokens"], kwargs["express_reserve_tokens"]) == (True, 256, 128)
-    defaults = llm_kwargs(build_parser().parse_args(["serve"]))
-    assert (defaults["express_lane"], defaults["express_max_tokens"], defaults["express_reserve_tokens"]) == (
-        False, None, None)
-    assert llm_kwargs(build_parser().parse_args(["serve", "--no-express-lane"]))["express_lane"] is False
-    with pytest.raises(ValueError, match="--express-max-tokens must be >= 1"):
-        llm_kwargs(build_parser().parse_args(["serve", "--express-max-tokens", "0"]))
-    with pytest.raises(ValueError, match="--express-reserve-tokens must be >= 0"):
-        llm_kwargs(build_parser().parse_args(["serve", "--express-reserve-tokens", "-1"]))
-    assert llm_kwargs(build_parser().parse_args(["serve", "--express-min-priority", "1000"]))[
-        "express_min_priority"] == 1000
-    assert defaults["express_min_priority"] is None
-    with pytest.raises(ValueError, match=r"--express-min-priority must be in \[0, 65535\]"):
-        llm_kwargs(build_parser().parse_args(["serve", "--express-min-priority", "70000"]))

@@ -144,3 +144,28 @@ def test_past_max_queue_len_the_server_answers_503_with_retry_after_and_keeps_se
     again = httpx.post(server.url + "/v1/completions", timeout=120,
                        json={"prompt": PROMPT, "max_tokens": 2, "priority": 1000})
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_requests_prompts_count_against_the_queue_and_are_refused_together(priority_server):
+    """One completions request of MAX_QUEUE_LEN + 1 prompts while the one slot runs: the last prompt finds the
+    queue full, so the whole request is a 503 and none of its prompts stays queued or holds a page."""
+    server = priority_server
+    streams = Streams(server.url)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=300) as client:
+            running = asyncio.create_task(streams.run(client, "running", 0, 16))
+            await streams.first_token("running")
+            many = await client.post(server.url + "/v1/completions",
+                                     json={"prompt": [PROMPT] * (MAX_QUEUE_LEN + 1), "max_tokens": 2})
+            return many, await running
+
+    many, tokens = asyncio.run(scenario())
+    assert many.status_code == 503 and int(many.headers["Retry-After"]) >= 1, many.text
+    assert many.json()["error"]["code"] == "queue_full"
+    assert len(tokens) == 16
+    for metric in ("dflash2_num_requests_waiting", "dflash2_num_requests_running", "dflash2_kv_cache_used_pages"):
+        assert server.wait_for_metric(metric, lambda v: v == 0, 120.0) == 0, metric
+    fits = httpx.post(server.url + "/v1/completions", timeout=120,
+                      json={"prompt": [PROMPT] * MAX_QUEUE_LEN, "max_tokens": 2})
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == MAX_QUEUE_LEN

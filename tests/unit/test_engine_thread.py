@@ -33,6 +33,7 @@ class FakeEngine:
         self.fail_step = fail_step
         self.aborted: list[str] = []
         self.pages: dict[str, list[int]] = {}
+        self.requests = self.scheduler.running  # every request it holds runs here
 
     def add_request(self, prompt, params, priority, request_id) -> Request:
         if prompt["prompt_token_ids"] == [0]:
@@ -48,6 +49,9 @@ class FakeEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running)
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        return []  # no request of this engine fails alone
 
     def step(self) -> list[RequestOutput]:
         if self.fail_step:
@@ -71,13 +75,13 @@ class FakeEngine:
 
 
 def start(engine: FakeEngine, loop: asyncio.AbstractEventLoop,
-          max_queue_len: int | None = None) -> tuple[EngineThread, list]:
+          max_queue_len: int | None = None, max_held_requests: int | None = None) -> tuple[EngineThread, list]:
     load_errors: list = []
 
     def observer(e):
         return RequestObserver(e, ServerMetrics("fake"), ObserverConfig(log_requests=False, log_stats=False))
 
-    thread = EngineThread(lambda: engine, observer, max_queue_len)
+    thread = EngineThread(lambda: engine, observer, max_queue_len, max_held_requests)
     thread.start(loop, load_errors.append)
     assert thread.loaded.wait(10)
     return thread, load_errors
@@ -159,7 +163,8 @@ def test_a_failing_step_fails_its_requests_and_the_thread_keeps_going():
         return error, last
 
     error, last = run(scenario)
-    assert isinstance(error, EngineError) and "device lost" in str(error)
+    assert isinstance(error, EngineError) and "engine failed" in str(error)
+    assert "device lost" not in str(error)  # the client reads the error: the log has the exception, not the answer
     assert last.finished and engine.aborted == ["a"]
 
 
@@ -201,6 +206,25 @@ def test_beyond_max_queue_len_waiting_requests_a_submit_raises_queue_full():
     refused, last = run(scenario)
     assert refused.retry_after_s >= 1 and last.finished
     assert "a" not in engine.pages  # the refused request never reached the engine
+
+
+def test_beyond_max_held_requests_a_submit_raises_queue_full():
+    """--max-num-seqs beside --max-batch-size bounds the requests held (running, paused, waiting)."""
+    engine = FakeEngine()
+
+    async def scenario(loop):
+        thread, _ = start(engine, loop, max_held_requests=1)
+        try:
+            outputs: asyncio.Queue = asyncio.Queue()
+            await thread.submit("a", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=10 ** 6), 0, outputs)
+            with pytest.raises(QueueFull, match="1 requests are held"):
+                await thread.submit("b", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=1), 0, asyncio.Queue())
+            thread.abort("a")
+        finally:
+            thread.stop()
+
+    run(scenario)
+    assert "b" not in engine.pages
 
 
 def test_submissions_beyond_max_queue_len_are_refused_before_the_engine_thread_takes_them():

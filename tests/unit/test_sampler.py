@@ -282,3 +282,17 @@ def test_prompt_logprobs_values() -> None:
         assert len(result) == 5
         for i, entries in enumerate(result):
             check_logprob_entries(entries, logits[i], num_top, next_ids[i])
+
+
+def test_top_logprobs_over_the_whole_vocabulary_take_memory_linear_in_it() -> None:
+    """Ranks of the top k used to compare every pair (a k x k table a row: 22 GB at a real vocabulary)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = 4096
+    logits = random_logits(2, vocab=vocab, seed=3)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = prompt_logprobs(logits, [0, 1], vocab)
+    largest_allocation = max(event.cpu_memory_usage for event in prof.events())
+    assert largest_allocation <= 16 * logits.numel() * 4, largest_allocation
+    for i, entries in enumerate(result):
+        check_logprob_entries(entries, logits[i], vocab, i)

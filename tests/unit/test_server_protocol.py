@@ -3,28 +3,32 @@ from __future__ import annotations
 
 import pytest
 
+from dflash2.server.json_body import decode_json
 from dflash2.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                                     parse_body)
+                                     RequestLimits, parse_body)
+
+LIMITS = RequestLimits(vocab_size=1000, max_logprobs=20, max_prompts_per_request=4)
+CHAT = [{"role": "user", "content": "x"}]
 
 
 def test_completion_defaults_and_extras():
     body = parse_body(CompletionRequest, {"prompt": "Hi", "top_k": 5, "min_tokens": 2, "ignore_eos": True,
                                           "stop_token_ids": [7], "repetition_penalty": 1.2, "seed": 3,
                                           "priority": 1000, "unknown_field": 1})
-    params = body.sampling_params(body.max_tokens, body.logprobs)
+    params = body.sampling_params(body.max_tokens, body.logprobs, LIMITS)
     assert body.max_tokens == 16 and body.priority == 1000
     assert (params.top_k, params.min_tokens, params.ignore_eos, params.stop_token_ids) == (5, 2, True, [7])
     assert (params.repetition_penalty, params.seed, params.temperature) == (1.2, 3, 1.0)
-    assert body.prompts() == ["Hi"]
-    assert parse_body(CompletionRequest, {"prompt": [1, 2]}).prompts() == [[1, 2]]
-    assert parse_body(CompletionRequest, {"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    assert body.prompts(LIMITS) == ["Hi"]
+    assert parse_body(CompletionRequest, {"prompt": [1, 2]}).prompts(LIMITS) == [[1, 2]]
+    assert parse_body(CompletionRequest, {"prompt": ["a", "b"]}).prompts(LIMITS) == ["a", "b"]
 
 
 @pytest.mark.parametrize("data, words", [
     ({"prompt": 1}, "'prompt' has the wrong type"),
     ({}, "'prompt' is required"),
     ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": -1}, "max_tokens must be >= 1"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens must be in \\[1, "),
     ({"prompt": "x", "priority": 65536}, "priority"),
     ({"prompt": "x", "priority": -1}, "priority"),
     ({"prompt": "x", "stream": "true"}, "stream"),
@@ -35,7 +39,7 @@ def test_completion_defaults_and_extras():
 def test_bad_completion_bodies(data, words):
     with pytest.raises(BadRequest, match=words):
         body = parse_body(CompletionRequest, data)
-        body.sampling_params(body.max_tokens, body.logprobs)
+        body.sampling_params(body.max_tokens, body.logprobs, LIMITS)
 
 
 def test_chat_max_completion_tokens_logprobs_and_content_parts():
@@ -61,3 +65,137 @@ def test_generate_needs_exactly_one_prompt_form():
             parse_body(GenerateRequest, data)
     with pytest.raises(BadRequest, match="JSON object"):
         parse_body(GenerateRequest, ["prompt"])
+
+
+# -- issue 40: fields of OpenAI or vLLM that are not honoured are refused, never ignored ----------------
+@pytest.mark.parametrize("field, value", [
+    ("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"choice": ["a"]}), ("use_beam_search", True),
+    ("logit_bias", {"1": 5}), ("best_of", 2), ("length_penalty", 0.5), ("allowed_token_ids", [1]),
+    ("bad_words", ["x"]), ("logits_processors", ["f"]), ("response_format", {"type": "json_object"}),
+    ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("cache_salt", "s"),
+    ("vllm_xargs", {"a": 1}), ("suffix", "end"), ("prompt_embeds", "AAAA"),
+])
+def test_completion_fields_not_honoured_are_400_naming_them(field, value):
+    with pytest.raises(BadRequest) as error:
+        parse_body(CompletionRequest, {"prompt": "x", field: value})
+    assert error.value.param == field and field in str(error.value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "x"}),
+    ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
+    ("web_search_options", {"search_context_size": "low"}), ("reasoning_effort", "high"), ("verbosity", "low"),
+    ("store", True), ("service_tier", "flex"), ("echo", True), ("documents", [{"text": "d"}]),
+    ("chat_template", "{{ messages }}"), ("guided_choice", ["a"]), ("use_beam_search", True), ("n", 2),
+])
+def test_chat_fields_not_honoured_are_400_naming_them(field, value):
+    with pytest.raises(BadRequest) as error:
+        body = parse_body(ChatCompletionRequest, {"messages": CHAT, field: value})
+        body.sampling_params(body.requested_max_tokens, body.num_logprobs, LIMITS)
+    assert error.value.param == field and field in str(error.value)
+
+
+def test_harmless_values_of_those_fields_and_accepted_fields_pass():
+    harmless = {"use_beam_search": False, "best_of": 1, "length_penalty": 1.0, "tool_choice": "none", "tools": [],
+                "logit_bias": {}, "response_format": {"type": "text"}, "store": False, "service_tier": "auto",
+                "modalities": ["text"], "spaces_between_special_tokens": True, "user": "u", "metadata": {"k": "v"},
+                "prompt_cache_key": "k", "parallel_tool_calls": True, "safety_identifier": "s",
+                "stream_options": {"include_usage": True, "include_obfuscation": True}, "stream": True}
+    body = parse_body(ChatCompletionRequest, {"messages": CHAT, **harmless})
+    body.sampling_params(body.requested_max_tokens, body.num_logprobs, LIMITS)
+
+
+def test_unknown_fields_pass_and_are_logged_once(caplog):
+    for _ in range(3):
+        parse_body(CompletionRequest, {"prompt": "x", "a_field_of_no_api": 1})
+    assert sum("a_field_of_no_api" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_integer_fields_take_integral_floats_as_openai_does():
+    body = parse_body(CompletionRequest, {"prompt": [1.0, 2], "max_tokens": 5.0, "seed": 3.0, "priority": 7.0,
+                                          "logprobs": 2.0})
+    assert (body.max_tokens, body.seed, body.priority, body.logprobs, body.prompt) == (5, 3, 7, 2, [1, 2])
+    for field in ("max_tokens", "seed", "priority", "logprobs", "top_k", "n"):
+        with pytest.raises(BadRequest, match=field):
+            parse_body(CompletionRequest, {"prompt": "x", field: 1.5})
+    with pytest.raises(BadRequest, match="max_tokens"):
+        parse_body(CompletionRequest, {"prompt": "x", "max_tokens": True})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_k", 2**63), ("top_k", 1001), ("top_k", -2), ("repetition_penalty", 1e-300), ("repetition_penalty", 1e300),
+    ("temperature", 1e300), ("top_p", 1.5), ("min_p", -0.1), ("presence_penalty", 3.0),
+    ("frequency_penalty", -1e308), ("seed", 2**64), ("seed", -(2**63) - 1), ("max_tokens", 2**31),
+    ("min_tokens", 2**40), ("logprobs", 21), ("logprobs", 10**6), ("prompt_logprobs", 21), ("prompt_logprobs", -1),
+    ("stop_token_ids", [1000]), ("stop_token_ids", [2**70]),
+])
+def test_every_sampling_parameter_is_range_checked_naming_it(field, value):
+    with pytest.raises(BadRequest) as error:
+        body = parse_body(CompletionRequest, {"prompt": "x", field: value})
+        body.sampling_params(body.max_tokens, body.logprobs, LIMITS)
+    assert error.value.param == field, str(error.value)
+
+
+def test_chat_top_logprobs_are_bounded_by_max_logprobs():
+    body = parse_body(ChatCompletionRequest, {"messages": CHAT, "logprobs": True, "top_logprobs": 21})
+    with pytest.raises(BadRequest, match="top_logprobs must be in \\[0, 20\\]") as error:
+        body.sampling_params(body.requested_max_tokens, body.num_logprobs, LIMITS)
+    assert error.value.param == "top_logprobs"
+    body = parse_body(ChatCompletionRequest, {"messages": CHAT, "logprobs": True, "top_logprobs": 20.0})
+    assert body.sampling_params(None, body.num_logprobs, LIMITS).logprobs == 20
+
+
+def test_prompt_logprobs_reach_sampling_params_and_echo_asks_for_them():
+    body = parse_body(CompletionRequest, {"prompt": "x", "prompt_logprobs": 3})
+    assert body.sampling_params(body.max_tokens, body.logprobs, LIMITS).prompt_logprobs == 3
+    body = parse_body(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 2})
+    assert body.sampling_params(body.max_tokens, body.logprobs, LIMITS).prompt_logprobs == 2
+    with pytest.raises(BadRequest, match="prompt_logprobs"):
+        parse_body(CompletionRequest, {"prompt": "x", "prompt_logprobs": 1, "stream": True})
+
+
+def test_prompts_per_request_are_capped():
+    assert len(parse_body(CompletionRequest, {"prompt": ["a"] * 4}).prompts(LIMITS)) == 4
+    with pytest.raises(BadRequest, match="at most 4") as error:
+        parse_body(CompletionRequest, {"prompt": [[1]] * 5}).prompts(LIMITS)
+    assert error.value.param == "prompt"
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b'{"prompt": "\\ud800"}', "surrogate"),
+    (b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', "surrogate"),
+    (b'{"prompt": "x", "\\ud800": 1}', "surrogate"),
+    (b"[" * 100_000 + b"]" * 100_000, "nests deeper"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 70 + b"]" * 70 + b"}", "nests deeper"),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "too many digits"),
+    (b'{"prompt": "x", "temperature": NaN}', "NaN"),
+    (b'{"prompt": "x", "temperature": -Infinity}', "Infinity"),
+    (b'{"prompt": "\xff"}', "UTF-8"),
+    (b'{"prompt": ', "not valid JSON"),
+])
+def test_malformed_bodies_are_bad_requests(raw, words):
+    with pytest.raises(BadRequest, match=words):
+        decode_json(raw)
+
+
+def test_paired_surrogates_and_numbers_that_overflow_floats():
+    assert decode_json(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}
+    with pytest.raises(BadRequest, match="temperature"):  # 1e999 decodes to inf: not a finite number
+        parse_body(CompletionRequest, decode_json(b'{"prompt": "x", "temperature": 1e999}'))
+
+
+@pytest.mark.parametrize("raw, value", [(b"-1", -1), (b'"x"', "x"), (b"null", None), (b"[1, [2]]", [1, [2]])])
+def test_bodies_that_are_not_objects_decode_for_parse_body_to_refuse(raw, value):
+    assert decode_json(raw) == value
+    with pytest.raises(BadRequest, match="JSON object"):
+        parse_body(CompletionRequest, value)
+
+
+@pytest.mark.parametrize("field, value", [("tool_calls", [{"id": "c", "type": "function"}]), ("tool_call_id", "c"),
+                                          ("audio", {"id": "a"})])
+def test_messages_with_tool_calls_or_audio_are_refused_not_rendered_without_them(field, value):
+    body = parse_body(ChatCompletionRequest, {"messages": [{"role": "assistant", "content": "x", field: value}]})
+    with pytest.raises(BadRequest, match=field):
+        body.messages[0].as_template_input()

@@ -1,0 +1,37 @@
+"""Retry-After of a full queue: the waiting line's drain time at the engine's recent finish rate (issue 40)."""
+from __future__ import annotations
+
+from dflash2.server.engine_loop import RATE_WINDOW_S, EngineLoop
+
+
+def loop_busy_since(start: float) -> EngineLoop:
+    loop = EngineLoop(lambda: None, lambda engine: None, max_queue_len=100)  # (factories never called)
+    loop._busy_since = start
+    return loop
+
+
+def test_a_batch_finishing_in_one_step_does_not_read_as_an_infinite_rate():
+    loop = loop_busy_since(0.0)
+    for _ in range(64):  # one step finishes a whole batch: 64 finishes at one instant
+        loop._note_finish(4.0)
+    # 64 finishes in 4 busy seconds: 16 a second, so 100 waiting take 6.25 s (it said 1 s before)
+    assert loop._drain_estimate_s(100, now=4.0) == 7
+    assert loop._drain_estimate_s(1000, now=4.0) == 60  # clamped
+
+
+def test_the_rate_counts_only_the_recent_busy_window():
+    loop = loop_busy_since(0.0)
+    for t in range(100):  # fast early on: 10 a second over 10 s
+        loop._note_finish(t / 10)
+    loop._note_finish(100.0)  # then one in the last RATE_WINDOW_S seconds
+    assert loop._drain_estimate_s(10, now=100.0) == 60  # 1 per 30 s now: long
+    fresh = loop_busy_since(99.0)  # a new busy period: the earlier finishes do not count
+    fresh._finish_times.extend([99.5, 100.0])
+    assert fresh._drain_estimate_s(4, now=100.0) == 2
+
+
+def test_nothing_finished_yet_waits_at_least_as_long_as_the_engine_has_been_busy():
+    loop = loop_busy_since(0.0)
+    assert loop._drain_estimate_s(50, now=0.2) == 1
+    assert loop._drain_estimate_s(50, now=12.5) == 13
+    assert loop._drain_estimate_s(50, now=RATE_WINDOW_S * 10) == 30
