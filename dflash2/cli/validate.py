@@ -1,7 +1,8 @@
 """`dflash2 validate` (also `dflash2-validate`): what a model directory holds, what it costs, how good it is.
 
-Prints a readable report (ERROR lines for real problems) and, with --output, the same as JSON. Exits 1 when
-there is any ERROR.
+Prints a readable report (ERROR lines for real problems, WARNING lines for doubtful quality) and, with --output,
+the same as JSON. Exits 1 when there is any ERROR: a broken file, or quality past the --error-* bounds, or an
+empty or degenerate greedy answer.
 """
 from __future__ import annotations
 
@@ -32,13 +33,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-eval-tokens", type=int, default=1024)
     add_flag(parser, "--kv-cache-dtype", default=None, help="KV cache dtype for the engine, the perplexity and the memory figures (default: the config's)")
     add_flag(parser, "--context-tokens", type=int, default=1024, help="context length of the roofline step time")
+    add_flag(parser, "--warn-perplexity-increase", type=float, default=10.0,
+             help="WARNING above this perplexity increase against the reference, in percent (default 10)")
+    add_flag(parser, "--warn-kl", type=float, default=0.05,
+             help="WARNING above this mean KL divergence from the reference (default 0.05)")
+    add_flag(parser, "--error-perplexity-increase", type=float, default=25.0,
+             help="ERROR and exit 1 above this perplexity increase, in percent (default 25)")
+    add_flag(parser, "--error-kl", type=float, default=0.25,
+             help="ERROR and exit 1 above this mean KL divergence (default 0.25)")
     add_flag(parser, "--output", default=None, help="write the report as JSON here")
     add_flag(parser, "--log-level", default="warning")
 
 
 def run(args: argparse.Namespace) -> int:
     from dflash2.quantization.config import parse_kv_dtype
-    from dflash2.quantization.validate import ValidateOptions, validate
+    from dflash2.quantization.validate import QualityThresholds, ValidateOptions, validate
 
     eval_text = None
     if args.eval_text is not None:
@@ -52,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
     options = ValidateOptions(model_path=args.model_path, reference_model=args.reference_model,
                               test_input=args.test_input, max_new_tokens=args.max_new_tokens, eval_text=eval_text,
                               max_eval_tokens=args.max_eval_tokens, kv_cache_dtype=kv,
-                              context_tokens=args.context_tokens)
+                              context_tokens=args.context_tokens,
+                              thresholds=QualityThresholds(args.warn_perplexity_increase, args.warn_kl,
+                                                           args.error_perplexity_increase, args.error_kl))
     report = validate(options)
     print_report(report)
     if args.output:

@@ -4,7 +4,9 @@
                    NaN/inf in any stored float (weights, scales)                        -> ERROR lines
     2. load        the model through the engine, and what kernel each layer's format runs on
     3. memory      weight bytes per group, KV bytes per token, tokens per GiB, roofline decode step at batch 1
-    4. quality     perplexity on the eval text, mean KL divergence against the reference, greedy text
+    4. quality     perplexity on the eval text, mean KL divergence against the reference, greedy text;
+                   past QualityThresholds' warning bounds a WARNING line, past its error bounds (or an empty or
+                   degenerate greedy answer: one token repeated throughout)                      -> ERROR lines
 """
 from __future__ import annotations
 
@@ -28,6 +30,17 @@ ROOFLINES_GBS = {"h200": 4270.0, "this_cpu": 23.0}  # measured copy / bf16-matmu
 
 
 @dataclass(frozen=True)
+class QualityThresholds:
+    """How far from the reference a conversion may be. The defaults: int8 weights and KV cost ~0.7% perplexity
+    and KL ~0.006 on the bundled model, the calibrated mixed 4/6/8-bit config ~+5%; 4-bit KV (+22% with
+    centred K, +54% before) is past the warning bar, and an ERROR is a conversion not to serve."""
+    warn_perplexity_pct: float = 10.0
+    warn_kl: float = 0.05
+    error_perplexity_pct: float = 25.0
+    error_kl: float = 0.25
+
+
+@dataclass(frozen=True)
 class ValidateOptions:
     model_path: str
     reference_model: str | None = None  # None: the source recorded in the config
@@ -37,6 +50,7 @@ class ValidateOptions:
     max_eval_tokens: int = 1024
     kv_cache_dtype: str | None = None  # None: the config's
     context_tokens: int = 1024  # context length for the roofline step time
+    thresholds: QualityThresholds = QualityThresholds()
 
 
 def validate(options: ValidateOptions) -> dict[str, Any]:
@@ -204,6 +218,35 @@ def _run_models(options: ValidateOptions, quant: QuantConfig | None, report: dic
     out = llm.generate(options.test_input, SamplingParams(max_tokens=options.max_new_tokens, temperature=0))[0]
     report["greedy"] = {"test_input": options.test_input, "text": out.outputs[0].text,
                         "finish_reason": out.outputs[0].finish_reason}
+    judge_quality(report, list(out.outputs[0].token_ids), options.thresholds)
+
+
+def judge_quality(report: dict[str, Any], greedy_token_ids: list[int], thresholds: QualityThresholds) -> None:
+    """WARNING / ERROR lines for a measured quality: perplexity change and mean KL against the reference past
+    the thresholds, and a greedy answer that is empty or one token repeated throughout (a broken model's
+    usual output: the answer stops at once, or loops on a token)."""
+    quality, greedy = report.get("quality") or {}, report.get("greedy")
+    checks = (("perplexity_change_pct", "perplexity change against the reference", "%+.2f%%",
+               thresholds.warn_perplexity_pct, thresholds.error_perplexity_pct, "perplexity-increase"),
+              ("mean_kl_divergence", "mean KL divergence from the reference", "%.4f",
+               thresholds.warn_kl, thresholds.error_kl, "kl"))
+    for key, what, fmt, warn, error, flag in checks:
+        value = quality.get(key)
+        if value is None:
+            continue
+        if value > error:
+            report["errors"].append(f"{what} {fmt % value} is above the error bound {fmt % error} "
+                                    f"(--error-{flag}): this conversion is broken")
+        elif value > warn:
+            report["warnings"].append(f"{what} {fmt % value} is above the warning bound {fmt % warn} "
+                                      f"(--warn-{flag})")
+    if greedy is None:
+        return
+    if not greedy["text"].strip():
+        report["errors"].append(f"the greedy answer to {greedy['test_input']!r} is empty")
+    elif len(greedy_token_ids) > 1 and len(set(greedy_token_ids)) == 1:
+        report["errors"].append(f"the greedy answer to {greedy['test_input']!r} is degenerate: one token repeated "
+                                f"{len(greedy_token_ids)} times")
 
 
 def _reference_logprobs(path: str, token_ids: list[int], report: dict[str, Any]) -> torch.Tensor | None:

@@ -70,17 +70,17 @@ def test_mixed_batch_kernels_match_reference(group):
     assert error < 1e-2, error
 
 
-@pytest.mark.parametrize("pages_early", [False, True])
-def test_decode_rotary_matches_the_rotary_kernel_in_bf16(pages_early, monkeypatch):
-    """DFLASH2_DECODE_ROTARY on llama-3-8b's attention shape (32 heads over 8 KV heads of 128, 16-token pages):
+def test_decode_rotary_matches_the_rotary_kernel_in_bf16():
+    """forward_rotary (decode attention rotating and writing the decode rows' k and v, the first tile's pages read
+    before the PDL wait) on llama-3-8b's attention shape (32 heads over 8 KV heads of 128, 16-token pages):
     decode rows of lengths 1..4099 at one row (16 splits) and 32 (2 splits), plus prefill chunks: the caches bit
     for bit and the output as the rotary kernel then attention give it."""
     from dflash2.config import RopeConfig
     from dflash2.kernels.attention_metadata import KVCache
     from dflash2.kernels.triton import attention as tri
+    from dflash2.kernels.triton.kv_write import rotary_write_kv
     from dflash2.layers.rotary import RotaryEmbedding
 
-    monkeypatch.setattr(tri, "DECODE_PAGES_EARLY", pages_early)
     dim, heads, kv_heads, tokens_per_page = 128, 32, 8, 16
     rotary = RotaryEmbedding(RopeConfig(theta=500000.0), dim, 8192).to("cuda")
     rng = random.Random(7)
@@ -95,12 +95,15 @@ def test_decode_rotary_matches_the_rotary_kernel_in_bf16(pages_early, monkeypatc
         meta = mixed_batch_metadata(shapes, table, tri.PREFILL_BLOCK_M)
         runs = []
         for fused in (False, True):
-            monkeypatch.setattr(tri, "DECODE_ROTARY", fused)
             q, k, v = qkv.clone().split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+            q, k, v = q.view(total, heads, dim), k.view(total, kv_heads, dim), v.reshape(total, kv_heads, dim)
             cache = KVCache(k_cache.clone(), v_cache.clone())
-            out = tri.TritonAttention().forward_rotary(q.view(total, heads, dim), k.view(total, kv_heads, dim),
-                                                       v.reshape(total, kv_heads, dim), cache, meta, dim ** -0.5,
-                                                       rotary.cos, rotary.sin)
+            attention = tri.TritonAttention()
+            if fused:
+                out = attention.forward_rotary(q, k, v, cache, meta, dim ** -0.5, rotary.cos, rotary.sin)
+            else:  # the rotary kernel for every row, then attention
+                rotary_write_kv(q, k, v, cache, rotary.cos, rotary.sin, meta)
+                out = attention._attend(q, cache, meta, dim ** -0.5)
             runs.append((out.float(), cache))
         (expected, expected_cache), (got, cache) = runs
         assert torch.equal(cache.v.view(torch.int16), expected_cache.v.view(torch.int16))
@@ -121,18 +124,12 @@ def tiny_llama(tmp_path_factory):
     return build_tiny_model("llama", directory), directory
 
 
-@pytest.mark.parametrize("decode_rotary", [False, True])
-def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama, decode_rotary, monkeypatch):
+def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama):
     """Whole-step graphs (decode-only and mixed decode + prefill chunks), decode-only graphs, and eager give
-    transformers' greedy tokens; requests of different lengths on 4 slots make steps that mix both.
-    decode_rotary: decode attention rotates and writes the decode rows' k and v itself (DFLASH2_DECODE_ROTARY,
-    with the first tile's pages before the wait, DFLASH2_DECODE_PAGES_EARLY)."""
+    transformers' greedy tokens; requests of different lengths on 4 slots make steps that mix both (decode
+    attention rotating and writing the decode rows' k and v itself, the first tile's pages before the wait)."""
     from dflash2 import LLM, SamplingParams
-    from dflash2.kernels.triton import attention
     from tests.tiny_models import hf_greedy
-
-    monkeypatch.setattr(attention, "DECODE_ROTARY", decode_rotary)
-    monkeypatch.setattr(attention, "DECODE_PAGES_EARLY", decode_rotary)
 
     hf_model, directory = tiny_llama
     rng = random.Random(0)
@@ -157,12 +154,11 @@ def test_graphs_overlap_and_eager_agree_with_transformers(tiny_llama, decode_rot
     assert runs["eager"] == [hf_greedy(hf_model, p, q.max_tokens) for p, q in zip(prompts, params)]
 
 
-def test_graph_greedy_tokens_match_eager_sampling(tiny_llama, monkeypatch):
+def test_graph_greedy_tokens_match_eager_sampling(tiny_llama):
     """Without min_tokens or penalties a graph step's tokens are the graph's own argmax (nothing launched after
-    the replay to sample): the same tokens as eager steps, whose sampler takes the argmax after the forward;
-    also with the step's edges as single Triton launches (DFLASH2_STEP_EDGES: placeholders, argmax)."""
+    the replay to sample): the same tokens as eager steps, whose sampler takes the argmax after the forward
+    (the step's edges single Triton launches in both: placeholders, argmax)."""
     from dflash2 import LLM, SamplingParams
-    from dflash2.kernels.triton import step_edges
 
     _, directory = tiny_llama
     rng = random.Random(5)
@@ -171,14 +167,12 @@ def test_graph_greedy_tokens_match_eager_sampling(tiny_llama, monkeypatch):
     common = dict(device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128, kv_cache_memory="64MiB",
                   page_bytes=4096, prefill_chunk_size=16, max_num_batched_tokens=32)
     runs = {}
-    for name, options in {"graphs": {}, "eager": dict(enforce_eager=True), "graphs+edges": {},
-                          "eager+edges": dict(enforce_eager=True)}.items():
-        monkeypatch.setattr(step_edges, "STEP_EDGES", name.endswith("+edges"))
+    for name, options in {"graphs": {}, "eager": dict(enforce_eager=True)}.items():
         llm = LLM(directory, **common, **options)
         runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        if name.startswith("graphs"):
+        if name == "graphs":
             assert sum(llm.engine.runner.graphs.replays.values()) > 0
-    assert runs["graphs"] == runs["eager"] == runs["graphs+edges"] == runs["eager+edges"]
+    assert runs["graphs"] == runs["eager"]
     assert [len(t) for t in runs["eager"]] == list(range(6, 16))
 
 
@@ -204,91 +198,6 @@ def test_preemption_with_swap_gives_transformers_tokens_on_the_gpu(tiny_llama, o
     assert engine.scheduler.num_swap_outs > 0
     assert got == [hf_greedy(hf_model, prompt, 14) for prompt in low + high]
     assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0
-
-
-def _lane_engine(directory: str, seed: int, max_num_seqs: int, express: bool) -> tuple:
-    """Six bulk and six urgent prompts (seeded), greedy params with min_tokens (so the sampler runs on the lane's
-    stream), and an engine on a small pool with swap, with or without the lane."""
-    from dflash2 import LLM, SamplingParams
-
-    rng = random.Random(seed)
-    low = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 40))] for _ in range(6)]
-    high = [[rng.randrange(3, 256) for _ in range(rng.randrange(10, 30))] for _ in range(6)]
-    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
-    llm = LLM(directory, device="cuda", dtype="float32", max_num_seqs=max_num_seqs, max_model_len=64,
-              page_bytes=4096, kv_cache_memory=f"{24 * 4096}B", swap_space=f"{64 * 4096}B", prefill_chunk_size=16,
-              max_num_batched_tokens=32, express_lane=express, express_max_tokens=32)
-    return llm.engine, low, high, params
-
-
-@pytest.mark.parametrize("express", [False, True])
-def test_the_express_lane_gives_transformers_tokens_on_the_gpu(tiny_llama, express):
-    """Urgent arrivals, one every two steps, run their prompts in the express lane (its own stream and graphs)
-    beside the main steps in flight, on a small pool with swap and the lane's reserve; min_tokens makes the
-    sampler run on the lane's stream. Every request's greedy tokens stay transformers', the lane ran, and no
-    page is left used or swapped."""
-    from tests.tiny_models import hf_greedy
-
-    hf_model, directory = tiny_llama
-    engine, low, high, params = _lane_engine(directory, 11, 6, express)
-    assert (engine.express is not None) == express
-    finished = {}
-    ids = [engine.add_request({"prompt_token_ids": p}, params, priority=0).request_id for p in low]
-    step = 0
-    while engine.has_unfinished() or len(ids) < len(low) + len(high):
-        if step >= 3 and step % 2 and len(ids) < len(low) + len(high):
-            prompt = high[len(ids) - len(low)]
-            ids.append(engine.add_request({"prompt_token_ids": prompt}, params, priority=1000).request_id)
-        for output in engine.step():
-            finished[output.request_id] = output
-        step += 1
-    got = [finished[i].outputs[0].token_ids for i in ids]
-    assert got == [hf_greedy(hf_model, prompt, 12) for prompt in low + high]
-    if express:
-        assert engine.express.num_launches >= 1 and sum(engine.express.graphs.replays.values()) >= 1
-    assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0 and not engine.scheduler.express
-
-
-def test_urgent_arrivals_taken_while_steps_wait_run_in_the_lane_on_the_gpu(tiny_llama):
-    """The server's way (Engine.on_device_wait): urgent requests come in while a step waits for the device,
-    the lane starts each one there, beside the two main steps in flight, and its first token is handed to the
-    hook; one urgent request is aborted from the hook right after it came in (its prompt may still be running
-    in the lane). Every other request's greedy tokens stay transformers', and no page is left used or swapped."""
-    from tests.tiny_models import hf_greedy
-
-    hf_model, directory = tiny_llama
-    engine, low, high, params = _lane_engine(directory, 13, 8, True)
-    finished, handed, calls = {}, set(), [0]
-    ids = [engine.add_request({"prompt_token_ids": p}, params, priority=0).request_id for p in low]
-    urgent: list[str] = []
-
-    def take(outputs):
-        for output in outputs:
-            if output.finished:
-                finished[output.request_id] = output
-
-    def hook(outputs):
-        take(outputs)
-        handed.update(o.request_id for o in outputs if o.request_id in urgent)
-        calls[0] += 1
-        if calls[0] % 3 == 0 and len(urgent) < len(high):
-            urgent.append(engine.add_request({"prompt_token_ids": high[len(urgent)]}, params,
-                                             priority=1000).request_id)
-        elif calls[0] % 3 == 1 and len(urgent) == 2 and urgent[1] in engine.requests:
-            engine.abort(urgent[1])
-
-    engine.on_device_wait = hook
-    while engine.has_unfinished() or len(urgent) < len(high):
-        if not engine.has_unfinished():  # (nothing to wait for: no hook call)
-            urgent.append(engine.add_request({"prompt_token_ids": high[len(urgent)]}, params,
-                                             priority=1000).request_id)
-        take(engine.step())
-    kept = [i for i in ids + urgent if i != urgent[1]]
-    prompts = {i: p for i, p in zip(ids + urgent, low + high)}
-    assert urgent[1] not in finished
-    assert [finished[i].outputs[0].token_ids for i in kept] == [hf_greedy(hf_model, prompts[i], 12) for i in kept]
-    assert engine.express.num_launches >= 3 and handed  # the lane ran, and first tokens went out through the hook
-    assert engine.pool.num_used == 0 and engine.kv.host_pool.num_swapped == 0 and not engine.scheduler.express
 
 
 def test_step_trace_times_each_step_on_the_device(tiny_llama, tmp_path, monkeypatch):
@@ -370,15 +279,13 @@ def test_device_sampling_is_seeded_and_respects_top_k(tiny_llama):
     assert first[0].outputs[0].token_ids == first[2].outputs[0].token_ids == second[0].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("edges", [False, True])
-def test_greedy_argmax_matches_torch_including_ties(edges, monkeypatch):
-    """edges: the one-launch argmax of kernels/triton/step_edges.py (DFLASH2_STEP_EDGES=1)."""
+@pytest.mark.parametrize("rows", [5, 65])
+def test_greedy_argmax_matches_torch_including_ties(rows):
+    """Up to 64 rows the one-launch argmax of kernels/triton/step_edges.py; past them torch's reductions."""
     from dflash2.engine.sampler import greedy_argmax
-    from dflash2.kernels.triton import step_edges
 
-    monkeypatch.setattr(step_edges, "STEP_EDGES", edges)
     for dtype in (torch.float32, torch.bfloat16):
-        logits = torch.randn(5, 151936, device="cuda").to(dtype)
+        logits = torch.randn(rows, 151936, device="cuda").to(dtype)
         logits[1, 70000] = logits[1, 90000] = 100.0  # a tie across chunks: the first index wins
         logits[2, 5] = logits[2, 6] = 100.0  # a tie inside one chunk
         assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))

@@ -9,6 +9,7 @@ import torch
 
 from dflash2.cli.main import main as dflash2_main
 from dflash2.loading.model_loader import load_model
+from dflash2.loading.tokenizer import bundled_model_path
 from dflash2.quantization.eval_text import EVAL_TEXT
 from dflash2.quantization.scoring import log_probs, perplexity_and_kl
 
@@ -29,12 +30,40 @@ def convert_and_validate(tmp_path, name: str, *flags: str) -> dict:
 
 def test_int8_weights_stay_within_one_percent_perplexity(tmp_path):
     report = convert_and_validate(tmp_path, "int8", "--dtype", "int8", "--kv-quant", "int8")
-    assert report["errors"] == []
+    assert report["errors"] == [] and report["warnings"] == []  # validate's quality bounds pass it (exit 0)
     assert report["quality"]["perplexity_change_pct"] < 1.0
     assert report["quality"]["mean_kl_divergence"] < 0.02
     assert "Paris" in report["greedy"]["text"]
     assert report["memory"]["kv_cache_dtype"] == "int8"
     assert all("int8pack" in kernel for kernel in report["kernels"])
+
+
+def test_centred_keys_halve_what_quantized_kv_costs():
+    """The K offsets (int8 / int4 K rows centred on their range) against the float KV of the same model: mean KL
+    0.00044 at int8 and 0.144 at int4 on these 256 tokens, where the symmetric format of before measured 0.00083
+    and 0.288. The bounds sit between. (benchmarks/kv_quant_quality.py measures on a text no test reads.)"""
+    model = load_model(bundled_model_path(), "auto", "float32", torch.device("cpu"), None)
+    token_ids = model.tokenizer.encode(EVAL_TEXT)[:256]
+    reference = log_probs(model.module, token_ids)
+    kl = {kv: perplexity_and_kl(log_probs(model.module, token_ids, kv), token_ids, reference)[1]
+          for kv in ("int8", "int4")}
+    assert kl["int8"] < 6e-4 and kl["int4"] < 0.2, kl
+
+
+def test_validate_fails_a_four_bit_conversion(tmp_path, capsys):
+    """4-bit weights by round to nearest and 4-bit KV: perplexity far past validate's error bound (+25%), so it
+    prints ERROR lines and exits 1 (the issue's seed recipe with 4-bit KV passed with exit 0 and no warning)."""
+    out, report = str(tmp_path / "int4"), str(tmp_path / "int4.json")
+    assert dflash2_main(["convert", "--output-path", out, "--no-progress", "--dtype", "int4",
+                         "--kv-quant", "int4"]) == 0
+    capsys.readouterr()
+    assert dflash2_main(["validate", "--model-path", out, "--output", report, "--max-new-tokens", "8",
+                         "--max-eval-tokens", "256"]) == 1
+    printed = capsys.readouterr().out
+    assert "ERROR: perplexity change against the reference +" in printed and "(--error-perplexity-increase)" in printed
+    with open(report) as f:
+        quality = json.load(f)["quality"]
+    assert quality["kv_cache_dtype"] == "int4" and quality["perplexity_change_pct"] > 25
 
 
 def test_mixed_config_calibrated_is_within_eight_percent_and_beats_round_to_nearest(tmp_path):

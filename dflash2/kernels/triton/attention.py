@@ -4,10 +4,11 @@ kv_write.py, the int8-KV decode loops in int8_decode.py).
 Cache (one layer, KVCache): views [num_pages, tokens_per_page, kv_heads, head_dim] with any strides (the
 layout is head-major by default, engine/kv/layout.py), any tokens_per_page. Token t of a request in slot s
 lives in page page_table[s, t // tokens_per_page] at offset t % tokens_per_page. Quantized caches (int8,
-int4 packed two a byte, fp8 e4m3) carry an fp16 scale per token and head: the write kernels quantize
-(absmax / qmax, round half up), and `_load_kv_tile` hands the stored values and the scales to the
-attention loops, which fold the K scale into the scores and the V scale into the probabilities, since a
-per-token scale commutes with both dot products: no per-element dequantize multiply. int8 decode of 16-bit
+int4 packed two a byte, fp8 e4m3) carry an fp16 scale per token and head (int8 / int4 K also an fp16 offset:
+its rows are centred): the write kernels quantize (absmax / qmax, round half up), and `_load_kv_tile` hands the
+stored values, the scales and K's offsets to the attention loops, which fold the K scale into the scores and the
+V scale into the probabilities, since a per-token scale commutes with both dot products: no per-element
+dequantize multiply; K's offset adds offset x sum(q) to each score. int8 decode of 16-bit
 models runs its own loops (int8_decode.py); int8 prefill of 16-bit models dequantizes each tile to fp16 in
 registers (int8_decode._int8_tile: byte tricks, no int -> float conversions) for fp16 dots.
 Decode splits each sequence into NUM_SPLITS equal pieces (so one graph serves every length), each
@@ -21,7 +22,6 @@ Prefill programs each take BLOCK_M queries of one head of one request's chunk.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
@@ -29,41 +29,27 @@ import triton.language as tl
 
 from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
 from dflash2.kernels.triton.gemv_parts import INLINE_ASM, _reset_ticket, multiprocessors, split_counters
-from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_imma_tiles, _int8_tile,
-                                                int8_path, int8_sub_tiles)
+from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_tile, int8_path,
+                                                int8_sub_tiles)
 from dflash2.kernels.triton.kv_write import _rotated_rows, rotary_write_kv, scale_args, write_kv
 from dflash2.kernels.triton.pdl import pdl_args, pdl_release, pdl_start, pdl_wait
 
 PREFILL_BLOCK_M = 64
 DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}  # best of benchmarks/tune_decode.py on H200
-
-
-def parse_decode_config(value: str, source: str = "DFLASH2_DECODE_CONFIG") -> dict[str, int]:
-    """"BLOCK_N,num_warps,num_stages" (three positive integers) as a decode config; `source` names where the text
-    came from in the error (the DFLASH2_DECODE_CONFIG switch, throughput.py's --decode-config)."""
-    parts = value.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"{source}={value!r}: expected BLOCK_N,num_warps,num_stages, e.g. 32,2,2")
-    return dict(zip(("BLOCK_N", "num_warps", "num_stages"), (int(p) for p in parts)))
-
-
-if os.environ.get("DFLASH2_DECODE_CONFIG"):  # for measuring
-    DECODE_CONFIG = parse_decode_config(os.environ["DFLASH2_DECODE_CONFIG"])
 # per KV kind ("int8-<loop>" for int8) where tuning found better; else DECODE_CONFIG. int8 imma_t: picked on W1
 # itself, because the kernel tune (benchmarks/tune_decode.py, layer 0 alone, even with W1's own prompts in
 # engine-like pages) has ranked its configs unlike W1 three sessions running: on the H200, W1's int8 decode phase
 # took 2.541 s at 32/1/2 against 2.860 s at 64/2/2 (the previous default), 2.913 at 32/2/2 (the tune's pick),
-# 3.07-3.87 at 64/1/2, 64/4/2, 128/2/2 and 128/4/2 (eighth session, calls 1-2). legacy: third session
+# 3.07-3.87 at 64/1/2, 64/4/2, 128/2/2 and 128/4/2 (eighth session, calls 1-2). dequant: third session
 DECODE_CONFIGS: dict[str, dict[str, int]] = {"int8-imma_t": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 2},
-                                             "int8-imma": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 2},
-                                             "int8-legacy": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}
+                                             "int8-dequant": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}
 
 
 def default_decode_config(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
     """decode_attention's config for this q and cache: DECODE_CONFIGS by KV kind (int8: by its loop)."""
     kind = kv_kind(k_cache.dtype)
     if kind == "int8":
-        kind = f"int8-{int8_path(q, {})}"
+        kind = f"int8-{int8_path(q)}"
     return DECODE_CONFIGS.get(kind, DECODE_CONFIG)
 
 
@@ -75,31 +61,28 @@ def default_decode_config(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
 # of 128-token tiles, those past the length gone before their wait: 577.5 / 577.5 against 584.7 / 584.2 (call
 # 4); 2 splits of 256: 569.2 (8 warps), 529.0 (4); 4 of 128 on 8 warps 574.7, on 2 warps 532.7, with 2 stages
 # 552.9; 8 of 64: 568.8 (4 warps), 540.5 (2); one split of 512: 505.0. Only for a 16-bit cache (int8 has its
-# own loops). DFLASH2_SHORT_DECODE=0 turns the short graph off.
+# own loops).
 # KV_PREFETCH: each program asks L2 for its first KV tile's lines before its PDL wait (the page-table entries are
 # read there already, PAGES_EARLY), so its KV loads after the wait hit L2 instead of HBM. At one row the KV loop
 # is the largest part of attention (W2 int4 on the H200, twenty-fifth session, call 2: 625.0 tok/s with the loop
 # left out against 591.5; the merge left out 600.7), and the programs start ~2.6 us before the qkv GEMV ends. W2
 # int4 597.1 / 596.7 with the prefetch against 591.5 / 591.2, bf16 238.0 against 237.5 (same call).
-# DFLASH2_DECODE_KV_PREFETCH=0 turns it off.
 SHORT_SPLITS = 4
-SHORT_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1,
-                "KV_PREFETCH": int(os.environ.get("DFLASH2_DECODE_KV_PREFETCH", "1") != "0")}
+SHORT_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "KV_PREFETCH": 1}
 SHORT_MAX_TOKENS = SHORT_SPLITS * SHORT_CONFIG["BLOCK_N"]
-SHORT_DECODE = os.environ.get("DFLASH2_SHORT_DECODE", "1") != "0"
 
 
 @triton.jit
-def _load_kv_tile(k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
-                  stride_cache_page, stride_cache_token, stride_cache_head,
+def _load_kv_tile(k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, tokens, token_mask, kv_head,
+                  stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
                   stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page,
                   HEAD_DIM: tl.constexpr, KIND: tl.constexpr):
     """K and V [len(tokens), HEAD_DIM] of one KV head, gathered through the request's page-table row, with
-    their row scales [len(tokens)] (ones for a float cache). Quantized tiles hold the stored integers / fp8
-    values: the scales are applied by the caller to the scores and probabilities (they are per token, so
-    they factor out of both dot products)."""
+    their row scales [len(tokens)] (ones for a float cache) and K's row offsets (zeros but for int8 / int4).
+    Quantized tiles hold the stored integers / fp8 values: the scales and offsets are applied by the caller to
+    the scores and probabilities (they are per token, so they factor out of both dot products)."""
     return _load_kv_tile_at(_tile_pages(page_table, slot, tokens, token_mask, stride_pt, tokens_per_page),
-                            k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
+                            k_cache, v_cache, k_scales, v_scales, k_offsets, tokens, token_mask, kv_head,
                             stride_cache_page, stride_cache_token, stride_cache_head,
                             stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
 
@@ -111,7 +94,7 @@ def _tile_pages(page_table, slot, tokens, token_mask, stride_pt, tokens_per_page
 
 
 @triton.jit
-def _load_kv_tile_at(page, k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
+def _load_kv_tile_at(page, k_cache, v_cache, k_scales, v_scales, k_offsets, tokens, token_mask, kv_head,
                      stride_cache_page, stride_cache_token, stride_cache_head,
                      stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page,
                      HEAD_DIM: tl.constexpr, KIND: tl.constexpr):
@@ -128,6 +111,7 @@ def _load_kv_tile_at(page, k_cache, v_cache, k_scales, v_scales, tokens, token_m
         d = tl.arange(0, HEAD_DIM)
         k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
+    k_offset = tl.zeros(tokens.shape, tl.float32)
     if KIND == 0:
         k_scale = tl.full(tokens.shape, 1.0, tl.float32)
         v_scale = k_scale
@@ -135,29 +119,34 @@ def _load_kv_tile_at(page, k_cache, v_cache, k_scales, v_scales, tokens, token_m
         scale_offs = page * stride_scale_page + in_page * stride_scale_token + kv_head * stride_scale_head
         k_scale = tl.load(k_scales + scale_offs, mask=token_mask, other=0.0).to(tl.float32)
         v_scale = tl.load(v_scales + scale_offs, mask=token_mask, other=0.0).to(tl.float32)
-    return k, v, k_scale, v_scale
+        if KIND == 1 or KIND == 2:
+            k_offset = tl.load(k_offsets + scale_offs, mask=token_mask, other=0.0).to(tl.float32)
+    return k, v, k_scale, v_scale, k_offset
 
 
 @triton.jit
-def _tile_scores(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
-                 stride_cache_page, stride_cache_token, stride_cache_head,
+def _tile_scores(q, q_sum, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, tokens, token_mask,
+                 kv_head, stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
                  stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
                  HEAD_DIM: tl.constexpr, KIND: tl.constexpr, PRECISION: tl.constexpr):
-    """One KV tile for the online softmax: the scores q K^T * scale (K scales folded in), with the tile's
-    V and V scales."""
-    k, v, k_scale, v_scale = _load_kv_tile(
-        k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+    """One KV tile for the online softmax: the scores q K^T * scale (K scales and offsets folded in), with the
+    tile's V and V scales."""
+    k, v, k_scale, v_scale, k_offset = _load_kv_tile(
+        k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, tokens, token_mask, kv_head, stride_pt,
         stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
         stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-    return _scores(q, k, k_scale, scale, KIND, PRECISION), v, v_scale
+    return _scores(q, q_sum, k, k_scale, k_offset, scale, KIND, PRECISION), v, v_scale
 
 
 @triton.jit
-def _scores(q, k, k_scale, scale, KIND: tl.constexpr, PRECISION: tl.constexpr):
-    """q K^T * scale for a loaded tile, its K scales folded in."""
+def _scores(q, q_sum, k, k_scale, k_offset, scale, KIND: tl.constexpr, PRECISION: tl.constexpr):
+    """q K^T * scale for a loaded tile, its K scales folded in, and for int8 / int4 its row offsets times
+    q_sum (sum(q) per row: q . (k scale + offset) = (q . k) scale + sum(q) offset)."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     if KIND != 0:
         s = s * k_scale[None, :]
+    if KIND == 1 or KIND == 2:
+        s = s + q_sum[:, None] * k_offset[None, :]
     return s * scale
 
 
@@ -182,8 +171,8 @@ def _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND: tl.constexpr, PRECISI
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, out_ptr, lse_ptr,
-                         final_ptr, cnt_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr,
+def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slots, lengths, out_ptr,
+                         lse_ptr, final_ptr, cnt_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr,
                          stride_qt, stride_qh, stride_cache_page, stride_cache_token, stride_cache_head,
                          stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
@@ -193,17 +182,16 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          SPLITS_PAD: tl.constexpr,
                          PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_LOOP: tl.constexpr,
-                         INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, LATE_RELEASE: tl.constexpr = False,
-                         ROTARY: tl.constexpr = False, PAGES_EARLY: tl.constexpr = False,
+                         INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, ROTARY: tl.constexpr = False,
                          KV_PREFETCH_LINES: tl.constexpr = 0):
-    """LATE_RELEASE (DECODE_LATE_RELEASE): the next kernel may launch once the partial is stored, not right after
-    the wait, so that its early weight loads stay off this kernel's latency-bound loads.
+    """The next kernel may launch only once the partial is stored, not right after the wait, so that its early
+    weight loads stay off this kernel's latency-bound loads (measured: the note below DECODE_WAVES).
     ROTARY (a float cache; decode_attention's `rotary`): q and the step's k and v come un-rotated and unwritten
     (the qkv output); each program rotates its q heads, and the split holding the step's position (length - 1)
     rotates k, writes k and v into the cache and adds that one token to its softmax from registers, so its KV
     loop, like every other split's, reads only positions earlier steps wrote.
-    PAGES_EARLY (not int8): the first KV tile's page-table entries are read before the wait (the host writes
-    the page table before the step's first kernel), each next tile's with the tile before.
+    PAGES_EARLY (not int8, rows split): the first KV tile's page-table entries are read before the wait (the host
+    writes the page table before the step's first kernel), each next tile's with the tile before.
     KV_PREFETCH_LINES (with PAGES_EARLY, a float cache): the first tile's K and V rows, KV_PREFETCH_LINES 128-byte
     lines each, asked of L2 before the wait; 0: not."""
     # the KV head is the fastest grid axis: programs start in row order, all heads of a row together, so a
@@ -232,16 +220,14 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
         new_page = tl.load(page_table + slot * stride_pt + pos // tokens_per_page).to(tl.int64)
         new_offs = (new_page * stride_cache_page + (pos % tokens_per_page) * stride_cache_token
                     + kv_head * stride_cache_head + d)
+    PAGES_EARLY: tl.constexpr = KIND != 1 and NUM_SPLITS > 1  # one split (W1: long loops) lost 10% with it
     if PAGES_EARLY:
         first_tokens = start + tl.arange(0, BLOCK_N)
         pages = _tile_pages(page_table, slot, first_tokens, first_tokens < loop_end, stride_pt, tokens_per_page)
         if KV_PREFETCH_LINES > 0:
             _kv_tile_to_l2(pages, k_cache, v_cache, first_tokens, first_tokens < loop_end, kv_head, stride_cache_page,
                            stride_cache_token, stride_cache_head, tokens_per_page, HEAD_DIM, KV_PREFETCH_LINES)
-    if LATE_RELEASE:
-        pdl_wait(USE_PDL)
-    else:
-        pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
 
     heads = kv_head * GROUP + g
     head_mask = g < GROUP
@@ -261,33 +247,30 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     if KIND == 1 and INT8_LOOP == "imma_t":  # its own state: per-warp softmax, merged before returning
         m_i, l_i, acc = _int8_imma_t_tiles(
-            q, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
+            q, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, start, end, kv_head, stride_pt,
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
             stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, INT8_SUB)
-    elif KIND == 1 and INT8_LOOP == "imma":
-        m_i, l_i, acc = _int8_imma_tiles(
-            q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
-            stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-            stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N)
     elif KIND == 1:
         m_i, l_i, acc = _int8_decode_tiles(
-            q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
-            stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-            stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION)
+            q, m_i, acc, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, start, end, kv_head,
+            stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
+            stride_scale_token, stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION)
     else:
+        q_sum = tl.sum(q.to(tl.float32), 1)  # K's row offsets (int4) multiply it
         for n0 in range(start, loop_end, BLOCK_N):
             tokens = n0 + tl.arange(0, BLOCK_N)
             token_mask = tokens < loop_end
             if not PAGES_EARLY:  # else looked up with the tile before (the first ones before the wait)
                 pages = _tile_pages(page_table, slot, tokens, token_mask, stride_pt, tokens_per_page)
-            k, v, k_scale, v_scale = _load_kv_tile_at(
-                pages, k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
+            k, v, k_scale, v_scale, k_offset = _load_kv_tile_at(
+                pages, k_cache, v_cache, k_scales, v_scales, k_offsets, tokens, token_mask, kv_head,
                 stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
                 stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
             if PAGES_EARLY:
                 pages = _tile_pages(page_table, slot, tokens + BLOCK_N, tokens + BLOCK_N < loop_end, stride_pt,
                                     tokens_per_page)
-            s = tl.where(token_mask[None, :], _scores(q, k, k_scale, scale, KIND, PRECISION), float("-inf"))
+            s = tl.where(token_mask[None, :], _scores(q, q_sum, k, k_scale, k_offset, scale, KIND, PRECISION),
+                         float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, False)
     if ROTARY:
         if holds_new:
@@ -298,8 +281,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     lse = tl.where(empty, float("-inf"), m_i + tl.log(l_i))
     out_offs = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-    if LATE_RELEASE:
-        pdl_release(USE_PDL)
+    pdl_release(USE_PDL)
     if NUM_SPLITS > 1:  # one split: out_ptr is the final output and nothing is merged
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
         tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
@@ -364,8 +346,8 @@ def _merge_splits(partial_ptr, lse_ptr, out_ptr, b, first_head, length, per_spli
 
 
 @triton.jit(do_not_specialize=["row_offset"])  # varies every step: no recompile per value class
-def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, out_ptr, query_starts, context_lens,
-                    seg_slots, block_segments, block_starts,
+def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, out_ptr, query_starts,
+                    context_lens, seg_slots, block_segments, block_starts,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cache_page, stride_cache_token, stride_cache_head,
                     stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
@@ -398,24 +380,25 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, out
     INT8_FP16: tl.constexpr = KIND == 1 and q_ptr.dtype.element_ty != tl.float32
     if INT8_FP16:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    q_sum = tl.sum(q.to(tl.float32), 1)  # K's row offsets (int4; int8 puts them in its fp16 tiles) multiply it
     for n0 in range(0, kv_end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
         allowed = (tokens[None, :] <= q_pos[:, None]) & token_mask[None, :]
         if INT8_FP16:
-            k, v, k_scale, v_scale = _load_kv_tile(
-                k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
-                stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-                stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-            s = tl.dot(q, tl.trans(_int8_tile(k, k_scale.to(tl.float16), False))) * scale
+            k, v, k_scale, v_scale, k_offset = _load_kv_tile(
+                k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, tokens, token_mask, kv_head,
+                stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
+                stride_scale_token, stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+            s = tl.dot(q, tl.trans(_int8_tile(k, k_scale, k_offset, False, True))) * scale
             s = tl.where(allowed, s, float("-inf"))
-            m_i, l_i, acc = _softmax_update(s, _int8_tile(v, v_scale.to(tl.float16), False), v_scale, m_i, l_i,
+            m_i, l_i, acc = _softmax_update(s, _int8_tile(v, v_scale, v_scale, False, False), v_scale, m_i, l_i,
                                             acc, q, 0, PRECISION, True)  # kind 0: V arrives scaled
         else:
             s, v, v_scale = _tile_scores(
-                q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
-                stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
-                stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
+                q, q_sum, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, tokens, token_mask,
+                kv_head, stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
+                stride_scale_token, stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
             s = tl.where(allowed, s, float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, True)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -428,39 +411,31 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-# How many programs per SM the decode grid aims at (DFLASH2_DECODE_WAVES): more splits make smaller work units,
-# which balance batches of mixed lengths better but add a merge (in the last split's program). W1 (256 rows x
-# 8 KV heads) runs one split at any value up to 8.
-DECODE_WAVES = int(os.environ.get("DFLASH2_DECODE_WAVES", "2"))
-# DFLASH2_DECODE_SPLITS: a fixed split count instead, for measuring. W2 int4 at one row: 16 splits (the waves'
-# count) 562.9 tok/s, 8 537.0, 4 522.4 (fifteenth session)
-DECODE_SPLITS = int(os.environ.get("DFLASH2_DECODE_SPLITS", "0"))
-# Decode attention lets the next kernel launch only once its partial is stored (_decode_split_kernel's
-# LATE_RELEASE; DFLASH2_DECODE_RELEASE=0: right after its wait, as every other kernel does). The next kernel (at
-# batch 1 the int4 o_proj GEMV) requests its weights as it starts, megabytes that queue ahead of the attention's
-# few latency-bound loads. W2 int4 (fused norms) on the H200: 542.0 tok/s releasing after the wait, 547.0 after
-# the KV loop, 549.2 after the store; bf16 234.6 / 234.4 / 234.9 (fourteenth session, call 4). It matters only
-# where the next kernel is launched with PDL (the Triton GEMVs, <= 4 rows); cuBLAS launches after completion.
-# (An early first KV tile, requested before the wait, measured slower with it: 541.1 against 548.7, call 5.)
-DECODE_LATE_RELEASE = os.environ.get("DFLASH2_DECODE_RELEASE", "1") != "0"
+# How many programs per SM the decode grid aims at: more splits make smaller work units, which balance batches of
+# mixed lengths better but add a merge (in the last split's program). W1 (256 rows x 8 KV heads) runs one split
+# at any value up to 8; W2 int4 at one row: 16 splits (the waves' count) 562.9 tok/s, 8 537.0, 4 522.4
+# (fifteenth session).
+DECODE_WAVES = 2
+# Decode attention lets the next kernel launch only once its partial is stored (pdl_release). The next
+# kernel (at batch 1 the int4 o_proj GEMV) requests its weights as it starts, megabytes that queue ahead of the
+# attention's few latency-bound loads. W2 int4 (fused norms) on the H200: 542.0 tok/s releasing after the wait,
+# 547.0 after the KV loop, 549.2 after the store; bf16 234.6 / 234.4 / 234.9 (fourteenth session, call 4). (An
+# early first KV tile, requested before the wait, measured slower with it: 541.1 against 548.7, call 5.)
 # On a float cache without q/k norms, decode rows skip the rotary + KV-write kernel: decode attention rotates q
-# and the step's k and writes k and v itself (_decode_split_kernel's ROTARY; DFLASH2_DECODE_ROTARY=0 turns it
-# off); prefill rows keep the kernel. And the first KV tile's page-table entries are read before the PDL wait
-# (PAGES_EARLY, only where rows are split, so KV loops are short; DFLASH2_DECODE_PAGES_EARLY=0 off). On the H200,
-# fifteenth session: W2 int4 (with DFLASH2_STEP_EDGES) 554.9 tok/s with neither, 542.0 with the rotary alone (its
-# KV loop then starts a page lookup later), 553.4 with the pages alone, 562.9 / 562.6 / 563.7 with both; bf16
-# 232.8 -> 236.2 / 238.6. The first KV tile itself before the wait (the loop reads only settled positions then)
-# measured slower: 559.5 / 560.6. W1 (one split, long loops) lost 10% with the pages early there too: 28.0k and
-# 28.1k out tok/s against 31.1k and 31.3k.
-DECODE_ROTARY = os.environ.get("DFLASH2_DECODE_ROTARY", "1") != "0"
-DECODE_PAGES_EARLY = os.environ.get("DFLASH2_DECODE_PAGES_EARLY", "1") != "0"
+# and the step's k and writes k and v itself (_decode_split_kernel's ROTARY); prefill rows keep the kernel. And
+# the first KV tile's page-table entries are read before the PDL wait (PAGES_EARLY, only where rows are split,
+# so KV loops are short). On the H200, fifteenth session: W2 int4 554.9 tok/s with neither, 542.0 with the rotary
+# alone (its KV loop then starts a page lookup later), 553.4 with the pages alone, 562.9 / 562.6 / 563.7 with
+# both; bf16 232.8 -> 236.2 / 238.6. The first KV tile itself before the wait (the loop reads only settled
+# positions then) measured slower: 559.5 / 560.6. W1 (one split, long loops) lost 10% with the pages early there
+# too: 28.0k and 28.1k out tok/s against 31.1k and 31.3k.
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132, group: int = 1) -> int:
     """Enough splits that batch * kv_heads * splits fills the GPU DECODE_WAVES times: a power of two, at most
     32, and at most MERGE_TILE / group (the last split merges [group, splits, head_dim] in registers). Each
     value is a separately compiled kernel, so only six exist; graph capture compiles them all."""
-    wanted = DECODE_SPLITS or triton.cdiv(DECODE_WAVES * num_sms, max(1, batch * num_kv_heads))
+    wanted = triton.cdiv(DECODE_WAVES * num_sms, max(1, batch * num_kv_heads))
     return min(32, max(1, MERGE_TILE // triton.next_power_of_2(group)), triton.next_power_of_2(wanted))
 
 
@@ -480,14 +455,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, config: dict | None = None,
-                     rotary: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                     rotary: tuple[torch.Tensor, ...] | None = None, k_offset: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """q [B, H, D] over each request's first lengths[b] cached positions -> [B, H, D]. `config` overrides
     DECODE_CONFIG (benchmarks/tune_decode.py). With `rotary` = (k [B, KV heads, D], v, cos, sin) on a float
     cache, q and k are un-rotated and the step's position (lengths[b] - 1) is not in the cache yet: the kernel
     rotates q and k (rotate-half, the tables' rows by position) and writes k and v there."""
     batch, num_heads, dim = q.shape
     config = default_decode_config(q, k_cache) if config is None else config
-    kind, k_scales, v_scales, *scale_strides = scale_args(k_cache, k_scale, v_scale)
+    kind, k_scales, v_scales, k_offsets, *scale_strides = scale_args(k_cache, k_scale, v_scale, k_offset)
     if rotary is not None and kind != 0:
         raise ValueError("decode_attention's rotary takes a float cache")
     k_new, v_new, cos, sin = rotary if rotary is not None else (q, q, q, q)
@@ -501,13 +477,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     counters = split_counters(q.device, batch * num_kv_heads)  # a dict lookup; read only with splits
     block_n = config["BLOCK_N"] if dim <= 128 else 32
-    pages_early = DECODE_PAGES_EARLY and kind != 1 and num_splits > 1
-    prefetch_lines = kv_prefetch_lines(config, dim, k_cache.element_size(), pages_early and kind == 0)
-    loop = int8_path(q, config) if kind == 1 else ""
+    prefetch_lines = kv_prefetch_lines(config, dim, k_cache.element_size(), kind == 0 and num_splits > 1)
+    loop = int8_path(q) if kind == 1 else ""
     # imma_t: heads as the mma's N side (no 16-row padding), one token sub-tile a warp
     group_pad = triton.next_power_of_2(group) if loop == "imma_t" else max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
-        q, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, partial, lse, out, counters,
+        q, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slots, lengths, partial, lse, out, counters,
         k_new, v_new, cos, sin,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *scale_strides, page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
@@ -516,8 +491,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, GROUP_PAD=group_pad, GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
-        num_warps=config["num_warps"], num_stages=config["num_stages"], LATE_RELEASE=DECODE_LATE_RELEASE,
-        ROTARY=rotary is not None, PAGES_EARLY=pages_early,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], ROTARY=rotary is not None,
         KV_PREFETCH_LINES=prefetch_lines, **pdl_args())
     return out
 
@@ -528,9 +502,10 @@ def prefill_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
     num_blocks = meta.prefill_block_segments.shape[0]
     num_heads, dim = q.shape[1], q.shape[2]
     group = num_heads // cache.k.shape[2]
-    kind, k_scales, v_scales, *scale_strides = scale_args(cache.k, cache.k_scale, cache.v_scale)
+    kind, k_scales, v_scales, k_offsets, *scale_strides = scale_args(cache.k, cache.k_scale, cache.v_scale,
+                                                                     cache.k_offset)
     _prefill_kernel[(num_blocks, num_heads)](
-        q, cache.k, cache.v, k_scales, v_scales, meta.page_table, out, meta.prefill_query_starts,
+        q, cache.k, cache.v, k_scales, v_scales, k_offsets, meta.page_table, out, meta.prefill_query_starts,
         meta.prefill_context_lens, meta.prefill_slots, meta.prefill_block_segments, meta.prefill_block_starts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *cache.k.stride()[:3], *scale_strides, meta.page_table.stride(0),
@@ -556,7 +531,7 @@ class TritonAttention:
     def short_decode(self, kv_cache_dtype: torch.dtype) -> bool:
         """Whether a single stream over at most short_max_tokens gets a step graph of its own (engine/graphs.py),
         whose decode attention runs inside short_decoding()."""
-        return SHORT_DECODE and torch.empty((), dtype=kv_cache_dtype).element_size() == 2
+        return torch.empty((), dtype=kv_cache_dtype).element_size() == 2
 
     @contextlib.contextmanager
     def short_decoding(self):
@@ -573,17 +548,17 @@ class TritonAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, cache.k, cache.v, meta.page_table, meta.token_slots, meta.positions,
-                 cache.k_scale, cache.v_scale)
+                 cache.k_scale, cache.v_scale, cache.k_offset)
         return self._attend(q, cache, meta, scale)
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                        meta: AttentionMetadata, scale: float, cos: torch.Tensor, sin: torch.Tensor,
                        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """forward() for un-rotated q and k: the rotary embedding (and Qwen3's q/k norms, `qk_norm`) is
-        applied while writing the cache; under DECODE_ROTARY (a float cache, no q/k norms) decode attention
-        does it for the decode rows."""
+        applied while writing the cache; on a float cache without q/k norms decode attention does it for the
+        decode rows."""
         nd = meta.num_decode_tokens
-        if not (DECODE_ROTARY and nd and qk_norm is None and cache.k_scale is None):
+        if not (nd and qk_norm is None and cache.k_scale is None):
             rotary_write_kv(q, k, v, cache, cos, sin, meta, qk_norm)
             return self._attend(q, cache, meta, scale)
         rotary_write_kv(q, k, v, cache, cos, sin, meta, first_row=nd)  # the prefill rows
@@ -600,7 +575,7 @@ class TritonAttention:
                                                                 q.shape[1] // num_kv_heads)
             decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots, meta.decode_lengths,
                              scale, splits, out=out[:nd], k_scale=cache.k_scale, v_scale=cache.v_scale,
-                             config=self.graph_decode_config, rotary=rotary)
+                             config=self.graph_decode_config, rotary=rotary, k_offset=cache.k_offset)
         if meta.prefill_block_segments is not None:  # set whenever the step has prefill chunks
             prefill_attention(q, cache, meta, scale, out, row_offset=nd)
         return out
