@@ -36,6 +36,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kv-cache-memory", default=None, help="KV page pool size, e.g. 512MiB (overrides sizing)")
     add_flag(parser, "--gpu-memory-utilization", type=float, default=0.9)
     add_flag(parser, "--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    add_flag(parser, "--num-threads", type=int, default=None,
+             help="torch threads of the process that runs the engine (default: the physical cores available to "
+                  "it, from its CPU affinity and cgroup quota; 1 on a machine shared with other busy programs)")
     add_flag(parser, "--log-level", default="warning")
 
 

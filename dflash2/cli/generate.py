@@ -35,11 +35,13 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash2 import LLM, SamplingParams
+    from dflash2.cpu_threads import use_engine_threads
 
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                     min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
                     stop=args.stop, ignore_eos=args.ignore_eos)
     items = _read_items(args)
+    use_engine_threads(args.num_threads)
     llm = LLM(**engine_kwargs(args))
     prompts, params = [], []
     for item in items:

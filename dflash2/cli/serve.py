@@ -150,7 +150,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         disable_log_requests=args.disable_log_requests, disable_log_stats=args.disable_log_stats,
                         log_tokens=args.log_tokens, log_level=args.log_level, max_queue_len=args.max_queue_len,
                         max_prompts_per_request=args.max_prompts_per_request, max_logprobs=args.max_logprobs,
-                        single_process=args.single_process,
+                        single_process=args.single_process, num_threads=args.num_threads,
                         max_held_requests=args.max_num_seqs if args.max_batch_size is not None else None)
 
 

@@ -37,6 +37,7 @@ class ServerConfig:
     # --max-batch-size); None: no bound besides max_queue_len
     max_held_requests: int | None = None
     single_process: bool = False  # the engine on a thread of the server's process, not a process of its own
+    num_threads: int | None = None  # torch threads of the engine's process; None: its physical cores (cpu_threads)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -55,5 +56,7 @@ class ServerConfig:
             raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_prompts_per_request < 1:
             raise ValueError(f"--max-prompts-per-request must be >= 1, got {self.max_prompts_per_request}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")

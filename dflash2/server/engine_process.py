@@ -126,6 +126,7 @@ class EngineProcessSpec:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     max_held_requests: int | None = None  # running, paused and waiting (EngineLoop)
+    num_threads: int | None = None  # torch threads here (None: the physical cores available; cpu_threads)
 
 
 class EngineLoadError(RuntimeError):
@@ -585,11 +586,13 @@ def run_engine_process(spec: EngineProcessSpec, commands_in: Any, results_out: A
     this one itself, after its HTTP side (the pipe's end stops it too, if the server process dies)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the server process logs it (launch.ignore_restart_signal)
+    from dflash2.cpu_threads import use_engine_threads
     from dflash2.logs import configure_logging
     from dflash2.server.launch import set_up_request_log
 
     configure_logging(spec.log_level)
     set_up_request_log(spec.request_log)
+    use_engine_threads(spec.num_threads)
     loop = _ProcessLoop(spec, commands_in, results_out)
     try:
         loop.run()

@@ -14,6 +14,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from dflash2.cpu_threads import use_engine_threads, use_one_thread
 from dflash2.server.app import build_app
 from dflash2.server.config import ServerConfig
 from dflash2.server.engine_loop import EngineError
@@ -52,7 +53,7 @@ def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any])
     spec = EngineProcessSpec(engine_factory, observer_config(config), config.served_model_name,
                              config.max_queue_len, config.log_level, request_log=_request_log_on(config),
                              metrics_port=config.metrics_port, metrics_host=config.host,
-                             max_held_requests=config.max_held_requests)
+                             max_held_requests=config.max_held_requests, num_threads=config.num_threads)
     registry = CollectorRegistry()
 
     def on_ready() -> None:
@@ -76,6 +77,10 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
 
     set_up_request_log(_request_log_on(config))
     single = config.single_process
+    if single:
+        use_engine_threads(config.num_threads)  # the engine runs on a thread of this process
+    else:
+        use_one_thread()  # the engine process sets its own (run_engine_process)
     state = build_state(config, engine_factory) if single else build_process_state(config, engine_factory)
     load_errors: list[BaseException] = []
 

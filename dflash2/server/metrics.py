@@ -57,6 +57,8 @@ class ServerMetrics:
                                         "Prompt tokens served from the prefix cache / prompt tokens (cumulative)")
         self.cache_eviction_rate = gauge("dflash2_cache_eviction_rate",
                                          "Cached pages evicted per second over the last stats interval")
+        self.engine_torch_threads = gauge("dflash2_engine_torch_threads",
+                                          "torch intra-op threads of the process that runs the engine (--num-threads)")
         # No child until a value is known, so that on the CPU these have no sample at all.
         self._gpu_memory_utilization = family(Gauge, "dflash2_gpu_memory_utilization",
                                               "Fraction of the GPU's memory in use (absent on CPU)")

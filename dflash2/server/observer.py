@@ -82,6 +82,7 @@ class RequestObserver:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         metrics.kv_cache_total_pages.set(engine.pool.num_pages)
+        metrics.engine_torch_threads.set(_torch_threads())  # (built on the engine's own thread and process)
         self._update_gauges()
 
     # -- per request ---------------------------------------------------------------------------------
@@ -226,6 +227,12 @@ def _inc_by_delta(counter: Any, delta: int) -> None:
 
 def _ms(seconds: float) -> float:
     return round(1000.0 * seconds, 3)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _is_cuda(engine: Any) -> bool:

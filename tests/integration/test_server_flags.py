@@ -1,4 +1,5 @@
-"""A second real server with the streaming timeout, token logs, a metrics port and a served model name.
+"""A second real server with the streaming timeout, token logs, a metrics port, a served model name and one torch
+thread for its engine.
 
 --streaming-timeout-ms 1 ends every stream before its first token (a forward pass takes far longer than
 1 ms), so the timeout path runs for certain; requests that do not stream are not affected.
@@ -23,7 +24,7 @@ def flagged_server():
     metrics_port = free_port()
     server = ServerProcess("--max-model-len", "512", "--streaming_timeout_ms", "1", "--log_tokens",
                            "--metrics_port", str(metrics_port), "--disable_log_requests", "--served_model_name", NAME,
-                           "--max_num_seqs", "4")
+                           "--max_num_seqs", "4", "--num_threads", "1")
     server.metrics_port = metrics_port
     server.start()
     yield server
@@ -79,3 +80,8 @@ def test_metrics_port_and_served_model_name(flagged_server):
         response = httpx.post(flagged_server.url + "/v1/completions", timeout=60,
                               json={"model": model, "prompt": "Hi", "max_tokens": 1})
         assert response.status_code == 200 and response.json()["model"] == NAME
+
+
+def test_num_threads_sets_the_engine_process_threads(flagged_server):
+    assert flagged_server.metric("dflash2_engine_torch_threads") == 1
+    assert "engine: torch threads 1 (--num-threads;" in flagged_server.stderr()
