@@ -107,20 +107,24 @@ def report(name: str, kernel, types: dict, constants: dict, elements_per_iterati
 
 def decode_reports() -> None:
     """The decode loop per KV kind at BLOCK_N 32 / 4 warps (comparable across kinds and with earlier counts), then
-    at the configs decode_attention takes (DECODE_CONFIG; DECODE_CONFIGS["int8-imma_t"] for int8 under a bf16
-    model: INT8_LOOP "imma_t", per-warp transposed integer q.K), then the int8 loop over the BLOCK_N / warps grid
-    benchmarks/tune_decode.py tries."""
-    int8 = attn.DECODE_CONFIGS["int8-imma_t"]
-    cases = [(0, "*bf16", None, None), (1, "*i8", "imma_t", None), (2, "*u8", None, None), (3, "*fp8e4nv", None, None),
-             (0, "*bf16", None, attn.DECODE_CONFIG), (1, "*i8", "imma_t", int8)]
-    cases += [(1, "*i8", "imma_t", {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": 2})
-              for block_n in (32, 64, 128) for num_warps in (2, 4)
-              if (block_n, num_warps) != (int8["BLOCK_N"], int8["num_warps"])]
+    at the configs decode_attention takes (DECODE_CONFIG; DECODE_CONFIGS["int8-<loop>"], else DECODE_CONFIG); int8 in each of its loops
+    (INT8_LOOP: "imma_t", per-warp transposed integer q.K; "legacy", the
+    fp16-dequantizing one), then the int8 loops over the BLOCK_N / warps grid benchmarks/tune_decode.py tries."""
+    def int8(loop: str) -> dict:
+        return attn.DECODE_CONFIGS.get(f"int8-{loop}", attn.DECODE_CONFIG)
+
+    cases = [(0, "*bf16", None, None), (1, "*i8", "imma_t", None), (1, "*i8", "legacy", None),
+             (3, "*fp8e4nv", None, None),
+             (0, "*bf16", None, attn.DECODE_CONFIG), (1, "*i8", "imma_t", int8("imma_t")),
+             (1, "*i8", "legacy", int8("legacy"))]
+    cases += [(1, "*i8", loop, {"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": 2})
+              for block_n in (32, 64, 128) for num_warps in (2, 4) for loop in ("imma_t",)
+              if (block_n, num_warps) != (int8(loop)["BLOCK_N"], int8(loop)["num_warps"])]
     for kind, cache, loop, config in cases:
         config = config or {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
         types = {"q_ptr": "*bf16", "k_cache": cache, "v_cache": cache, "k_scales": "*fp16", "v_scales": "*fp16",
-                 "k_offsets": "*fp16", "page_table": "*i32", "slots": "*i32", "lengths": "*i32", "out_ptr": "*fp32",
-                 "lse_ptr": "*fp32", "final_ptr": "*bf16", "cnt_ptr": "*i32", "scale": "fp32"}
+                 "page_table": "*i32", "slots": "*i32", "lengths": "*i32", "out_ptr": "*fp32", "lse_ptr": "*fp32",
+                 "final_ptr": "*bf16", "cnt_ptr": "*i32", "scale": "fp32"}
         block_n, num_warps = config["BLOCK_N"], config["num_warps"]
         constants = {"GROUP": 2, "GROUP_PAD": 2 if loop == "imma_t" else 16, "HEAD_DIM": 128, "BLOCK_N": block_n,
                      "NUM_SPLITS": 4, "SPLITS_PAD": 4, "GROUP_P2": 2, "PRECISION": "tf32", "KIND": kind,

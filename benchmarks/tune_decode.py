@@ -1,7 +1,7 @@
 """Time the paged decode kernel on W1/W2-like shapes per KV dtype and page layout, for several tile configs.
 
     PYTHONPATH=$PWD python3 benchmarks/tune_decode.py [--kinds bf16,int8,int4,fp8] [--layouts head_major,token_major]
-                                                      [--cases w1,w2,w3]
+                                                      [--int8-paths imma_t,legacy] [--cases w1,w2,w3]
                                                       [--length 800]
                                                       [--w2-splits 4,8,16] [--w3-splits 1,2,4]
                                                       [--grid "64,2,2 64,2,3"]
@@ -9,15 +9,15 @@
                                                       [--graph 32] [--w2-length 256]
                                                       [--output tune.json]      (GPU)
 Caches are real engine pools: Qwen3-0.6B (28 layers, 8 KV heads, GQA 2, head 128) in 1 MiB pages (9 bf16
-tokens a page, 17 int8, 34 int4), 256 requests of --length tokens (800) in shuffled pages, or with --w1-data W1's
+tokens a page, 18 int8, 35 int4), 256 requests of --length tokens (800) in shuffled pages, or with --w1-data W1's
 own prompts after --decoded steps in the pages the engine would give them (prompt pages in runs, decode pages
 interleaved, rows longest first: the uniform case has ranked configs unlike W1 itself), layer 0 read; W2 is
 llama-3-8b batch 1
-at 384 tokens (bf16 only). int8 runs its decode loop for bf16 q (int8_decode.int8_path: "imma_t", integer K.q^T
-dots a warp per token sub-tile) over INT8_GRID, labelled "int8-imma_t". Bandwidth counts
+at 384 tokens (bf16 only). int8 runs each of its decode loops ("imma_t", integer K.q^T dots a warp per token
+sub-tile; "legacy", K/V dequantized to fp16) over INT8_GRID, labelled "int8-imma_t" / "int8-legacy". Bandwidth counts
 the K/V bytes (and scales) read once. Prints one JSON line per best config of each (case, kind, layout), then
-a summary: the best config per kind (paste into DECODE_CONFIGS in kernels/triton/attention.py), head-major vs
-token-major per kind, and each kind's best W1 time against bf16's.
+a summary: the best config per kind (paste into DECODE_CONFIGS in kernels/triton/attention.py, with its
+"int8" path), head-major vs token-major per kind, and each kind's best W1 time against bf16's.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ CASES = {"w1": dict(batch=256, length=800, layers=28, kv_heads=8, group=2, dim=1
          # W3's decode steps: Qwen3-0.6B, 32 requests of 256-prompt + up to 64 new tokens
          "w3": dict(batch=32, length=320, layers=28, kv_heads=8, group=2, dim=128)}
 GRID = list(itertools.product((16, 32, 64), (2, 4), (1, 2)))  # BLOCK_N, warps, stages: 12 compiles a run
-# int8: larger tiles and one warp too (the imma_t loop's softmax has no cross-warp reduction at 1)
+# int8 (per decode loop): larger tiles and one warp too (the imma loop's softmax has no cross-warp reduction at 1)
 INT8_GRID = list(itertools.product((32, 64, 128), (1, 2, 4), (2,))) + [(64, 2, 3), (128, 4, 3)]
 
 
@@ -102,7 +102,7 @@ def case(kind: str, head_major: bool, batch: int, length: int, layers: int, kv_h
     q = torch.randn(batch, kv_heads * group, dim, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(batch, device="cuda", dtype=torch.int32)
     lengths = torch.tensor(request_lengths, dtype=torch.int32, device="cuda")
-    kv_bytes = sum(request_lengths) * kv_heads * (2 * layout.row_bytes + layout.scale_blocks * 2)  # K offsets too
+    kv_bytes = 2 * sum(request_lengths) * kv_heads * (layout.row_bytes + layout.scale_bytes)
     return q, cache, table, slots, lengths, kv_bytes, layout.tokens_per_page
 
 
@@ -116,12 +116,12 @@ def measure(name: str, kind: str, layout_name: str, grid: list, int8_path: str |
     label = f"{kind}-{int8_path}" if int8_path else kind
     rows = []
     for block_n, warps, stages in grid:
-        config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+                  **({"int8": int8_path} if int8_path else {})}
         row = {"case": name, "kind": label, "layout": layout_name, "tokens_per_page": tpp, "splits": splits,
                **({"prompts": "w1", "decoded": decoded} if prompt_lengths else {"length": shape["length"]}), **config}
         call = lambda: tri.decode_attention(q, cache.k, cache.v, table, slots, lengths, 0.088, splits,  # noqa: E731
-                                            k_scale=cache.k_scale, v_scale=cache.v_scale, config=config,
-                                            k_offset=cache.k_offset)
+                                            k_scale=cache.k_scale, v_scale=cache.v_scale, config=config)
         try:
             if graph_calls:  # one CUDA graph of that many calls: no host launch time in the figure
                 ms = seconds_per_call([call] * graph_calls) * 1e3
@@ -135,7 +135,7 @@ def measure(name: str, kind: str, layout_name: str, grid: list, int8_path: str |
 
 
 def current(label: str) -> tuple:
-    """The (BLOCK_N, warps, stages) decode_attention takes today for a kind label ("int8-imma_t": that loop's)."""
+    """The (BLOCK_N, warps, stages) decode_attention takes today for a kind label ("int8-imma": that loop's)."""
     config = tri.DECODE_CONFIGS.get(label, tri.DECODE_CONFIG)
     return config["BLOCK_N"], config["num_warps"], config["num_stages"]
 
@@ -144,6 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kinds", default="bf16,int8,int4,fp8")
     parser.add_argument("--layouts", default="head_major,token_major")
+    parser.add_argument("--int8-paths", default="imma_t,legacy", help="int8 decode loops to time")
     parser.add_argument("--cases", default="w1,w2", help="w2 and w3 run with bf16 only")
     parser.add_argument("--w3-splits", default="1,2,4", help="w3: the split counts to time")
     parser.add_argument("--w2-splits", default="", help="w2: split counts to time (default: the engine's)")
@@ -174,7 +175,8 @@ def main() -> None:
         if "w1" not in cases:
             break
         if kind == "int8":
-            results += measure("w1", kind, layout_name, grid or INT8_GRID, "imma_t", **w1)
+            for path in args.int8_paths.split(","):
+                results += measure("w1", kind, layout_name, grid or INT8_GRID, path, **w1)
         else:
             results += measure("w1", kind, layout_name, grid or GRID, **w1)
     if "bf16" in kinds and "w2" in cases:
@@ -201,7 +203,8 @@ def main() -> None:
         print(json.dumps({**row, "current_default_us": default and default["us"]}))
     bf16 = best.get(("w1", "bf16", "head_major"))
     summary = {"decode_configs_w1_head_major": {
-        kind: {k: best[("w1", kind, "head_major")][k] for k in ("BLOCK_N", "num_warps", "num_stages")}
+        kind: {k: best[("w1", kind, "head_major")][k] for k in ("BLOCK_N", "num_warps", "num_stages", "int8")
+               if k in best[("w1", kind, "head_major")]}
         for kind in kinds if ("w1", kind, "head_major") in best},
         "w1_head_major_vs_bf16": {kind: {"us": best[("w1", kind, "head_major")]["us"],
                                          "TB_s": best[("w1", kind, "head_major")]["TB_s"],

@@ -188,6 +188,9 @@ class Engine:
             self.trace = None
         gc.collect()  # whatever still points at device tensors through a cycle
         if torch.cuda.is_available() and torch.cuda.is_initialized():
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:  # cuBLAS's per-stream workspaces (the engine's streams are gone)
+                clear_workspaces()
             torch.cuda.empty_cache()
 
     def __enter__(self) -> "Engine":

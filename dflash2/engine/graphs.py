@@ -186,6 +186,9 @@ class StepGraphs:
         self.steps: dict[GraphShape, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {}  # capture=False
         self.replays: Counter[GraphShape] = Counter()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        # one side stream for every warm-up: cuBLAS keeps a workspace per stream it ran on (32 MiB on Hopper) for
+        # the process's life, so a stream per graph held ~1 GiB after the engine was closed
+        self._warm_up_stream = torch.cuda.Stream() if capture else None
         for shape in reversed(self.shapes):  # largest first, so smaller graphs reuse its memory
             self._capture(shape)
         logger.info("%s %d CUDA graphs: decode batches %s; decode x prefill tokens %s",
@@ -305,7 +308,7 @@ class StepGraphs:
 
     def _warm_up_and_capture(self, shape: GraphShape,
                              step: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        stream = torch.cuda.Stream()
+        stream = self._warm_up_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             step()  # warm-up: compile kernels and pick GEMM algorithms outside the capture

@@ -53,14 +53,12 @@ class KVCache:
     k, v      [num_pages, tokens_per_page, kv_heads, head_dim] of the KV dtype; int4: [..., head_dim // 2]
               uint8, value 2j in the low nibble and 2j + 1 in the high one, each stored as q + 8
     k_scale   [num_pages, tokens_per_page, kv_heads] fp16 for quantized KV (x = q * scale), else None
-    k_offset  the same for int8 / int4 K rows, centred on their range (x = q * scale + offset), else None
     """
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
-    k_offset: torch.Tensor | None = None
 
     @property
     def kind(self) -> str:

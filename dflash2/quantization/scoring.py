@@ -30,7 +30,7 @@ class DenseCausalAttention:
                 scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] of one sequence -> [T, H, D]."""
         if self.kv_cache_dtype in QMAX:
-            k, v = fake_quantize_kv(k, self.kv_cache_dtype, key=True), fake_quantize_kv(v, self.kv_cache_dtype)
+            k, v = fake_quantize_kv(k, self.kv_cache_dtype), fake_quantize_kv(v, self.kv_cache_dtype)
         elif self.kv_cache_dtype is not None:  # a float cache: the round trip through its dtype
             stored = KV_FORMATS[self.kv_cache_dtype].storage
             k, v = k.to(stored).to(k.dtype), v.to(stored).to(v.dtype)

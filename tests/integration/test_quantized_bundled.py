@@ -38,16 +38,16 @@ def test_int8_weights_stay_within_one_percent_perplexity(tmp_path):
     assert all("int8pack" in kernel for kernel in report["kernels"])
 
 
-def test_centred_keys_halve_what_quantized_kv_costs():
-    """The K offsets (int8 / int4 K rows centred on their range) against the float KV of the same model: mean KL
-    0.00044 at int8 and 0.144 at int4 on these 256 tokens, where the symmetric format of before measured 0.00083
-    and 0.288. The bounds sit between. (benchmarks/kv_quant_quality.py measures on a text no test reads.)"""
+def test_quantized_kv_costs_stay_where_they_were_measured():
+    """int8 and int4 KV against the float KV of the same model: mean KL 0.00083 at int8 and 0.288 at int4 on these
+    256 tokens (symmetric, one fp16 scale per token and head). The bounds pin them (benchmarks/kv_quant_quality.py
+    measures on a text no test reads)."""
     model = load_model(bundled_model_path(), "auto", "float32", torch.device("cpu"), None)
     token_ids = model.tokenizer.encode(EVAL_TEXT)[:256]
     reference = log_probs(model.module, token_ids)
     kl = {kv: perplexity_and_kl(log_probs(model.module, token_ids, kv), token_ids, reference)[1]
           for kv in ("int8", "int4")}
-    assert kl["int8"] < 6e-4 and kl["int4"] < 0.2, kl
+    assert kl["int8"] < 1.2e-3 and kl["int4"] < 0.4, kl
 
 
 def test_validate_fails_a_four_bit_conversion(tmp_path, capsys):

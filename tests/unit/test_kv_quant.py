@@ -35,17 +35,15 @@ def arch(num_layers: int = 2, kv_heads: int = 2, head_dim: int = 64) -> ModelArc
 
 # -- layout ---------------------------------------------------------------------------------------------
 def test_int8_doubles_and_int4_about_quadruples_tokens_per_page():
-    # bytes per token: bf16 2*2*2*64*2 = 1024; fp8 2*2*2*(64 + 2 scale) = 528; int8 2*2*(2*64 + 3*2: K and V scales,
-    # K offset) = 536; int4 2*2*(2*32 + 3*2) = 280
-    page_bytes = 8576  # 8 bf16 tokens (8.4), exactly 16 int8 tokens, 16 fp8 (16.2), 30 int4 (30.6)
+    # bytes per token: bf16 2*2*2*64*2 = 1024; int8 and fp8 2*2*2*(64 + 2 scale) = 528; int4 2*2*2*(32 + 2) = 272
+    page_bytes = 8448  # 8 bf16 tokens (8.25), exactly 16 int8 tokens, 31 int4 tokens
     tokens = {name: KVLayout.for_model(arch(), name, page_bytes).tokens_per_page
               for name in ("bf16", "int8", "fp8", "int4")}
-    assert [KVLayout.for_model(arch(), name, page_bytes).bytes_per_token for name in ("int8", "fp8", "int4")] == [
-        536, 528, 280]
-    assert tokens == {"bf16": 8, "int8": 16, "fp8": 16, "int4": 30}
-    # Qwen3-0.6B's W1 pages (1 MiB): 9 bf16 tokens, 17 int8 tokens, 34 int4 tokens
+    assert KVLayout.for_model(arch(), "int8", page_bytes).bytes_per_token == 528
+    assert tokens == {"bf16": 8, "int8": 16, "fp8": 16, "int4": 31}
+    # Qwen3-0.6B's W1 pages (1 MiB): 9 bf16 tokens, 18 int8 tokens, 35 int4 tokens
     qwen = arch(num_layers=28, kv_heads=8, head_dim=128)
-    assert [KVLayout.for_model(qwen, n, 1 << 20).tokens_per_page for n in ("bf16", "int8", "int4")] == [9, 17, 34]
+    assert [KVLayout.for_model(qwen, n, 1 << 20).tokens_per_page for n in ("bf16", "int8", "int4")] == [9, 18, 35]
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8", "int4", "fp8"])
@@ -54,9 +52,7 @@ def test_layer_views_tile_the_page_without_overlap(name, head_major):
     layout = KVLayout.for_model(arch(head_dim=16), name, 4096, head_major=head_major)
     pool = torch.zeros(3 * layout.page_bytes, dtype=torch.uint8)
     views = layout.layer_views(pool)
-    tensors = [t for cache in views for t in (cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_offset)
-               if t is not None]
-    assert (views[0].k_offset is not None) == (name in ("int8", "int4"))
+    tensors = [t for cache in views for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None]
     def raw(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int16)
 
@@ -85,46 +81,21 @@ def test_auto_takes_the_checkpoint_choice_then_the_model_dtype():
 
 # -- the format -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", QUANTIZED)
-@pytest.mark.parametrize("key", [False, True])
-def test_round_trip_error_is_bounded(kind, key):
-    """Half a step of the row's range: symmetric rows (V, fp8 K) span [-absmax, absmax]; int8 / int4 K rows are
-    centred on their range's midpoint (an fp16 offset), so rows far off zero keep their precision."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 8, 32, generator=g) * torch.logspace(-3, 2, 64)[:, None, None]
-    x[32:] += torch.randn(32, 8, 1, generator=g) * torch.logspace(-2, 2, 32)[:, None, None] * 3  # off-centre rows
-    data, scale, offset = quantize_kv(x, kind, key=key)
+def test_round_trip_error_is_bounded(kind):
+    x = torch.randn(64, 8, 32, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 64)[:, None, None]
+    data, scale = quantize_kv(x, kind)
     assert scale.dtype == torch.float16 and scale.shape == x.shape[:-1]
     assert data.shape[-1] == (16 if kind == "int4" else 32)
-    centred = key and kind != "fp8"
-    assert (offset is not None) == centred and (offset is None or offset.dtype == torch.float16)
-    back = dequantize_kv(data, scale, kind, torch.float32, offset)
+    back = dequantize_kv(data, scale, kind, torch.float32)
     absmax = x.abs().amax(-1, keepdim=True)
     err = (back - x).abs()
     if kind == "fp8":  # 3 mantissa bits: half an ulp is 1/16 of the value; subnormals below absmax * 2^-15
         assert bool((err <= x.abs() / 16 * 1.01 + absmax * 2.0 ** -15).all())
-    else:  # half a step, the step widened by the fp16 rounding of the scale (and of the offset)
+    else:  # half a step, the step widened by the fp16 rounding of the scale
         qmax = 127 if kind == "int8" else 7
-        half_range = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 2 if centred else absmax
-        assert bool((err <= (half_range + absmax * 2.0 ** -11) / qmax * 0.5 * 1.002 + 1e-7).all())
+        assert bool((err <= absmax / qmax * 0.5 * 1.002 + 1e-7).all())
     zero = torch.zeros(2, 32)
-    data, scale, offset = quantize_kv(zero, kind, key=key)
-    assert torch.equal(dequantize_kv(data, scale, kind, torch.float32, offset), zero)
-
-
-def test_centred_keys_cut_the_error_of_off_centre_rows():
-    """The regression the K offsets fixed: a K row whose values sit on one side of zero (here 2 + 0.5 N(0, 1): the
-    rotary pairs of a large channel do this) spends half of a symmetric grid on values it never takes. Centred,
-    int8 and int4 errors on such rows fall by 2x or more; on rows centred already they stay the same."""
-    g = torch.Generator().manual_seed(1)
-    shifted = 2.0 + 0.5 * torch.randn(256, 64, generator=g)
-    centred = 0.5 * torch.randn(256, 64, generator=g)
-    for kind in ("int8", "int4"):
-        def rms_error(x: torch.Tensor, key: bool) -> float:
-            data, scale, offset = quantize_kv(x, kind, key=key)
-            return float((dequantize_kv(data, scale, kind, torch.float32, offset) - x).pow(2).mean().sqrt())
-
-        assert rms_error(shifted, key=True) < 0.5 * rms_error(shifted, key=False)
-        assert rms_error(centred, key=True) < 1.1 * rms_error(centred, key=False)
+    assert torch.equal(dequantize_kv(*quantize_kv(zero, kind), kind, torch.float32), zero)
 
 
 # -- TorchAttention on a quantized cache ---------------------------------------------------------------
@@ -141,9 +112,9 @@ def filled_caches(kind: str, lengths: list[int], head_major: bool = True, seed: 
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=g)
     v = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=g)
-    ref.write_kv(k, v, cache.k, cache.v, table, slots, positions, cache.k_scale, cache.v_scale, cache.k_offset)
+    ref.write_kv(k, v, cache.k, cache.v, table, slots, positions, cache.k_scale, cache.v_scale)
     float_cache = (torch.zeros(num_pages, tpp, NUM_KV_HEADS, HEAD_DIM), torch.zeros(num_pages, tpp, NUM_KV_HEADS, HEAD_DIM))
-    ref.write_kv(fake_quantize_kv(k, kind, key=True), fake_quantize_kv(v, kind), *float_cache, table, slots, positions)
+    ref.write_kv(fake_quantize_kv(k, kind), fake_quantize_kv(v, kind), *float_cache, table, slots, positions)
     exact = (torch.zeros_like(float_cache[0]), torch.zeros_like(float_cache[1]))
     ref.write_kv(k, v, *exact, table, slots, positions)
     return cache, float_cache, exact, table
@@ -155,8 +126,7 @@ def test_torch_decode_reads_the_quantized_cache(kind):
     cache, dequantized, exact, table = filled_caches(kind, lengths)
     q = torch.randn(len(lengths), NUM_KV_HEADS * 2, HEAD_DIM, generator=torch.Generator().manual_seed(1))
     slots, lens = torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
-    got = ref.decode_attention(q, cache.k, cache.v, table, slots, lens, max(lengths), 0.25, cache.k_scale,
-                               cache.v_scale, cache.k_offset)
+    got = ref.decode_attention(q, cache.k, cache.v, table, slots, lens, max(lengths), 0.25, cache.k_scale, cache.v_scale)
     # the same values, dequantized ahead: equal up to float rounding
     torch.testing.assert_close(got, ref.decode_attention(q, *dequantized, table, slots, lens, max(lengths), 0.25),
                                atol=1e-5, rtol=1e-5)
@@ -181,11 +151,8 @@ def test_triton_write_matches_torch_write(kind, head_major):
     g = torch.Generator().manual_seed(0)
     k = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=g)
     v = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, generator=g)
-    kv_write.write_kv(k, v, cache.k, cache.v, table, slots, positions, cache.k_scale, cache.v_scale, cache.k_offset)
+    kv_write.write_kv(k, v, cache.k, cache.v, table, slots, positions, cache.k_scale, cache.v_scale)
     assert torch.equal(cache.k_scale, expected.k_scale) and torch.equal(cache.v_scale, expected.v_scale)
-    assert (cache.k_offset is None) == (kind == "fp8")
-    if cache.k_offset is not None:
-        assert torch.equal(cache.k_offset, expected.k_offset) and bool((cache.k_offset != 0).any())
     if kind == "fp8":
         # Triton 3.6's interpreter converts to fp8 with its own rounding: ties go up instead of to even, and a
         # value rounding up into the next binade (124 -> 128) loses the carry (-> 64). Allow exactly those.
@@ -204,8 +171,8 @@ def test_triton_decode_matches_torch_on_the_quantized_cache(kind):
     q = torch.randn(len(lengths), NUM_KV_HEADS * 2, HEAD_DIM, generator=torch.Generator().manual_seed(2))
     slots, lens = torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
     args = (q, cache.k, cache.v, table, slots, lens)
-    expected = ref.decode_attention(*args, max(lengths), 0.25, cache.k_scale, cache.v_scale, cache.k_offset)
-    got = tri.decode_attention(*args, 0.25, 3, k_scale=cache.k_scale, v_scale=cache.v_scale, k_offset=cache.k_offset)
+    expected = ref.decode_attention(*args, max(lengths), 0.25, cache.k_scale, cache.v_scale)
+    got = tri.decode_attention(*args, 0.25, 3, k_scale=cache.k_scale, v_scale=cache.v_scale)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -221,10 +188,8 @@ def test_triton_int8_decode_in_half_precision(dtype, num_splits):
     q = torch.randn(len(lengths), NUM_KV_HEADS * 2, HEAD_DIM, generator=torch.Generator().manual_seed(5)) * 2
     slots, lens = torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
     args = (cache.k, cache.v, table, slots, lens)
-    expected = ref.decode_attention(q.to(dtype).float(), *args, max(lengths), 0.25, cache.k_scale, cache.v_scale,
-                                    cache.k_offset)
-    got = tri.decode_attention(q.to(dtype), *args, 0.25, num_splits, k_scale=cache.k_scale, v_scale=cache.v_scale,
-                               k_offset=cache.k_offset)
+    expected = ref.decode_attention(q.to(dtype).float(), *args, max(lengths), 0.25, cache.k_scale, cache.v_scale)
+    got = tri.decode_attention(q.to(dtype), *args, 0.25, num_splits, k_scale=cache.k_scale, v_scale=cache.v_scale)
     assert got.dtype == dtype
     error = float((got.float() - expected).norm() / expected.norm())
     assert error < (4e-3 if dtype == torch.bfloat16 else 1e-3), error  # bf16: the output's own rounding dominates
@@ -239,7 +204,7 @@ def test_triton_mixed_batch_and_fused_rotary_write_match_torch(kind):
     shapes = [(17, 1), (30, 1), (23, 9), (12, 12)]  # (context_len, query_len) per request
     lengths = [c for c, _ in shapes]
     cache, *_, table = filled_caches(kind, lengths, seed=5)
-    torch_cache = KVCache(*(t.clone() for t in (cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_offset)))
+    torch_cache = KVCache(*(t.clone() for t in (cache.k, cache.v, cache.k_scale, cache.v_scale)))
     num_tokens = sum(n for _, n in shapes)
     g = torch.Generator().manual_seed(6)
     q = torch.randn(num_tokens, NUM_KV_HEADS * 2, HEAD_DIM, generator=g)
@@ -251,7 +216,6 @@ def test_triton_mixed_batch_and_fused_rotary_write_match_torch(kind):
     expected = ref.TorchAttention().forward(q_rot, k_rot, v, torch_cache, meta, 0.3)
     got = tri.TritonAttention(num_sms=4).forward_rotary(q, k, v, cache, meta, 0.3, rotary.cos, rotary.sin)
     torch.testing.assert_close(cache.k_scale, torch_cache.k_scale, atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(cache.k_offset, torch_cache.k_offset, atol=1e-3, rtol=1e-3)
     assert float((cache.k.int() - torch_cache.k.int()).abs().max()) <= (17 if kind == "int4" else 1)  # ties
     assert torch.equal(cache.v, torch_cache.v)
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
@@ -274,15 +238,15 @@ def test_triton_int8_prefill_in_half_precision(dtype):
     tri.prefill_attention(q.to(dtype), cache, meta, 0.25, got, row_offset=1)
     for seg in meta.prefills:  # the reference: each chunk over its dequantized pages
         rows = slice(seg.query_start, seg.query_start + seg.query_len)
-        keys, values = (ref.gather_pages(c, table[seg.slot], seg.context_len, s, torch.float32, o)
-                        for c, s, o in ((cache.k, cache.k_scale, cache.k_offset), (cache.v, cache.v_scale, None)))
+        keys, values = (ref.gather_pages(c, table[seg.slot], seg.context_len, s, torch.float32)
+                        for c, s in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)))
         expected[rows] = ref.prefill_attention(q[rows].to(dtype).float(), keys, values, 0.25)
     error = float((got[1:].float() - expected[1:]).norm() / expected[1:].norm())
     assert error < (4e-3 if dtype == torch.bfloat16 else 1e-3), error
 
 
 # -- the engine ------------------------------------------------------------------------------------------
-PAGE_BYTES = 1216  # tiny qwen2 (2 layers, 2 KV heads, head 16): int8 152 bytes/token -> 8 tokens a page
+PAGE_BYTES = 1152  # tiny qwen2 (2 layers, 2 KV heads, head 16): int8 144 bytes/token -> 8 tokens a page
 
 
 

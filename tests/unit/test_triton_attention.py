@@ -198,66 +198,55 @@ def test_fused_qk_norm_rotary_write_matches_the_norm_kernel_then_rotary_write(dt
     assert torch.equal(cache.v, ref_cache.v)
 
 
-def int8_cache(num_pages: int, dim: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """A random int8 cache, its fp16 K and V row scales and K row offsets (x = q * scale + offset for K)."""
-    shape = (num_pages, TOKENS_PER_PAGE, NUM_KV_HEADS, dim)
-    k_cache, v_cache = (torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(2))
-    k_scale, v_scale = ((torch.rand(shape[:3], generator=g) * 0.05 + 0.01).half() for _ in range(2))
-    k_offset = ((torch.rand(shape[:3], generator=g) - 0.5) * 4).half()
-    return k_cache, v_cache, k_scale, v_scale, k_offset
-
-
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("block_n,num_warps", [(32, 2), (64, 4), (64, 1), (16, 2)])
 def test_int8_imma_t_decode_matches_reference(group, block_n, num_warps):
     """The imma_t loop (tokens as the mma's M side, heads as N, one token sub-tile of BLOCK_N / sub-tiles per warp
-    with its own softmax, merged after the loop; V as fp16 x + 1152 with 1152 x the probability sums taken off;
-    K's row offsets times sum(q) added to the integer scores) at head_dim 32 (an int8 mma's k step) for GQA groups
-    padded to 1, 4 and 4 columns, against the float32 reference. Lengths leave sub-tiles empty for whole
+    with its own softmax, merged after the loop; V as fp16 x + 1152 with 1152 x the probability sums taken off)
+    at head_dim 32 (an int8 mma's k step) for GQA groups padded to 1, 4 and 4 columns, against the float32
+    reference and the imma loop, whose q quantization it shares. Lengths leave sub-tiles empty for whole
     programs (1, 7 tokens; 3 splits), end mid sub-tile and cross pages of 5 tokens."""
-    from dflash2.kernels.triton.int8_decode import int8_path
-
     dim, lengths = 32, [1, 7, 23, 64, 130, 200]
     g = torch.Generator().manual_seed(group * 100 + block_n)
-    k_cache, v_cache, k_scale, v_scale, k_offset = int8_cache(100, dim, g)
+    shape = (100, TOKENS_PER_PAGE, NUM_KV_HEADS, dim)
+    k_cache, v_cache = (torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(2))
+    k_scale, v_scale = ((torch.rand(shape[:3], generator=g) * 0.05 + 0.01).half() for _ in range(2))
     table = page_table_for(lengths, 100, seed=group)
     q = (torch.randn(len(lengths), NUM_KV_HEADS * group, dim, generator=g) * 3).bfloat16()
-    assert int8_path(q) == "imma_t"
     slots, lens = torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
     args = (k_cache, v_cache, table, slots, lens)
-    expected = ref.decode_attention(q.float(), *args, max(lengths), 0.2, k_scale, v_scale, k_offset)
+    expected = ref.decode_attention(q.float(), *args, max(lengths), 0.2, k_scale, v_scale)
     for num_splits in (1, 3):
-        got = tri.decode_attention(q, *args, 0.2, num_splits, k_scale=k_scale, v_scale=v_scale, k_offset=k_offset,
-                                   config={"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": 2}).float()
+        got = tri.decode_attention(q, *args, 0.2, num_splits, k_scale=k_scale, v_scale=v_scale,
+                                   config={"BLOCK_N": block_n, "num_warps": num_warps, "num_stages": 2,
+                                           "int8": "imma_t"}).float()
         assert bool(torch.isfinite(got).all())
         error = float((got - expected).norm() / expected.norm())
         assert error < 6e-3, error
 
 
-@pytest.mark.parametrize("dim,dtype,path", [(16, torch.float32, "dequant"), (16, torch.bfloat16, "dequant"),
-                                            (32, torch.float32, "dequant"), (32, torch.bfloat16, "imma_t")])
+@pytest.mark.parametrize("path", ["imma_t", "legacy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_int8_decode_loops_match_reference(dim, dtype, path, num_splits):
-    """The int8 decode loop each q takes (int8_path) on a random int8 cache with fp16 row scales and K offsets:
-    "imma_t" for 16-bit q at head_dim >= 32 (q as two int8 terms, integer q.K dots, V scale in the
-    probabilities; the interpreter computes the same values as the PTX), "dequant" for float32 q and head_dim
-    < 32 (tiles dequantized to fp16; float32 q keeps float32 tiles), many tiles over pages of 5 tokens. Against
-    the float32 reference on the same cache: the imma path's q has ~15 bits, below bf16's own rounding of the
-    output (~3e-3)."""
-    from dflash2.kernels.triton.int8_decode import int8_path
-
+def test_int8_decode_loops_match_reference(path, dtype, num_splits):
+    """The int8 decode loops on a random int8 cache with fp16 row scales, forced by the config's "int8" key:
+    "imma_t" (q as two int8 terms, integer K.q dots, V scale in the probabilities; the interpreter
+    computes the same values as the PTX) and "legacy" (tiles dequantized to fp16; float32 q keeps float32
+    tiles), many tiles
+    over pages of 5 tokens. Against the float32 reference on the same cache: the imma path's q has ~15 bits
+    (~2e-5 here in float32), below bf16's own rounding of the output (~3e-3)."""
     lengths = [1, 7, 23, 64, 130]
     g = torch.Generator().manual_seed(11)
-    k_cache, v_cache, k_scale, v_scale, k_offset = int8_cache(80, dim, g)
+    shape = (80, TOKENS_PER_PAGE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = (torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(2))
+    k_scale, v_scale = ((torch.rand(shape[:3], generator=g) * 0.05 + 0.01).half() for _ in range(2))
     table = page_table_for(lengths, 80, seed=5)
-    q = (torch.randn(len(lengths), NUM_KV_HEADS * 2, dim, generator=g) * 3).to(dtype)
-    assert int8_path(q) == path
+    q = (torch.randn(len(lengths), NUM_KV_HEADS * 2, HEAD_DIM, generator=g) * 3).to(dtype)
     slots, lens = torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
     args = (k_cache, v_cache, table, slots, lens)
-    expected = ref.decode_attention(q.float(), *args, max(lengths), 0.25, k_scale, v_scale, k_offset)
-    config = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 2}
-    got = tri.decode_attention(q, *args, 0.25, num_splits, k_scale=k_scale, v_scale=v_scale, k_offset=k_offset,
-                               config=config)
+    expected = ref.decode_attention(q.float(), *args, max(lengths), 0.25, k_scale, v_scale)
+    config = {"BLOCK_N": 16, "num_warps": 2, "num_stages": 2, "int8": path}
+    got = tri.decode_attention(q, *args, 0.25, num_splits, k_scale=k_scale, v_scale=v_scale, config=config)
     error = float((got.float() - expected).norm() / expected.norm())
     assert error < (2e-4 if dtype == torch.float32 else 6e-3), error
 

@@ -1,11 +1,10 @@
 """KVLayout: how one model's K and V fill a page of the shared byte pool.
 
     page (page_bytes bytes):
-    [ data: L0 K | L0 V | L1 K | L1 V | ... | scales: L0 K | L0 V | (L0 K offsets) | L1 K | ... | unused tail ]
+    [ data: L0 K | L0 V | L1 K | L1 V | ... | scales: L0 K | L0 V | L1 K | ... | unused tail ]
       data block (head-major):  [kv_head][token][head_dim]   values of the KV dtype
                                 int4: [kv_head][token][head_dim / 2] bytes, two values a byte
       scale block (quantized):  [kv_head][token]              fp16, one scale per token and head
-      K offset block (int8, int4): [kv_head][token]           fp16, one offset per token and head
 
 Head-major keeps one head's tokens of a page contiguous (tokens_per_page * row bytes), so a decode
 program that reads one KV head streams whole runs of memory instead of one row per token; the older
@@ -13,9 +12,8 @@ token-major order ([token][kv_head][dim]) stays available (`head_major=False`) t
 Either way the typed views have the logical shape [num_pages, tokens_per_page, kv_heads, row] (strides
 differ), so the attention backends index them the same way.
 
-Quantized KV (int8, int4, fp8) has one fp16 scale per token and head: scale = absmax / qmax (127, 7, 448),
-value = round(x / scale); int8 and int4 K rows are centred on the midpoint of their range first, an fp16
-offset per token and head (kernels/torch_ref/kv_quant.py says why). Everything a token needs is inside the
+Quantized KV (int8, int4, fp8) is symmetric with one fp16 scale per token and head:
+scale = absmax / qmax (127, 7, 448), value = round(x / scale). Everything a token needs is inside the
 page, so host swap and prefix sharing, which copy whole byte pages, work unchanged. A model with a smaller
 KV dtype or fewer heads fits more tokens in the same page, and models of different layouts share one pool
 and one free list (DESIGN.md decision 1).
@@ -39,15 +37,14 @@ class KVFormat:
     storage: torch.dtype  # element type of the data views
     values_per_element: int = 1  # int4: two values a byte
     quantized: bool = False
-    k_offset: bool = False  # K rows centred: an fp16 offset per row beside the scale
 
 
 KV_FORMATS = {
     "bf16": KVFormat("bf16", torch.bfloat16),
     "fp16": KVFormat("fp16", torch.float16),
     "fp32": KVFormat("fp32", torch.float32),
-    "int8": KVFormat("int8", torch.int8, quantized=True, k_offset=True),
-    "int4": KVFormat("int4", torch.uint8, values_per_element=2, quantized=True, k_offset=True),
+    "int8": KVFormat("int8", torch.int8, quantized=True),
+    "int4": KVFormat("int4", torch.uint8, values_per_element=2, quantized=True),
     "fp8": KVFormat("fp8", torch.float8_e4m3fn, quantized=True),
 }
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
@@ -124,22 +121,17 @@ class KVLayout:
         return SCALE_BYTES if self.format.quantized else 0
 
     @property
-    def scale_blocks(self) -> int:
-        """fp16 values a token's row keeps per layer and head: K and V scales, and K's offset."""
-        return (2 + self.format.k_offset) if self.format.quantized else 0
-
-    @property
     def bytes_per_token(self) -> int:
-        """One token's K and V across all layers, scales and offsets included."""
-        return self.num_layers * self.num_kv_heads * (2 * self.row_bytes + self.scale_blocks * SCALE_BYTES)
+        """One token's K and V across all layers, scales included."""
+        return 2 * self.num_layers * self.num_kv_heads * (self.row_bytes + self.scale_bytes)
 
     @property
     def tokens_per_page(self) -> int:
         return self.page_bytes // self.bytes_per_token
 
     def layer_views(self, pool_bytes: torch.Tensor) -> list[KVCache]:
-        """Each layer's K/V (and scale, K offset) views of the byte pool, logical shape [num_pages,
-        tokens_per_page, kv_heads, row_elements] (scales and offsets [num_pages, tokens_per_page, kv_heads])."""
+        """Each layer's K/V (and scale) views of the byte pool, logical shape [num_pages, tokens_per_page,
+        kv_heads, row_elements] (scales [num_pages, tokens_per_page, kv_heads])."""
         if self.page_bytes % max(self.element_bytes, SCALE_BYTES):
             raise ValueError(f"page_bytes {self.page_bytes} is not a multiple of the KV element size")
         num_pages = pool_bytes.numel() // self.page_bytes
@@ -153,13 +145,12 @@ class KVLayout:
         for layer in range(self.num_layers):
             k, v = (self._view(data, self.page_bytes // self.element_bytes, (2 * layer + i) * data_block, row)
                     for i in range(2))
-            k_scale = v_scale = k_offset = None
+            k_scale = v_scale = None
             if scales is not None:
-                k_scale, v_scale, k_offset = (
-                    self._view(scales, self.page_bytes // SCALE_BYTES,
-                               scale_start + (self.scale_blocks * layer + i) * heads * tpp, 1)[..., 0]
-                    if i < self.scale_blocks else None for i in range(3))
-            views.append(KVCache(k, v, k_scale, v_scale, k_offset))
+                k_scale, v_scale = (self._view(scales, self.page_bytes // SCALE_BYTES,
+                                               scale_start + (2 * layer + i) * heads * tpp, 1)[..., 0]
+                                    for i in range(2))
+            views.append(KVCache(k, v, k_scale, v_scale))
         return views
 
     def _view(self, typed: torch.Tensor, page_elements: int, offset: int, row: int) -> torch.Tensor:

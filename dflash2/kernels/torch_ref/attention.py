@@ -1,8 +1,7 @@
 """TorchAttention: paged attention in plain PyTorch (the CPU backend and the tests' reference).
 
 Reads any KVCache kind: a float cache is cast to the query dtype; a quantized one (int8, int4, fp8) is
-dequantized page by page after the gather, int8 / int4 K with its row offsets (kernels/torch_ref/kv_quant.py
-has the formats).
+dequantized page by page after the gather (kernels/torch_ref/kv_quant.py has the formats).
 """
 from __future__ import annotations
 
@@ -21,13 +20,13 @@ class TorchAttention:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D]; cache views [num_pages, tokens_per_page, KVH, D]. Returns [T, H, D]."""
         write_kv(k, v, cache.k, cache.v, meta.page_table, meta.token_slots, meta.positions,
-                 cache.k_scale, cache.v_scale, cache.k_offset)
+                 cache.k_scale, cache.v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
             out[:nd] = decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots,
                                         meta.decode_lengths, meta.max_decode_length, scale,
-                                        cache.k_scale, cache.v_scale, cache.k_offset)
+                                        cache.k_scale, cache.v_scale)
         # a chunk with nothing cached before it may use its new K/V as is, when they read back unchanged
         reads_back_exactly = cache.kind == "float" and cache.k.dtype == k.dtype
         for seg in meta.prefills:
@@ -36,7 +35,7 @@ class TorchAttention:
                 keys, values = k[rows], v[rows]
             else:
                 table = meta.page_table[seg.slot]
-                keys = gather_pages(cache.k, table, seg.context_len, cache.k_scale, q.dtype, cache.k_offset)
+                keys = gather_pages(cache.k, table, seg.context_len, cache.k_scale, q.dtype)
                 values = gather_pages(cache.v, table, seg.context_len, cache.v_scale, q.dtype)
             out[rows] = prefill_attention(q[rows], keys, values, scale)
         return out
@@ -44,41 +43,34 @@ class TorchAttention:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              page_table: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-             k_offset: torch.Tensor | None = None) -> None:
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     tokens_per_page = k_cache.shape[1]
     pages = page_table[token_slots.long(), positions // tokens_per_page].long()
     offsets = positions % tokens_per_page
     kind = kv_kind(k_cache.dtype)
-    for x, cache, scales, row_offsets in ((k, k_cache, k_scale, k_offset), (v, v_cache, v_scale, None)):
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         if kind == "float":
             cache[pages, offsets] = x.to(cache.dtype)
         else:
-            data, row_scales, centres = quantize_kv(x, kind, key=row_offsets is not None)
+            data, row_scales = quantize_kv(x, kind)
             cache[pages, offsets] = data
             scales[pages, offsets] = row_scales
-            if centres is not None:
-                row_offsets[pages, offsets] = centres
 
 
-def _dequantized(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
-                 offsets: torch.Tensor | None = None) -> torch.Tensor:
+def _dequantized(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     kind = kv_kind(data.dtype)
-    return data.to(dtype) if kind == "float" else dequantize_kv(data, scales, kind, dtype, offsets)
+    return data.to(dtype) if kind == "float" else dequantize_kv(data, scales, kind, dtype)
 
 
 def gather_pages(cache: torch.Tensor, page_row: torch.Tensor, num_tokens: int,
-                 scales: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                 offsets: torch.Tensor | None = None) -> torch.Tensor:
+                 scales: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The first `num_tokens` tokens of one request's pages, as [num_tokens, KVH, D] (dequantized to
-    `dtype`, with K's row `offsets` where it has them; default dtype: the cache's own, float caches only)."""
+    `dtype`; default: the cache's own dtype, float caches only)."""
     num_pages = -(-num_tokens // cache.shape[1])
     pages = page_row[:num_pages].long()
-
-    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[pages].flatten(0, 1)[:num_tokens]
-
-    return _dequantized(rows(cache), rows(scales), dtype or cache.dtype, rows(offsets))
+    data = cache[pages].flatten(0, 1)[:num_tokens]
+    row_scales = None if scales is None else scales[pages].flatten(0, 1)[:num_tokens]
+    return _dequantized(data, row_scales, dtype or cache.dtype)
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -97,8 +89,7 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, max_length: int, scale: float,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     k_offset: torch.Tensor | None = None) -> torch.Tensor:
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per request over its pages. q [B, H, D] -> [B, H, D]."""
     batch, num_heads, dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -106,13 +97,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_pages = -(-max_length // tokens_per_page)
     table = page_table[slots.long(), :num_pages].long()
 
-    def gathered(cache: torch.Tensor, scales: torch.Tensor | None, offsets: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-        values = _dequantized(cache[table], None if scales is None else scales[table], q.dtype,
-                              None if offsets is None else offsets[table])
+    def gathered(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        values = _dequantized(cache[table], None if scales is None else scales[table], q.dtype)
         return values.reshape(batch, num_pages * tokens_per_page, num_kv_heads, dim)
 
-    keys, values = gathered(k_cache, k_scale, k_offset), gathered(v_cache, v_scale)
+    keys, values = gathered(k_cache, k_scale), gathered(v_cache, v_scale)
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, dim)
     scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
     beyond = torch.arange(keys.shape[1], device=q.device)[None, :] >= lengths[:, None]

@@ -4,11 +4,10 @@ kv_write.py, the int8-KV decode loops in int8_decode.py).
 Cache (one layer, KVCache): views [num_pages, tokens_per_page, kv_heads, head_dim] with any strides (the
 layout is head-major by default, engine/kv/layout.py), any tokens_per_page. Token t of a request in slot s
 lives in page page_table[s, t // tokens_per_page] at offset t % tokens_per_page. Quantized caches (int8,
-int4 packed two a byte, fp8 e4m3) carry an fp16 scale per token and head (int8 / int4 K also an fp16 offset:
-its rows are centred): the write kernels quantize (absmax / qmax, round half up), and `_load_kv_tile` hands the
-stored values, the scales and K's offsets to the attention loops, which fold the K scale into the scores and the
-V scale into the probabilities, since a per-token scale commutes with both dot products: no per-element
-dequantize multiply; K's offset adds offset x sum(q) to each score. int8 decode of 16-bit
+int4 packed two a byte, fp8 e4m3) carry an fp16 scale per token and head: the write kernels quantize
+(absmax / qmax, round half up), and `_load_kv_tile` hands the stored values and the scales to the
+attention loops, which fold the K scale into the scores and the V scale into the probabilities, since a
+per-token scale commutes with both dot products: no per-element dequantize multiply. int8 decode of 16-bit
 models runs its own loops (int8_decode.py); int8 prefill of 16-bit models dequantizes each tile to fp16 in
 registers (int8_decode._int8_tile: byte tricks, no int -> float conversions) for fp16 dots.
 Decode splits each sequence into NUM_SPLITS equal pieces (so one graph serves every length), each
@@ -29,27 +28,28 @@ import triton.language as tl
 
 from dflash2.kernels.attention_metadata import AttentionMetadata, KVCache, kv_kind
 from dflash2.kernels.triton.gemv_parts import INLINE_ASM, _reset_ticket, multiprocessors, split_counters
-from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_tile, int8_path,
-                                                int8_sub_tiles)
+from dflash2.kernels.triton.int8_decode import (_int8_decode_tiles, _int8_imma_t_tiles, _int8_tile,
+                                                int8_path, int8_sub_tiles)
 from dflash2.kernels.triton.kv_write import _rotated_rows, rotary_write_kv, scale_args, write_kv
 from dflash2.kernels.triton.pdl import pdl_args, pdl_release, pdl_start, pdl_wait
 
 PREFILL_BLOCK_M = 64
 DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}  # best of benchmarks/tune_decode.py on H200
+
 # per KV kind ("int8-<loop>" for int8) where tuning found better; else DECODE_CONFIG. int8 imma_t: picked on W1
 # itself, because the kernel tune (benchmarks/tune_decode.py, layer 0 alone, even with W1's own prompts in
 # engine-like pages) has ranked its configs unlike W1 three sessions running: on the H200, W1's int8 decode phase
 # took 2.541 s at 32/1/2 against 2.860 s at 64/2/2 (the previous default), 2.913 at 32/2/2 (the tune's pick),
-# 3.07-3.87 at 64/1/2, 64/4/2, 128/2/2 and 128/4/2 (eighth session, calls 1-2). dequant: third session
+# 3.07-3.87 at 64/1/2, 64/4/2, 128/2/2 and 128/4/2 (eighth session, calls 1-2). legacy: third session
 DECODE_CONFIGS: dict[str, dict[str, int]] = {"int8-imma_t": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 2},
-                                             "int8-dequant": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}
+                                             "int8-legacy": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}
 
 
 def default_decode_config(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
     """decode_attention's config for this q and cache: DECODE_CONFIGS by KV kind (int8: by its loop)."""
     kind = kv_kind(k_cache.dtype)
     if kind == "int8":
-        kind = f"int8-{int8_path(q)}"
+        kind = f"int8-{int8_path(q, {})}"
     return DECODE_CONFIGS.get(kind, DECODE_CONFIG)
 
 
@@ -73,16 +73,16 @@ SHORT_MAX_TOKENS = SHORT_SPLITS * SHORT_CONFIG["BLOCK_N"]
 
 
 @triton.jit
-def _load_kv_tile(k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, tokens, token_mask, kv_head,
-                  stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
+def _load_kv_tile(k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+                  stride_cache_page, stride_cache_token, stride_cache_head,
                   stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page,
                   HEAD_DIM: tl.constexpr, KIND: tl.constexpr):
     """K and V [len(tokens), HEAD_DIM] of one KV head, gathered through the request's page-table row, with
-    their row scales [len(tokens)] (ones for a float cache) and K's row offsets (zeros but for int8 / int4).
-    Quantized tiles hold the stored integers / fp8 values: the scales and offsets are applied by the caller to
-    the scores and probabilities (they are per token, so they factor out of both dot products)."""
+    their row scales [len(tokens)] (ones for a float cache). Quantized tiles hold the stored integers / fp8
+    values: the scales are applied by the caller to the scores and probabilities (they are per token, so
+    they factor out of both dot products)."""
     return _load_kv_tile_at(_tile_pages(page_table, slot, tokens, token_mask, stride_pt, tokens_per_page),
-                            k_cache, v_cache, k_scales, v_scales, k_offsets, tokens, token_mask, kv_head,
+                            k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
                             stride_cache_page, stride_cache_token, stride_cache_head,
                             stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
 
@@ -94,7 +94,7 @@ def _tile_pages(page_table, slot, tokens, token_mask, stride_pt, tokens_per_page
 
 
 @triton.jit
-def _load_kv_tile_at(page, k_cache, v_cache, k_scales, v_scales, k_offsets, tokens, token_mask, kv_head,
+def _load_kv_tile_at(page, k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
                      stride_cache_page, stride_cache_token, stride_cache_head,
                      stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page,
                      HEAD_DIM: tl.constexpr, KIND: tl.constexpr):
@@ -111,7 +111,6 @@ def _load_kv_tile_at(page, k_cache, v_cache, k_scales, v_scales, k_offsets, toke
         d = tl.arange(0, HEAD_DIM)
         k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0.0)
-    k_offset = tl.zeros(tokens.shape, tl.float32)
     if KIND == 0:
         k_scale = tl.full(tokens.shape, 1.0, tl.float32)
         v_scale = k_scale
@@ -119,34 +118,29 @@ def _load_kv_tile_at(page, k_cache, v_cache, k_scales, v_scales, k_offsets, toke
         scale_offs = page * stride_scale_page + in_page * stride_scale_token + kv_head * stride_scale_head
         k_scale = tl.load(k_scales + scale_offs, mask=token_mask, other=0.0).to(tl.float32)
         v_scale = tl.load(v_scales + scale_offs, mask=token_mask, other=0.0).to(tl.float32)
-        if KIND == 1 or KIND == 2:
-            k_offset = tl.load(k_offsets + scale_offs, mask=token_mask, other=0.0).to(tl.float32)
-    return k, v, k_scale, v_scale, k_offset
+    return k, v, k_scale, v_scale
 
 
 @triton.jit
-def _tile_scores(q, q_sum, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, tokens, token_mask,
-                 kv_head, stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
+def _tile_scores(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+                 stride_cache_page, stride_cache_token, stride_cache_head,
                  stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
                  HEAD_DIM: tl.constexpr, KIND: tl.constexpr, PRECISION: tl.constexpr):
-    """One KV tile for the online softmax: the scores q K^T * scale (K scales and offsets folded in), with the
-    tile's V and V scales."""
-    k, v, k_scale, v_scale, k_offset = _load_kv_tile(
-        k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+    """One KV tile for the online softmax: the scores q K^T * scale (K scales folded in), with the tile's
+    V and V scales."""
+    k, v, k_scale, v_scale = _load_kv_tile(
+        k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
         stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
         stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-    return _scores(q, q_sum, k, k_scale, k_offset, scale, KIND, PRECISION), v, v_scale
+    return _scores(q, k, k_scale, scale, KIND, PRECISION), v, v_scale
 
 
 @triton.jit
-def _scores(q, q_sum, k, k_scale, k_offset, scale, KIND: tl.constexpr, PRECISION: tl.constexpr):
-    """q K^T * scale for a loaded tile, its K scales folded in, and for int8 / int4 its row offsets times
-    q_sum (sum(q) per row: q . (k scale + offset) = (q . k) scale + sum(q) offset)."""
+def _scores(q, k, k_scale, scale, KIND: tl.constexpr, PRECISION: tl.constexpr):
+    """q K^T * scale for a loaded tile, its K scales folded in."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
     if KIND != 0:
         s = s * k_scale[None, :]
-    if KIND == 1 or KIND == 2:
-        s = s + q_sum[:, None] * k_offset[None, :]
     return s * scale
 
 
@@ -171,8 +165,8 @@ def _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND: tl.constexpr, PRECISI
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slots, lengths, out_ptr,
-                         lse_ptr, final_ptr, cnt_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr,
+def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, out_ptr, lse_ptr,
+                         final_ptr, cnt_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr,
                          stride_qt, stride_qh, stride_cache_page, stride_cache_token, stride_cache_head,
                          stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
@@ -247,30 +241,28 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, k_offsets,
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     if KIND == 1 and INT8_LOOP == "imma_t":  # its own state: per-warp softmax, merged before returning
         m_i, l_i, acc = _int8_imma_t_tiles(
-            q, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, start, end, kv_head, stride_pt,
+            q, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
             stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
             stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, INT8_SUB)
     elif KIND == 1:
         m_i, l_i, acc = _int8_decode_tiles(
-            q, m_i, acc, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, start, end, kv_head,
-            stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
-            stride_scale_token, stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION)
+            q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head, stride_pt,
+            stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+            stride_scale_head, tokens_per_page, scale, GROUP_PAD, HEAD_DIM, BLOCK_N, PRECISION)
     else:
-        q_sum = tl.sum(q.to(tl.float32), 1)  # K's row offsets (int4) multiply it
         for n0 in range(start, loop_end, BLOCK_N):
             tokens = n0 + tl.arange(0, BLOCK_N)
             token_mask = tokens < loop_end
             if not PAGES_EARLY:  # else looked up with the tile before (the first ones before the wait)
                 pages = _tile_pages(page_table, slot, tokens, token_mask, stride_pt, tokens_per_page)
-            k, v, k_scale, v_scale, k_offset = _load_kv_tile_at(
-                pages, k_cache, v_cache, k_scales, v_scales, k_offsets, tokens, token_mask, kv_head,
+            k, v, k_scale, v_scale = _load_kv_tile_at(
+                pages, k_cache, v_cache, k_scales, v_scales, tokens, token_mask, kv_head,
                 stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
                 stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
             if PAGES_EARLY:
                 pages = _tile_pages(page_table, slot, tokens + BLOCK_N, tokens + BLOCK_N < loop_end, stride_pt,
                                     tokens_per_page)
-            s = tl.where(token_mask[None, :], _scores(q, q_sum, k, k_scale, k_offset, scale, KIND, PRECISION),
-                         float("-inf"))
+            s = tl.where(token_mask[None, :], _scores(q, k, k_scale, scale, KIND, PRECISION), float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, False)
     if ROTARY:
         if holds_new:
@@ -346,8 +338,8 @@ def _merge_splits(partial_ptr, lse_ptr, out_ptr, b, first_head, length, per_spli
 
 
 @triton.jit(do_not_specialize=["row_offset"])  # varies every step: no recompile per value class
-def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, out_ptr, query_starts,
-                    context_lens, seg_slots, block_segments, block_starts,
+def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, out_ptr, query_starts, context_lens,
+                    seg_slots, block_segments, block_starts,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cache_page, stride_cache_token, stride_cache_head,
                     stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
@@ -380,25 +372,24 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, k_offsets, page
     INT8_FP16: tl.constexpr = KIND == 1 and q_ptr.dtype.element_ty != tl.float32
     if INT8_FP16:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    q_sum = tl.sum(q.to(tl.float32), 1)  # K's row offsets (int4; int8 puts them in its fp16 tiles) multiply it
     for n0 in range(0, kv_end, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
         allowed = (tokens[None, :] <= q_pos[:, None]) & token_mask[None, :]
         if INT8_FP16:
-            k, v, k_scale, v_scale, k_offset = _load_kv_tile(
-                k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, tokens, token_mask, kv_head,
-                stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
-                stride_scale_token, stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
-            s = tl.dot(q, tl.trans(_int8_tile(k, k_scale, k_offset, False, True))) * scale
+            k, v, k_scale, v_scale = _load_kv_tile(
+                k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+                stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+                stride_scale_head, tokens_per_page, HEAD_DIM, KIND)
+            s = tl.dot(q, tl.trans(_int8_tile(k, k_scale.to(tl.float16), False))) * scale
             s = tl.where(allowed, s, float("-inf"))
-            m_i, l_i, acc = _softmax_update(s, _int8_tile(v, v_scale, v_scale, False, False), v_scale, m_i, l_i,
+            m_i, l_i, acc = _softmax_update(s, _int8_tile(v, v_scale.to(tl.float16), False), v_scale, m_i, l_i,
                                             acc, q, 0, PRECISION, True)  # kind 0: V arrives scaled
         else:
             s, v, v_scale = _tile_scores(
-                q, q_sum, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, tokens, token_mask,
-                kv_head, stride_pt, stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page,
-                stride_scale_token, stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
+                q, k_cache, v_cache, k_scales, v_scales, page_table, slot, tokens, token_mask, kv_head, stride_pt,
+                stride_cache_page, stride_cache_token, stride_cache_head, stride_scale_page, stride_scale_token,
+                stride_scale_head, tokens_per_page, scale, HEAD_DIM, KIND, PRECISION)
             s = tl.where(allowed, s, float("-inf"))
             m_i, l_i, acc = _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND, PRECISION, True)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -455,15 +446,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, config: dict | None = None,
-                     rotary: tuple[torch.Tensor, ...] | None = None, k_offset: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     rotary: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """q [B, H, D] over each request's first lengths[b] cached positions -> [B, H, D]. `config` overrides
     DECODE_CONFIG (benchmarks/tune_decode.py). With `rotary` = (k [B, KV heads, D], v, cos, sin) on a float
     cache, q and k are un-rotated and the step's position (lengths[b] - 1) is not in the cache yet: the kernel
     rotates q and k (rotate-half, the tables' rows by position) and writes k and v there."""
     batch, num_heads, dim = q.shape
     config = default_decode_config(q, k_cache) if config is None else config
-    kind, k_scales, v_scales, k_offsets, *scale_strides = scale_args(k_cache, k_scale, v_scale, k_offset)
+    kind, k_scales, v_scales, *scale_strides = scale_args(k_cache, k_scale, v_scale)
     if rotary is not None and kind != 0:
         raise ValueError("decode_attention's rotary takes a float cache")
     k_new, v_new, cos, sin = rotary if rotary is not None else (q, q, q, q)
@@ -478,11 +468,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     counters = split_counters(q.device, batch * num_kv_heads)  # a dict lookup; read only with splits
     block_n = config["BLOCK_N"] if dim <= 128 else 32
     prefetch_lines = kv_prefetch_lines(config, dim, k_cache.element_size(), kind == 0 and num_splits > 1)
-    loop = int8_path(q) if kind == 1 else ""
+    loop = int8_path(q, config) if kind == 1 else ""
     # imma_t: heads as the mma's N side (no 16-row padding), one token sub-tile a warp
     group_pad = triton.next_power_of_2(group) if loop == "imma_t" else max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
-        q, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slots, lengths, partial, lse, out, counters,
+        q, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, partial, lse, out, counters,
         k_new, v_new, cos, sin,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *scale_strides, page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
@@ -502,10 +492,9 @@ def prefill_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
     num_blocks = meta.prefill_block_segments.shape[0]
     num_heads, dim = q.shape[1], q.shape[2]
     group = num_heads // cache.k.shape[2]
-    kind, k_scales, v_scales, k_offsets, *scale_strides = scale_args(cache.k, cache.k_scale, cache.v_scale,
-                                                                     cache.k_offset)
+    kind, k_scales, v_scales, *scale_strides = scale_args(cache.k, cache.k_scale, cache.v_scale)
     _prefill_kernel[(num_blocks, num_heads)](
-        q, cache.k, cache.v, k_scales, v_scales, k_offsets, meta.page_table, out, meta.prefill_query_starts,
+        q, cache.k, cache.v, k_scales, v_scales, meta.page_table, out, meta.prefill_query_starts,
         meta.prefill_context_lens, meta.prefill_slots, meta.prefill_block_segments, meta.prefill_block_starts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *cache.k.stride()[:3], *scale_strides, meta.page_table.stride(0),
@@ -548,7 +537,7 @@ class TritonAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, cache.k, cache.v, meta.page_table, meta.token_slots, meta.positions,
-                 cache.k_scale, cache.v_scale, cache.k_offset)
+                 cache.k_scale, cache.v_scale)
         return self._attend(q, cache, meta, scale)
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
@@ -575,7 +564,7 @@ class TritonAttention:
                                                                 q.shape[1] // num_kv_heads)
             decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots, meta.decode_lengths,
                              scale, splits, out=out[:nd], k_scale=cache.k_scale, v_scale=cache.v_scale,
-                             config=self.graph_decode_config, rotary=rotary, k_offset=cache.k_offset)
+                             config=self.graph_decode_config, rotary=rotary)
         if meta.prefill_block_segments is not None:  # set whenever the step has prefill chunks
             prefill_attention(q, cache, meta, scale, out, row_offset=nd)
         return out

@@ -1,19 +1,13 @@
 """The int8-KV decode loops that _decode_split_kernel (attention.py) runs over a program's KV range.
 
-    _int8_imma_t_tiles  "imma_t", 16-bit models with head_dim >= 32 (an int8 mma's k step): q quantized once per
-                        program as two int8 terms, integer K.q^T dots on the stored bytes (tokens as the mma's M
-                        side, the GQA heads as N: no softmax work on 16 padded rows), split into one token
-                        sub-tile a warp, each with its own online softmax (no cross-warp step a tile); K scale x
-                        q factor on the scores, V scale folded into the probabilities, V bytes -> fp16 without a
-                        scale; K/V tiles loaded without masks. 2.35 sm_90 instructions a KV element at W1's
-                        config (2.47 before the K offsets and the mask-free loads); W1 int8 on the H200: 35,563
-                        out tok/s against 32,143 with queries as the M side (same call, both at the old config)
-    _int8_decode_tiles  "dequant", float32 models and head_dim < 32: each K/V tile dequantized in registers to
-                        fp16 (or float32), then float dots
-K rows are centred (x = q * scale + offset, kernels/torch_ref/kv_quant.py): imma_t adds offset x sum(q) to each
-integer score (q.x = scale (q.k_int) + offset sum(q); one multiply-add a score, sum(q) once a program), dequant
-dequantizes K with its offset (an fma where the scale was a multiply). Both convert bytes with inline PTX on the
-GPU (plain casts under the interpreter) and find pages with a multiply-high instead of a division.
+    _int8_imma_t_tiles  16-bit models with head_dim >= 32: q quantized once per program as two int8 terms,
+                        integer K.q^T dots on the stored bytes (tokens as the mma's M side, the GQA heads as N),
+                        one token sub-tile a warp, each with its own online softmax; K scale x q factor on the
+                        scores, V scale folded into the probabilities, V bytes -> fp16 without a scale
+    _int8_decode_tiles  float32 models and head_dim < 32: each K/V tile dequantized in registers to fp16 (or
+                        float32), then float dots
+All convert bytes with inline PTX on the GPU (plain casts under the interpreter) and find pages with a
+multiply-high instead of a division.
 """
 from __future__ import annotations
 
@@ -43,76 +37,61 @@ def _int8_page_rows(page_table, slot, tokens, token_mask, tokens_per_page, magic
 
 
 @triton.jit
-def _int8_scales(k_scales, v_scales, k_offsets, page_table, slot, tokens, end, tokens_per_page, magic, stride_pt,
+def _int8_scales(k_scales, v_scales, page_table, slot, tokens, end, tokens_per_page, magic, stride_pt,
                  stride_scale_page, stride_scale_token, scale_head_offs):
-    """The K and V row scales and the K row offsets of these tokens (0 past `end`)."""
+    """The K and V row scales of these tokens (0 past `end`)."""
     page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
     scale_offs = page * stride_scale_page + in_page * stride_scale_token + scale_head_offs
     return (tl.load(k_scales + scale_offs, mask=tokens < end, other=0.0),
-            tl.load(v_scales + scale_offs, mask=tokens < end, other=0.0),
-            tl.load(k_offsets + scale_offs, mask=tokens < end, other=0.0))
+            tl.load(v_scales + scale_offs, mask=tokens < end, other=0.0))
 
 
 @triton.jit
-def _int8_rows_and_next_scales(k_scales, v_scales, k_offsets, page_table, slot, tokens, end, tokens_per_page, magic,
+def _int8_rows_and_next_scales(k_scales, v_scales, page_table, slot, tokens, end, tokens_per_page, magic,
                                stride_pt, stride_cache_page, stride_cache_token, head_offs, stride_scale_page,
                                stride_scale_token, scale_head_offs, BLOCK_N: tl.constexpr):
-    """Each token's row offset in the cache, and the scales and K offsets of the tile after this one (loaded a
-    tile ahead, so the loop never waits on them)."""
+    """Each token's row offset in the cache, and the scales of the tile after this one (loaded a tile ahead, so
+    the loop never waits on a scale)."""
     page, in_page = _int8_page_rows(page_table, slot, tokens, tokens < end, tokens_per_page, magic, stride_pt)
     offs = page * stride_cache_page + in_page * stride_cache_token + head_offs
-    next_k_scale, next_v_scale, next_k_offset = _int8_scales(
-        k_scales, v_scales, k_offsets, page_table, slot, tokens + BLOCK_N, end, tokens_per_page, magic, stride_pt,
-        stride_scale_page, stride_scale_token, scale_head_offs)
-    return offs, next_k_scale, next_v_scale, next_k_offset
+    next_k_scale, next_v_scale = _int8_scales(k_scales, v_scales, page_table, slot, tokens + BLOCK_N, end,
+                                              tokens_per_page, magic, stride_pt, stride_scale_page,
+                                              stride_scale_token, scale_head_offs)
+    return offs, next_k_scale, next_v_scale
 
 
 @triton.jit
-def _int8_tile(x, row_scale, row_offset, F32: tl.constexpr, OFFSET: tl.constexpr):
-    """int8 tile x [R, C] times its fp16 row scales [R], plus its fp16 row offsets [R] for OFFSET (K) -> fp16
-    [R, C] (the dequantized values, as an fp16 cache would hold them), or float32 [R, C] for F32 (float32 models).
-    PTX: 4 bytes at a time, flip the sign bits (q + 128 in 0..255), place each byte under an fp16 exponent of
-    1024 (prmt: 1024 + q + 128, exact), subtract 1152, multiply by the scale (OFFSET: fma with the offset, one
-    rounding): 1.75 instructions a value either way. Not pure on purpose: the compiler would otherwise move the
-    conversion past the layout change to the dot operand (converting there, after byte-wise shared memory
-    reads)."""
+def _int8_tile(x, row_scale, F32: tl.constexpr):
+    """int8 tile x [R, C] times its fp16 row scales [R] -> fp16 [R, C] (the dequantized values, as an fp16 cache
+    would hold them), or float32 [R, C] for F32 (float32 models). PTX: 4 bytes at a time, flip the sign bits
+    (q + 128 in 0..255), place each byte under an fp16 exponent of 1024 (prmt: 1024 + q + 128, exact),
+    subtract 1152, multiply by the scale: 1.75 instructions a value. Not pure on purpose: the compiler would
+    otherwise move the conversion past the layout change to the dot operand (converting there, after
+    byte-wise shared memory reads)."""
     if F32:
         y = x.to(tl.float32) * row_scale.to(tl.float32)[:, None]
-        if OFFSET:
-            y = y + row_offset.to(tl.float32)[:, None]
     elif _PTX:
-        scales = tl.broadcast_to(row_scale.to(tl.float16)[:, None], x.shape)
-        if OFFSET:
-            y = tl.inline_asm_elementwise(
-                "{ .reg .b32 u, m, a, b; xor.b32 u, $2, 0x80808080; mov.b32 m, 0x64806480; "
-                "prmt.b32 a, u, 0x64646464, 0x5140; prmt.b32 b, u, 0x64646464, 0x7362; sub.f16x2 a, a, m; "
-                "sub.f16x2 b, b, m; fma.rn.f16x2 $0, a, $3, $5; fma.rn.f16x2 $1, b, $4, $6; }",
-                "=r,=r,r,r,r,r,r", [x, scales, tl.broadcast_to(row_offset.to(tl.float16)[:, None], x.shape)],
-                dtype=tl.float16, is_pure=False, pack=4)
-        else:
-            y = tl.inline_asm_elementwise(
-                "{ .reg .b32 u, m, a, b; xor.b32 u, $2, 0x80808080; mov.b32 m, 0x64806480; "
-                "prmt.b32 a, u, 0x64646464, 0x5140; prmt.b32 b, u, 0x64646464, 0x7362; "
-                "sub.f16x2 a, a, m; sub.f16x2 b, b, m; mul.f16x2 $0, a, $3; mul.f16x2 $1, b, $4; }",
-                "=r,=r,r,r,r", [x, scales], dtype=tl.float16, is_pure=False, pack=4)
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 u, m, a, b; xor.b32 u, $2, 0x80808080; mov.b32 m, 0x64806480; "
+            "prmt.b32 a, u, 0x64646464, 0x5140; prmt.b32 b, u, 0x64646464, 0x7362; "
+            "sub.f16x2 a, a, m; sub.f16x2 b, b, m; mul.f16x2 $0, a, $3; mul.f16x2 $1, b, $4; }",
+            "=r,=r,r,r,r", [x, tl.broadcast_to(row_scale[:, None], x.shape)], dtype=tl.float16, is_pure=False,
+            pack=4)
     else:
-        y = x.to(tl.float16) * row_scale.to(tl.float16)[:, None]
-        if OFFSET:
-            y = y + row_offset.to(tl.float16)[:, None]
+        y = x.to(tl.float16) * row_scale[:, None]
     return y
 
 
 @triton.jit
-def _int8_decode_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, start, end,
-                       kv_head, stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
+def _int8_decode_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head,
+                       stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
                        stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
                        GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                        PRECISION: tl.constexpr):
     """The decode loop over tokens start..end of an int8 cache: (m_i, l_i, acc) of the online softmax.
-    Each K/V tile is dequantized in registers to fp16 (values x row scale, + K's row offset: _int8_tile) and goes
-    to the dots through shared memory as an fp16 tile would (ldmatrix, no byte-wise reads); q is cast to fp16
-    (clamped to its range) and both dots run in fp16 with fp32 accumulation (float32 models: float32 tiles and
-    dots).
+    Each K/V tile is dequantized in registers to fp16 (values x row scale, _int8_tile) and goes to the dots
+    through shared memory as an fp16 tile would (ldmatrix, no byte-wise reads); q is cast to fp16 (clamped to
+    its range) and both dots run in fp16 with fp32 accumulation (float32 models: float32 tiles and dots).
     The page entries are found once a token for K, V and the scales (no division a token), the scales of the
     next tile are loaded one iteration ahead (the compiler pipelines the K/V tiles and the page entries but not
     2-byte loads), and the softmax denominator is kept per score column and summed once after the loop (no
@@ -128,50 +107,46 @@ def _int8_decode_tiles(q, m_i, acc, k_cache, v_cache, k_scales, v_scales, k_offs
     l_part = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
     head_offs = kv_head * stride_cache_head
     scale_head_offs = kv_head * stride_scale_head
-    k_scale, v_scale, k_offset = _int8_scales(k_scales, v_scales, k_offsets, page_table, slot, start + cols, end,
-                                              tokens_per_page, magic, stride_pt, stride_scale_page,
-                                              stride_scale_token, scale_head_offs)
+    k_scale, v_scale = _int8_scales(k_scales, v_scales, page_table, slot, start + cols, end, tokens_per_page, magic,
+                                    stride_pt, stride_scale_page, stride_scale_token, scale_head_offs)
     for n0 in range(start, end, BLOCK_N):
         tokens = n0 + cols
         token_mask = tokens < end
-        offs, next_k_scale, next_v_scale, next_k_offset = _int8_rows_and_next_scales(
-            k_scales, v_scales, k_offsets, page_table, slot, tokens, end, tokens_per_page, magic, stride_pt,
-            stride_cache_page, stride_cache_token, head_offs, stride_scale_page, stride_scale_token, scale_head_offs,
-            BLOCK_N)
+        offs, next_k_scale, next_v_scale = _int8_rows_and_next_scales(
+            k_scales, v_scales, page_table, slot, tokens, end, tokens_per_page, magic, stride_pt, stride_cache_page,
+            stride_cache_token, head_offs, stride_scale_page, stride_scale_token, scale_head_offs, BLOCK_N)
         k = tl.load(k_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
         v = tl.load(v_cache + offs[:, None] + d[None, :], mask=token_mask[:, None], other=0)
-        s = tl.dot(q_dot, tl.trans(_int8_tile(k, k_scale, k_offset, F32, True)), input_precision=PRECISION) * scale
+        s = tl.dot(q_dot, tl.trans(_int8_tile(k, k_scale, F32)), input_precision=PRECISION) * scale
         s = tl.where(token_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_part = l_part * alpha[:, None] + p
-        acc = acc * alpha[:, None] + tl.dot(p.to(q_dot.dtype), _int8_tile(v, v_scale, v_scale, F32, False),
+        acc = acc * alpha[:, None] + tl.dot(p.to(q_dot.dtype), _int8_tile(v, v_scale, F32),
                                             input_precision=PRECISION)
         m_i = m_new
-        k_scale, v_scale, k_offset = next_k_scale, next_v_scale, next_k_offset
+        k_scale, v_scale = next_k_scale, next_v_scale
     return m_i, tl.sum(l_part, 1), acc
 
 
 @triton.jit
 def _int8_quantize_q(q, scale):
     """q [R, D] as two int8 terms and a row factor: q ~ (hi + lo / 254) * qs (hi = round(q / qs), qs = absmax /
-    127, lo the rounding remainder in 1/254 steps: ~15 bits, finer than bf16's 8), qs * scale * log2(e), and
-    sum(q) / qs (what K's row offsets multiply)."""
+    127, lo the rounding remainder in 1/254 steps: ~15 bits, finer than bf16's 8), and qs * scale * log2(e)."""
     qf = q.to(tl.float32)
     amax = tl.max(tl.abs(qf), 1)
     qs = tl.where(amax == 0.0, 1.0, amax / 127.0)
     x = qf / qs[:, None]
     hi = tl.clamp(tl.floor(x + 0.5), -127.0, 127.0)
     lo = tl.clamp(tl.floor((x - hi) * 254.0 + 0.5), -127.0, 127.0)
-    return hi.to(tl.int8), lo.to(tl.int8), qs * (scale * 1.4426950408889634), tl.sum(x, 1)
+    return hi.to(tl.int8), lo.to(tl.int8), qs * (scale * 1.4426950408889634)
 
 
 @triton.jit
 def _int8_v_fp16_biased(x):
-    """int8 tile x -> fp16 x + 1152 (exact). PTX: 4 bytes at a time, flip the sign bits (q + 128), place each byte
-    under an fp16 exponent of 1024 (prmt): 0.75 instructions a value; the caller takes 1152 x (the probabilities'
-    sum) off the accumulator. Not pure on purpose (see _int8_tile)."""
+    """int8 tile x -> fp16 x + 1152 (exact): _int8_v_fp16 without the subtraction, 0.75 instructions a value;
+    the caller takes 1152 x (the probabilities' sum) off the accumulator."""
     if _PTX:
         y = tl.inline_asm_elementwise(
             "{ .reg .b32 u; xor.b32 u, $2, 0x80808080; "
@@ -183,23 +158,21 @@ def _int8_v_fp16_biased(x):
 
 
 @triton.jit
-def _int8_imma_t_tiles(q, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, slot, start, end, kv_head,
-                       stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
-                       stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
-                       GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
-    """Scores S^T = K q^T [tokens, heads] (the stored K bytes as the mma's M side, q's two int8 terms as N, which
-    may be below the mma's 8: no 16-row padding), plus K's row offset x sum(q), and O^T = V^T P^T [head_dim,
-    heads]. The tile is SUB sub-tiles of BLOCK_N / SUB tokens, one batch of a 3-D dot each (Triton gives each
-    warp its own batch when SUB = num_warps): each keeps its own online softmax (no reduction or layout change
-    across warps in the loop), merged by their maxima after it. Masked tokens get a -inf score through an
-    addend. Returns (m_i in natural-log units, l_i, acc [GROUP_PAD, HEAD_DIM])."""
+def _int8_imma_t_tiles(q, k_cache, v_cache, k_scales, v_scales, page_table, slot, start, end, kv_head,
+                     stride_pt, stride_cache_page, stride_cache_token, stride_cache_head,
+                     stride_scale_page, stride_scale_token, stride_scale_head, tokens_per_page, scale,
+                     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
+    """The imma loop transposed and split per warp: scores S^T = K q^T [tokens, heads] (the stored K bytes as the
+    mma's M side, q's two int8 terms as N, which may be below the mma's 8: no 16-row padding), and O^T = V^T P^T
+    [head_dim, heads]. The tile is SUB sub-tiles of BLOCK_N / SUB tokens, one batch of a 3-D dot each (Triton
+    gives each warp its own batch when SUB = num_warps): each keeps its own online softmax (no reduction or
+    layout change across warps in the loop), merged by their maxima after it. Masked tokens get a -inf score
+    through the K scale's addend. Returns (m_i in natural-log units, l_i, acc [GROUP_PAD, HEAD_DIM])."""
     T: tl.constexpr = BLOCK_N // SUB
     magic = (4294967295 // (tokens_per_page + tl.zeros([], tl.int64))).to(tl.uint32)
     d = tl.arange(0, HEAD_DIM)
     cols = tl.reshape(tl.arange(0, BLOCK_N), [SUB, T])
-    q_hi, q_lo, q_factor, q_sum = _int8_quantize_q(q, scale)
-    q_factor = q_factor * (1.0 / 254.0)  # s_int below is in units of qs / 254: scaled here once, not a tile
-    q_sum = q_sum * 254.0
+    q_hi, q_lo, q_factor = _int8_quantize_q(q, scale)
     q_hi = tl.broadcast_to(tl.trans(q_hi)[None, :, :], [SUB, HEAD_DIM, GROUP_PAD])
     q_lo = tl.broadcast_to(tl.trans(q_lo)[None, :, :], [SUB, HEAD_DIM, GROUP_PAD])
     m_i = tl.full([SUB, GROUP_PAD], float("-inf"), tl.float32)
@@ -209,25 +182,20 @@ def _int8_imma_t_tiles(q, k_cache, v_cache, k_scales, v_scales, k_offsets, page_
     p_sum = tl.zeros([SUB, 16, GROUP_PAD], tl.float32)
     head_offs = kv_head * stride_cache_head
     scale_head_offs = kv_head * stride_scale_head
-    k_scale, v_scale, k_offset = _int8_scales(k_scales, v_scales, k_offsets, page_table, slot, start + cols, end,
-                                              tokens_per_page, magic, stride_pt, stride_scale_page,
-                                              stride_scale_token, scale_head_offs)
+    k_scale, v_scale = _int8_scales(k_scales, v_scales, page_table, slot, start + cols, end, tokens_per_page, magic,
+                                    stride_pt, stride_scale_page, stride_scale_token, scale_head_offs)
     for n0 in range(start, end, BLOCK_N):
         tokens = n0 + cols
         token_mask = tokens < end
-        offs, next_k_scale, next_v_scale, next_k_offset = _int8_rows_and_next_scales(
-            k_scales, v_scales, k_offsets, page_table, slot, tokens, end, tokens_per_page, magic, stride_pt,
-            stride_cache_page, stride_cache_token, head_offs, stride_scale_page, stride_scale_token, scale_head_offs,
-            BLOCK_N)
+        offs, next_k_scale, next_v_scale = _int8_rows_and_next_scales(
+            k_scales, v_scales, page_table, slot, tokens, end, tokens_per_page, magic, stride_pt, stride_cache_page,
+            stride_cache_token, head_offs, stride_scale_page, stride_scale_token, scale_head_offs, BLOCK_N)
         offs = offs[:, :, None] + d[None, None, :]
-        # unmasked: a token past `end` reads a row of page 0 (its page entry is masked to 0), finite bytes that its
-        # zero scales and offset and its -inf addend keep out of every sum; the masks cost ~30 instructions a tile
-        k = tl.load(k_cache + offs)
-        v = tl.load(v_cache + offs)
+        k = tl.load(k_cache + offs, mask=token_mask[:, :, None], other=0)
+        v = tl.load(v_cache + offs, mask=token_mask[:, :, None], other=0)
         s_int = tl.dot(k, q_hi, out_dtype=tl.int32) * 254 + tl.dot(k, q_lo, out_dtype=tl.int32)  # [SUB, T, G]
         bias = tl.where(token_mask, 0.0, float("-inf"))
-        s = s_int.to(tl.float32) * k_scale.to(tl.float32)[:, :, None] + (
-            k_offset.to(tl.float32)[:, :, None] * q_sum[None, None, :] + bias[:, :, None])
+        s = s_int.to(tl.float32) * (k_scale.to(tl.float32) * (1.0 / 254.0))[:, :, None] + bias[:, :, None]
         m_new = tl.maximum(m_i, tl.max(s, 1) * q_factor[None, :])
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a sub-tile with no token yet
         p = tl.exp2(s * q_factor[None, None, :] - m_ref[:, None, :])
@@ -237,7 +205,7 @@ def _int8_imma_t_tiles(q, k_cache, v_cache, k_scales, v_scales, k_offsets, page_
         acc = acc * alpha[:, None, :] + tl.dot(tl.permute(_int8_v_fp16_biased(v), (0, 2, 1)), pv)
         p_sum = p_sum * alpha[:, None, :] + tl.dot(ones, pv)  # every row: the sum of pv, exact products
         m_i = m_new
-        k_scale, v_scale, k_offset = next_k_scale, next_v_scale, next_k_offset
+        k_scale, v_scale = next_k_scale, next_v_scale
     m = tl.max(m_i, 0)
     w = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])  # [SUB, G]
     l_i = tl.sum(tl.sum(l_part, 1) * w, 0)
@@ -246,10 +214,13 @@ def _int8_imma_t_tiles(q, k_cache, v_cache, k_scales, v_scales, k_offsets, page_
     return m * 0.6931471805599453, l_i, acc
 
 
-def int8_path(q: torch.Tensor) -> str:
+def int8_path(q: torch.Tensor, config: dict) -> str:
     """The int8 decode loop: "imma_t" for 16-bit q with head_dim >= 32 (an int8 mma takes 32 values a step), else
-    "dequant" (float32 models keep exact float32 dots)."""
-    return "imma_t" if q.dtype != torch.float32 and q.shape[-1] >= 32 else "dequant"
+    "legacy" (float32 models keep exact float32 dots); a decode config's "int8" key picks one (for the tests
+    and benchmarks/tune_decode.py)."""
+    if "int8" in config:
+        return config["int8"]
+    return "imma_t" if q.dtype != torch.float32 and q.shape[-1] >= 32 else "legacy"
 
 
 def int8_sub_tiles(block_n: int, num_warps: int) -> int:

@@ -1,6 +1,5 @@
 """Writing new K/V into the paged cache (TritonAttention's first half): one program a token, quantizing to the
-cache's kind (int8 / int4 / fp8 with an fp16 scale per token and head, absmax / qmax, round half up; int8 and
-int4 K rows centred on the midpoint of their range first, an fp16 offset per token and head).
+cache's kind (int8 / int4 / fp8 with an fp16 scale per token and head, absmax / qmax, round half up).
 
     write_kv          K and V as they are
     rotary_write_kv   the rotary embedding applied to q in place and to k on its way into the cache (and
@@ -35,16 +34,14 @@ def _row_scales(absmax, KIND: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(cache, row_offs, x, inv_scale, centre, mask, COL0: tl.constexpr, WIDTH: tl.constexpr,
-                KIND: tl.constexpr):
-    """Store x [R, WIDTH] (values COL0.. of each row) at cache + row_offs[r]; quantized kinds subtract the row's
-    `centre` [R] (0 but for int8 / int4 K), divide by `inv_scale` [R] (the row scale, 1 where it is 0) and round
-    first. int4 packs pairs into bytes."""
+def _store_rows(cache, row_offs, x, inv_scale, mask, COL0: tl.constexpr, WIDTH: tl.constexpr, KIND: tl.constexpr):
+    """Store x [R, WIDTH] (values COL0.. of each row) at cache + row_offs[r]; quantized kinds divide by
+    `inv_scale` [R] (the row scale, 1 where it is 0) and round first. int4 packs pairs into bytes."""
     if KIND == 0:
         cols = COL0 + tl.arange(0, WIDTH)
         tl.store(cache + row_offs[:, None] + cols[None, :], x.to(cache.dtype.element_ty), mask=mask[:, None])
     else:
-        scaled = (x.to(tl.float32) - centre[:, None]) / inv_scale[:, None]
+        scaled = x.to(tl.float32) / inv_scale[:, None]
         if KIND == 3:
             cols = COL0 + tl.arange(0, WIDTH)
             tl.store(cache + row_offs[:, None] + cols[None, :],
@@ -85,28 +82,20 @@ def _token_rows(page_table, token_slots, positions, t, heads, stride_pt, tokens_
 
 
 @triton.jit
-def _row_divisors(k_scales, v_scales, k_offsets, scale_offs, k_min, k_max, v_absmax, mask, HEADS_PAD: tl.constexpr,
+def _row_divisors(k_scales, v_scales, scale_offs, k_absmax, v_absmax, mask, HEADS_PAD: tl.constexpr,
                   KIND: tl.constexpr):
-    """For a quantized cache, store the K and V row scales (and int8 / int4 K's offsets: the midpoint of the row's
-    range [k_min, k_max], fp16) and return what to divide the rows by and the K rows' centres; 1 and 0 for a
-    float cache. The centred row's absmax is max(k_max - centre, centre - k_min), the same float32 value as the
-    elementwise one (rounding is monotonic)."""
+    """For a quantized cache, store the K and V row scales and return what to divide the rows by; 1 for a float
+    cache."""
     k_div = tl.full([HEADS_PAD], 1.0, tl.float32)
     v_div = k_div
-    k_centre = tl.zeros([HEADS_PAD], tl.float32)
-    if KIND == 1 or KIND == 2:
-        k_centre = tl.clamp((k_max + k_min) * 0.5, -65504.0, 65504.0).to(tl.float16)
-        tl.store(k_offsets + scale_offs, k_centre, mask=mask)
-        k_centre = k_centre.to(tl.float32)
     if KIND != 0:
-        k_div = _store_scales(k_scales, scale_offs, tl.maximum(k_max - k_centre, k_centre - k_min), mask, KIND)
+        k_div = _store_scales(k_scales, scale_offs, k_absmax, mask, KIND)
         v_div = _store_scales(v_scales, scale_offs, v_absmax, mask, KIND)
-    return k_div, v_div, k_centre
+    return k_div, v_div
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, token_slots,
-                     positions,
+def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, page_table, token_slots, positions,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cache_page, stride_cache_token,
                      stride_cache_head, stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                      tokens_per_page, num_kv_heads,
@@ -123,11 +112,10 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, k_offse
     d = tl.arange(0, HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :], mask=mask[:, None], other=0.0)
     v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask[:, None], other=0.0)
-    k_div, v_div, k_centre = _row_divisors(k_scales, v_scales, k_offsets, scale_offs, tl.min(k.to(tl.float32), 1),
-                                           tl.max(k.to(tl.float32), 1), tl.max(tl.abs(v.to(tl.float32)), 1), mask,
-                                           KV_HEADS_PAD, KIND)
-    _store_rows(k_cache, row_offs, k, k_div, k_centre, mask, 0, HEAD_DIM, KIND)
-    _store_rows(v_cache, row_offs, v, v_div, tl.zeros_like(v_div), mask, 0, HEAD_DIM, KIND)
+    k_div, v_div = _row_divisors(k_scales, v_scales, scale_offs, tl.max(tl.abs(k.to(tl.float32)), 1),
+                                 tl.max(tl.abs(v.to(tl.float32)), 1), mask, KV_HEADS_PAD, KIND)
+    _store_rows(k_cache, row_offs, k, k_div, mask, 0, HEAD_DIM, KIND)
+    _store_rows(v_cache, row_offs, v, v_div, mask, 0, HEAD_DIM, KIND)
 
 
 @triton.jit
@@ -158,7 +146,7 @@ def _rotated_rows(x, x_swapped, c, s, first_half):
 
 
 @triton.jit
-def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, k_offsets, cos_ptr, sin_ptr,
+def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, cos_ptr, sin_ptr,
                             page_table, token_slots, positions, q_norm_w, k_norm_w, norm_eps,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             stride_cache_page, stride_cache_token, stride_cache_head,
@@ -198,39 +186,30 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
     v_offs = t * stride_vt + hk[:, None] * stride_vh + d[None, :]
     v1 = tl.load(v_ptr + v_offs, mask=kv_mask[:, None], other=0.0)
     v2 = tl.load(v_ptr + v_offs + HALF, mask=kv_mask[:, None], other=0.0)
-    k_min = tl.minimum(tl.min(k1.to(tl.float32), 1), tl.min(k2.to(tl.float32), 1))
-    k_max = tl.maximum(tl.max(k1.to(tl.float32), 1), tl.max(k2.to(tl.float32), 1))
+    k_abs = tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), 1), tl.max(tl.abs(k2.to(tl.float32)), 1))
     v_abs = tl.maximum(tl.max(tl.abs(v1.to(tl.float32)), 1), tl.max(tl.abs(v2.to(tl.float32)), 1))
-    k_div, v_div, k_centre = _row_divisors(k_scales, v_scales, k_offsets, scale_offs, k_min, k_max, v_abs, kv_mask,
-                                           KV_HEADS_PAD, KIND)
-    _store_rows(k_cache, row_offs, k1, k_div, k_centre, kv_mask, 0, HALF, KIND)
-    _store_rows(k_cache, row_offs, k2, k_div, k_centre, kv_mask, HALF, HALF, KIND)
-    _store_rows(v_cache, row_offs, v1, v_div, tl.zeros_like(v_div), kv_mask, 0, HALF, KIND)
-    _store_rows(v_cache, row_offs, v2, v_div, tl.zeros_like(v_div), kv_mask, HALF, HALF, KIND)
-def scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-               k_offset: torch.Tensor | None = None) -> tuple:
-    """(kind id, k scales, v scales, k offsets, their three strides, shared by all three); a float cache passes
-    the cache and zero strides, fp8 its k scales for the offsets it has not."""
+    k_div, v_div = _row_divisors(k_scales, v_scales, scale_offs, k_abs, v_abs, kv_mask, KV_HEADS_PAD, KIND)
+    _store_rows(k_cache, row_offs, k1, k_div, kv_mask, 0, HALF, KIND)
+    _store_rows(k_cache, row_offs, k2, k_div, kv_mask, HALF, HALF, KIND)
+    _store_rows(v_cache, row_offs, v1, v_div, kv_mask, 0, HALF, KIND)
+    _store_rows(v_cache, row_offs, v2, v_div, kv_mask, HALF, HALF, KIND)
+def scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
+    """(kind id, k scales, v scales, their three strides); a float cache passes the cache and zero strides."""
     kind = KIND_IDS[kv_kind(k_cache.dtype)]
     if kind == 0:
-        return kind, k_cache, k_cache, k_cache, 0, 0, 0
+        return kind, k_cache, k_cache, 0, 0, 0
     if k_scale is None or v_scale is None:
         raise ValueError(f"a {kv_kind(k_cache.dtype)} KV cache needs its scale views")
-    if kind in (1, 2) and k_offset is None:
-        raise ValueError(f"a {kv_kind(k_cache.dtype)} KV cache needs its K offset view")
-    if v_scale.stride() != k_scale.stride() or (k_offset is not None and k_offset.stride() != k_scale.stride()):
-        raise ValueError("the K and V scale (and K offset) views must share their strides")
-    return (kind, k_scale, v_scale, k_scale if k_offset is None else k_offset, *k_scale.stride())
+    return (kind, k_scale, v_scale, *k_scale.stride())
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              page_table: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-             k_offset: torch.Tensor | None = None) -> None:
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     num_tokens, num_kv_heads, dim = k.shape
     if num_tokens == 0:
         return
-    kind, k_scales, v_scales, k_offsets, *scale_strides = scale_args(k_cache, k_scale, v_scale, k_offset)
+    kind, k_scales, v_scales, *scale_strides = scale_args(k_cache, k_scale, v_scale)
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, k_scales, v_scales, k_offsets, page_table, token_slots, positions,
+        k, v, k_cache, v_cache, k_scales, v_scales, page_table, token_slots, positions,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *scale_strides,
         page_table.stride(0), k_cache.shape[1], num_kv_heads,
         HEAD_DIM=dim, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), KIND=kind, **pdl_args())
@@ -241,18 +220,17 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, first_row: int = 0) -> None:
     """Rotate q in place and write rotated k and v into the pages (one launch instead of two); with
     `qk_norm` = (q weight, k weight, eps), q and k are RMS-normed per head first (Qwen3). Rows from
-    `first_row` on only (the decode rows before it are left to decode attention: TritonAttention.forward_rotary)."""
+    `first_row` on only (the decode rows before it are left to decode attention: attention.DECODE_ROTARY)."""
     q, k, v = q[first_row:], k[first_row:], v[first_row:]
     token_slots, positions = meta.token_slots[first_row:], meta.positions[first_row:]
     tokens, num_heads, dim = q.shape
     if tokens == 0:
         return
     num_kv_heads = k.shape[1]
-    kind, k_scales, v_scales, k_offsets, *scale_strides = scale_args(cache.k, cache.k_scale, cache.v_scale,
-                                                                     cache.k_offset)
+    kind, k_scales, v_scales, *scale_strides = scale_args(cache.k, cache.k_scale, cache.v_scale)
     q_norm_w, k_norm_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     _rotary_write_kv_kernel[(tokens,)](
-        q, k, v, cache.k, cache.v, k_scales, v_scales, k_offsets, cos, sin, meta.page_table, token_slots, positions,
+        q, k, v, cache.k, cache.v, k_scales, v_scales, cos, sin, meta.page_table, token_slots, positions,
         q_norm_w, k_norm_w, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache.k.stride()[:3], *scale_strides, meta.page_table.stride(0), cos.stride(0),
