@@ -28,6 +28,7 @@ logger = logging.getLogger("dflash2")
 
 _CPU_SYSFS = Path("/sys/devices/system/cpu")
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PROC_CGROUP = Path("/proc/self/cgroup")
 
 
 def physical_cores_available() -> int:
@@ -54,29 +55,31 @@ def _core_of(cpu: int) -> tuple[str, str] | None:
 
 
 def cgroup_cpu_quota() -> float | None:
-    """CPUs' worth of time this process's cgroup may use (cgroup v2 cpu.max, v1 cfs quota); None: no limit."""
-    for directory in _cgroup_dirs():
-        quota = _read_quota(directory)
-        if quota is not None:
-            return quota
-    return None
+    """CPUs' worth of time this process's cgroup may use (cgroup v2 cpu.max, v1 cfs quota; the smallest along
+    its path, as the kernel applies every ancestor's); None: no limit."""
+    quotas = [quota for quota in map(_read_quota, _cgroup_dirs()) if quota is not None]
+    return min(quotas, default=None)
 
 
 def _cgroup_dirs() -> list[Path]:
-    """Where this process's CPU controller files may be: its own cgroup's directory, then the mount's root."""
-    dirs = []
+    """Where this process's CPU controller files may be: its cgroup's directory and each one above it."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = _PROC_CGROUP.read_text().splitlines()
     except OSError:
-        lines = []
+        return []
+    dirs = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        relative = path.lstrip("/")
         if controllers == "":  # v2
-            dirs.append(_CGROUP_ROOT / relative)
+            mounts = [_CGROUP_ROOT]
         elif "cpu" in controllers.split(","):  # v1
-            dirs += [_CGROUP_ROOT / name / relative for name in ("cpu", "cpu,cpuacct")]
-    return dirs + [_CGROUP_ROOT, _CGROUP_ROOT / "cpu", _CGROUP_ROOT / "cpu,cpuacct"]
+            mounts = [_CGROUP_ROOT / "cpu", _CGROUP_ROOT / "cpu,cpuacct"]
+        else:
+            continue
+        parts = Path(path).relative_to("/").parts if path.startswith("/") else Path(path).parts
+        for mount in mounts:
+            dirs += [mount.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
+    return dirs
 
 
 def _read_quota(directory: Path) -> float | None:

@@ -19,6 +19,23 @@ def test_cgroup_quotas_parse_as_cpus():
     assert cpu_threads.parse_cfs_quota("200000\n", "100000\n") == 2.0
 
 
+def test_the_smallest_quota_along_the_cgroup_path_counts(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(cpu_threads, "_PROC_CGROUP", tmp_path / "self_cgroup")
+    (tmp_path / "self_cgroup").write_text("0::/outer/inner\n")
+    (tmp_path / "outer" / "inner").mkdir(parents=True)
+    (tmp_path / "outer" / "inner" / "cpu.max").write_text("max 100000\n")
+    assert cpu_threads.cgroup_cpu_quota() is None
+    (tmp_path / "outer" / "cpu.max").write_text("300000 100000\n")
+    assert cpu_threads.cgroup_cpu_quota() == 3.0
+    (tmp_path / "self_cgroup").write_text("4:cpu,cpuacct:/docker/abc\n1:memory:/docker/abc\n")  # cgroup v1
+    v1 = tmp_path / "cpu,cpuacct" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_threads.cgroup_cpu_quota() == 0.5
+
+
 def test_physical_cores_count_siblings_once_and_follow_the_quota(monkeypatch):
     cores = {0: ("0", "0"), 1: ("0", "0"), 2: ("0", "1"), 3: ("0", "1"), 4: ("1", "0"), 5: ("1", "0")}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
