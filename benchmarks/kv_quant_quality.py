@@ -1,5 +1,6 @@
-"""What quantized KV costs in quality: perplexity and mean KL of the bundled SmolLM2-135M on a held-out text, for
-the float model and its int8-weight conversion, with each KV dtype. Prints JSON (CPU; a few minutes).
+"""What quantized KV and weights cost in quality: perplexity and mean KL of the bundled SmolLM2-135M on a held-out
+text, for the float model (`--dtype float32`: every tensor dequantized), the default load (the GGUF's Q4_1 tensors
+as int4 groups of 32 and its Q8_0 embedding as int8 per row) and an int8-weight conversion, with each KV dtype. Prints JSON (CPU; a few minutes).
 
     .venv/bin/python benchmarks/kv_quant_quality.py [--text benchmarks/data/heldout.txt] [--max-tokens 2048]
                                                     [--int8-model DIR] [--kv fp32,int8,int4,fp8] [--output F]
@@ -40,8 +41,8 @@ def convert_int8(directory: str) -> str:
 
 
 def score(path: str, token_ids: list[int], kv_dtypes: list[str], reference: torch.Tensor | None,
-          reference_ppl: float | None) -> list[dict]:
-    model = load_model(path, "auto", "float32", torch.device("cpu"), None)
+          reference_ppl: float | None, dtype: str = "float32") -> list[dict]:
+    model = load_model(path, "auto", dtype, torch.device("cpu"), None)
     rows = []
     for kv in kv_dtypes:
         started = time.perf_counter()
@@ -78,6 +79,7 @@ def main() -> None:
                   "text": os.path.relpath(args.text), "tokens": len(token_ids),
                   "reference_perplexity": round(reference_ppl, 4), "date": time.strftime("%Y-%m-%d"),
                   "float_weights": score(source, token_ids, kv_dtypes, reference, reference_ppl),
+                  "gguf_native_weights": score(source, token_ids, kv_dtypes, reference, reference_ppl, "auto"),
                   "int8_weights": score(int8_model, token_ids, kv_dtypes, reference, reference_ppl)}
     print_report(report, args.output)
 

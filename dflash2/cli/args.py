@@ -21,7 +21,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
              help="HF directory, .gguf file, or preset name with --load-format dummy (default: bundled SmolLM2-135M)")
     add_flag(parser, "--tokenizer", default=None, help="tokenizer directory or .gguf (default: the model's)")
     add_flag(parser, "--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy"])
-    add_flag(parser, "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    add_flag(parser, "--dtype", default="auto",
+             help="auto (a GGUF file's Q4_0/Q4_1/Q8_0 tensors in their own precision, the rest float32 on CPU, "
+                  "bfloat16 on GPU), float32, bfloat16, float16 (every weight dequantized to it)")
     add_flag(parser, "--device", default="auto", help="auto, cpu or cuda")
     add_flag(parser, "--seed", type=int, default=0)
     add_flag(parser, "--max-model-len", type=int, default=None)

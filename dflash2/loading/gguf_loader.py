@@ -1,15 +1,22 @@
-"""Read a GGUF checkpoint: the architecture from its metadata, the weights as float32 with Hugging Face names.
+"""Read a GGUF checkpoint: the architecture from its metadata, the weights with Hugging Face names.
 
     GGUF file --GGUFReader (memory-mapped)--+--> metadata ----------------------------> ModelArchConfig
                                             +--> one tensor --dequantize--> fp32
                                                    --un-permute q/k (llama only)--> (hf_name, tensor)
+                                            +--> (native path) Q4_0/Q4_1 blocks --repack--> int4 g32 tensors
+                                                               Q8_0 --dequantize, requantize per row--> int8
 
-Weights come out one at a time, so peak memory is one dequantized tensor on top of the mapped file.
-Every tensor's type and name is checked when the file is opened, before any weight is yielded.
+The native path (`native_quant_config`, the loader's default) keeps the block types the engine has kernels for
+in their own precision: Q4_0 and Q4_1 are exactly the engine's int4 format with groups of 32 (w = (q - zero) *
+scale; Q4_1's w = d * q + m is zero = -m / d), repacked without rounding the codes; Q8_0 becomes int8 with one
+scale per row (the engine's int8 format), requantized from its blocks; every other type is dequantized. The float
+path dequantizes everything. Weights come out one at a time, so peak memory is one dequantized tensor on top of
+the mapped file. Every tensor's type and name is checked when the file is opened, before any weight is yielded.
 """
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +27,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
 
 from dflash2.config import ModelArchConfig, RopeConfig
+from dflash2.quantization.config import QuantConfig
+from dflash2.quantization.formats import SCALE_DTYPE, WeightFormat, pack_int4
+from dflash2.quantization.quantize import quantize
 
 SUPPORTED_TENSOR_TYPES = (
     GGMLQuantizationType.F32,
@@ -66,6 +76,13 @@ _LAYER_NAMES = {
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
+# The native path: block types run in their own precision, and the bits they become.
+NATIVE_BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
+BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block: the int4 group size
+# GGUF tensor kind -> the QuantConfig group it belongs to (layer tensors; token_embd and output separately)
+_QUANT_GROUPS = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "attn_output": "o_proj",
+                 "ffn_gate": "ffn", "ffn_up": "ffn", "ffn_down": "ffn"}
+
 
 class GGUFCheckpoint:
     """One GGUF file, opened read-only and memory-mapped.
@@ -81,17 +98,68 @@ class GGUFCheckpoint:
         _check_tensors(self._reader.tensors)
         self.arch_config = _arch_config(self._reader, self.gguf_architecture)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, float32 tensor in HF shape [out_features, in_features]) per weight."""
+    def native_quant_config(self) -> QuantConfig | None:
+        """The weight formats of the native path: per tensor group (and per layer where layers differ), 4 bits
+        where every tensor of the group is Q4_0/Q4_1, 8 where every one is Q8_0, else 16 (dequantized). None
+        when nothing is quantized (an F32/F16/BF16 file): the float path."""
+        types = {tensor.name: tensor.tensor_type for tensor in self._reader.tensors}
+
+        def bits(names: list[str]) -> int:
+            found = {NATIVE_BITS.get(types[name], 16) for name in names if name in types}
+            return found.pop() if len(found) == 1 else 16
+
+        embed = bits(["token_embd.weight"])
+        lm_head = embed if self.arch_config.tie_word_embeddings else bits(["output.weight"])
+        layers = []
+        for layer in range(self.arch_config.num_layers):
+            kinds: dict[str, list[str]] = {}
+            for kind, group in _QUANT_GROUPS.items():
+                kinds.setdefault(group, []).append(f"blk.{layer}.{kind}.weight")
+            layers.append({group: bits(names) for group, names in kinds.items()})
+        base = {group: Counter(layer[group] for layer in layers).most_common(1)[0][0] for group in ("qkv", "o_proj",
+                                                                                                  "ffn")}
+        overrides = {index: {g: b for g, b in layer.items() if b != base[g]} for index, layer in enumerate(layers)}
+        config = QuantConfig.build(16, {"embed": embed, "lm_head": lm_head, **base},
+                                   {index: groups for index, groups in overrides.items() if groups},
+                                   group_size=BLOCK, source=self.path)
+        return config if config.is_quantized else None
+
+    def iter_weights(self, quant: QuantConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (Hugging Face name, tensor in HF shape [out_features, in_features]) per weight: float32, or with
+        `quant` (native_quant_config's) a quantized weight's packed tensors, named `<hf name>.qweight`,
+        `.scales`, `.zeros` (formats.py's layouts)."""
         unpermute = self.gguf_architecture in _PERMUTED_ARCHITECTURES
         for tensor in self._reader.tensors:
             if tensor.name == ROPE_FREQS_TENSOR:
                 continue  # part of the architecture (RopeConfig.freq_factors), not a weight
             hf_name = hf_tensor_name(tensor.name)
-            weight = dequantize_tensor(tensor)
-            if unpermute:
-                weight = self._unpermute_rotary(hf_name, weight)
-            yield hf_name, weight
+            fmt = None if quant is None else self._native_format(tensor, quant)
+            if fmt is None:
+                parts = {"": dequantize_tensor(tensor)}
+            elif fmt.bits == 4 and tensor.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+                parts = q4_as_int4(tensor)
+            else:  # Q8_0 -> int8 per row (or a type without a kernel, quantized from its float weights)
+                parts = quantize(dequantize_tensor(tensor), fmt)
+            base = hf_name.rsplit(".", 1)[0]
+            for suffix, part in parts.items():
+                name = hf_name if suffix in ("", "weight") else f"{base}.{suffix}"
+                yield name, self._unpermute_rotary(hf_name, part) if unpermute else part
+
+    def _native_format(self, tensor: ReaderTensor, quant: QuantConfig) -> WeightFormat | None:
+        """The format `quant` gives this tensor: None for a float one (norms, biases, 16-bit groups)."""
+        if not tensor.name.endswith(".weight") or len(tensor.shape) != 2:
+            return None
+        if tensor.name == "token_embd.weight":
+            group, layer = "embed", None
+        elif tensor.name == "output.weight":
+            group, layer = "lm_head", None
+        else:
+            match = _LAYER_TENSOR.fullmatch(tensor.name)
+            if match is None or match.group(2) not in _QUANT_GROUPS:
+                return None
+            group, layer = _QUANT_GROUPS[match.group(2)], int(match.group(1))
+        fmt = quant.format_for(group, int(tensor.shape[0]), layer)
+        return None if fmt.bits == 16 else fmt
 
     def _unpermute_rotary(self, hf_name: str, weight: torch.Tensor) -> torch.Tensor:
         if ".self_attn.q_proj." in hf_name:
@@ -99,6 +167,37 @@ class GGUFCheckpoint:
         if ".self_attn.k_proj." in hf_name:
             return unpermute_rotary(weight, self.arch_config.num_kv_heads)
         return weight
+
+
+def q4_as_int4(tensor: ReaderTensor) -> dict[str, torch.Tensor]:
+    """A Q4_0 / Q4_1 tensor as the engine's int4 format with groups of 32 (formats.py): the same codes, repacked.
+
+    A block of 32 weights is an f16 scale d (Q4_1: and an f16 minimum m) and 16 bytes, byte j holding code j in
+    its low nibble and code j + 16 in its high one. Q4_0: w = d * (q - 8), so zero 8. Q4_1: w = d * q + m, so
+    zero -m / d (in f16: off by at most |m| * 2^-11). A block whose d is 0, or so small that -m / d overflows
+    f16, holds m everywhere (to within 15 d): it becomes scale m, zero -1 and codes 0.
+    """
+    rows = int(tensor.shape[1])
+    columns = int(tensor.shape[0])
+    groups = columns // BLOCK
+    with_min = tensor.tensor_type == GGMLQuantizationType.Q4_1
+    block_bytes = 20 if with_min else 18
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).view(rows, groups, block_bytes)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).view(rows, groups).float()
+    nibbles = blocks[..., block_bytes - 16:]
+    codes = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1)  # [rows, groups, 32]: codes 0..15, 16..31
+    if not with_min:
+        zeros = torch.full_like(d, 8.0)
+        return {"qweight": pack_int4(codes.view(rows, columns)), "scales": d.to(SCALE_DTYPE),
+                "zeros": zeros.to(SCALE_DTYPE)}
+    m = blocks[..., 2:4].contiguous().view(torch.float16).view(rows, groups).float()
+    zeros = (-m / torch.where(d == 0, torch.ones_like(d), d)).to(SCALE_DTYPE)
+    constant = (d == 0) | ~torch.isfinite(zeros)
+    scales = torch.where(constant, m, d)
+    zeros = torch.where(constant, torch.full_like(d, -1.0), zeros.float())
+    codes = torch.where(constant[..., None], torch.zeros_like(codes), codes)
+    return {"qweight": pack_int4(codes.view(rows, columns)), "scales": scales.to(SCALE_DTYPE),
+            "zeros": zeros.to(SCALE_DTYPE)}
 
 
 def read_gguf(path: str) -> tuple[ModelArchConfig, Iterator[tuple[str, torch.Tensor]]]:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from dflash2.quantization.config import QuantConfig
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+logger = logging.getLogger("dflash2")
 
 
 @dataclass
@@ -54,7 +56,9 @@ def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, de
                quant_backend: str = "auto", quantization: QuantConfig | None = None) -> LoadedModel:
     """Load weights and tokenizer. `max_positions` bounds the rotary table (None: the model's own limit).
 
-    A converted directory (config.json with a `quantization` section) builds quantized layers, and
+    A converted directory (config.json with a `quantization` section) builds quantized layers, and so does a GGUF
+    file with quantized tensors when `dtype` is "auto" (its native path: Q4_0/Q4_1 as int4, Q8_0 as int8; see
+    gguf_loader); any explicit dtype ("float32") dequantizes every tensor to it (the float path). Then
     `quant_backend` (kernels/dispatch.py; "auto" picks by device) prepares their runtime form.
     `quantization` applies to dummy weights only: random weights quantized to that config (benchmarks).
     """
@@ -70,8 +74,7 @@ def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, de
             prepare_quantized(module, quant_backend, torch_dtype, device)
         tok = load_tokenizer(tokenizer) if tokenizer else None
         return LoadedModel(path, path, arch, module, tok, torch_dtype, device, quantization)
-    arch, weights = _open_checkpoint(path, load_format)
-    quant = hf_loader.read_quant_config(path) if os.path.isdir(path) else None
+    arch, weights, quant = _open_checkpoint(path, load_format, native_gguf=dtype == "auto")
     module = _build(arch, torch_dtype, device, max_positions, quant)
     module.load_weights(weights)
     if quant is not None:
@@ -92,17 +95,36 @@ def prepare_quantized(module: nn.Module, backend_name: str, dtype: torch.dtype, 
             layer.prepare(backend, dtype)
 
 
-def _open_checkpoint(path: str, load_format: str) -> tuple[ModelArchConfig, Iterator[tuple[str, torch.Tensor]]]:
+def _open_checkpoint(path: str, load_format: str, native_gguf: bool = False
+                     ) -> tuple[ModelArchConfig, Iterator[tuple[str, torch.Tensor]], QuantConfig | None]:
+    """(architecture, weights, quantization: a converted directory's, or with `native_gguf` a GGUF file's own)."""
     is_gguf = path.endswith(".gguf") and os.path.isfile(path)
     if load_format == "gguf" or (load_format == "auto" and is_gguf):
-        from dflash2.loading.gguf_loader import read_gguf
-        return read_gguf(path)
+        from dflash2.loading.gguf_loader import GGUFCheckpoint
+        checkpoint = GGUFCheckpoint(path)
+        quant = checkpoint.native_quant_config() if native_gguf else None
+        if quant is not None:
+            logger.info("GGUF weights run in their own precision (%s); --dtype float32 for the float path",
+                        describe_quant(quant))
+        return checkpoint.arch_config, checkpoint.iter_weights(quant), quant
     if os.path.isdir(path):
-        return hf_loader.read_hf_config(path), hf_loader.iter_safetensors(path)
+        return hf_loader.read_hf_config(path), hf_loader.iter_safetensors(path), hf_loader.read_quant_config(path)
     if path in registry.PRESETS:
         raise ValueError(f"{path!r} is an architecture preset: load it with load_format='dummy'")
     raise FileNotFoundError(f"model {path!r} is neither a directory with config.json, a .gguf file, "
                             f"nor a preset ({', '.join(registry.PRESETS)})")
+
+
+def describe_quant(quant: QuantConfig) -> str:
+    """'embed 8, qkv 4, o_proj 4, ffn 4, lm_head 8 bits, int4 groups of 32' (plus the layers that differ)."""
+    from dflash2.quantization.config import GROUPS
+
+    text = ", ".join(f"{group} {quant.bits_for(group)}" for group in GROUPS) + " bits"
+    if any(bits in (4, 6) for bits in quant.all_bits()):
+        text += f", int4/int6 groups of {quant.group_size or 'up to 128'}"
+    if quant.layer_overrides:
+        text += f"; {len(quant.layer_overrides)} layers differ"
+    return text
 
 
 def _read_arch(path: str) -> ModelArchConfig:

@@ -214,7 +214,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
 
     def _locate(self, hf_name: str) -> tuple[str, tuple[int, int] | None] | None:
-        """Map a Hugging Face tensor name to (our parameter, row range within it) or None to skip it."""
+        """Map a Hugging Face tensor name to (our parameter, row range within it) or None to skip it. A packed
+        tensor of a quantized weight (`<weight name minus .weight>.qweight` / `.scales` / `.zeros`: the GGUF
+        loader's native path) goes where that weight would, to the quantized layer's buffer of that name."""
+        base, _, suffix = hf_name.rpartition(".")
+        if suffix in ("qweight", "scales", "zeros"):
+            located = self._locate(f"{base}.weight")
+            return None if located is None else (f"{located[0].rsplit('.', 1)[0]}.{suffix}", located[1])
         a = self.arch
         q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
         if hf_name == "model.embed_tokens.weight":

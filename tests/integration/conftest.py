@@ -11,7 +11,14 @@ from dflash2.loading.tokenizer import bundled_model_path
 
 @pytest.fixture(scope="session")
 def bundled_llm() -> LLM:
+    """The bundled model as a user gets it: the GGUF's own precision (Q4_1 as int4, Q8_0 as int8)."""
     return LLM(max_num_seqs=16)
+
+
+@pytest.fixture(scope="session")
+def bundled_llm_float() -> LLM:
+    """The float path (`dtype="float32"`), token-exact with transformers."""
+    return LLM(dtype="float32", max_num_seqs=16)
 
 
 @pytest.fixture(scope="session")

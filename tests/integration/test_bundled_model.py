@@ -26,7 +26,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def test_raw_and_chat_prompts_match_transformers_token_for_token(bundled_llm, hf_bundled):
+def test_raw_and_chat_prompts_match_transformers_token_for_token(bundled_llm_float, hf_bundled):
+    bundled_llm = bundled_llm_float
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)  # HF: min_new_tokens
     chat_ids = [bundled_llm.apply_chat_template(chat) for chat in CHATS]
     inputs = RAW_PROMPTS + [{"prompt_token_ids": ids} for ids in chat_ids]
@@ -96,7 +97,8 @@ def test_seeded_sampling_is_reproducible(bundled_llm):
     assert first[0].outputs[0].token_ids == second[0].outputs[0].token_ids
 
 
-def test_prompt_logprobs_give_perplexity(bundled_llm, hf_bundled):
+def test_prompt_logprobs_give_perplexity(bundled_llm_float, hf_bundled):
+    bundled_llm = bundled_llm_float
     text = "The quick brown fox jumps over the lazy dog. It was a sunny day in the park."
     output = bundled_llm.generate(text, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     ids = output.prompt_token_ids
