@@ -42,6 +42,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._memo: tuple | None = None  # (positions, dtype, cos rows, sin rows): _rows
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, KVH, D]; positions [T]. On CUDA q and k are rotated in place."""
@@ -50,9 +51,20 @@ class RotaryEmbedding(nn.Module):
 
             rotary_in_place(q, k, self.cos, self.sin, positions)
             return q, k
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        cos, sin = self._rows(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [T, 1, D] for positions. Every layer of a forward passes the same positions tensor, so the
+        rows are looked up once a forward (held with the tensor, so its identity stays its own; the model's
+        forward calls new_forward(), which drops them, as a buffer may be refilled in place between forwards)."""
+        if self._memo is None or self._memo[0] is not positions or self._memo[1] != dtype:
+            self._memo = (positions, dtype, self.cos[positions].to(dtype)[:, None, :],
+                          self.sin[positions].to(dtype)[:, None, :])
+        return self._memo[2], self._memo[3]
+
+    def new_forward(self) -> None:
+        self._memo = None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

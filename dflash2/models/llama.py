@@ -177,6 +177,7 @@ class LlamaForCausalLM(nn.Module):
         """token_ids [T] -> final hidden states [T, hidden]. With future_tokens, a placeholder id -(i + 1) stands
         for future_tokens[i] (a step graph's ids: resolved in the embedding's launch where it can)."""
         x = self.embed_tokens(token_ids, future_tokens)
+        self.rotary.new_forward()
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, self.rotary, ctx)

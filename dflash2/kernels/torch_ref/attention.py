@@ -103,11 +103,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                               q.dtype)
         return values.reshape(batch, num_pages * tokens_per_page, num_kv_heads, dim)
 
-    keys, values = gathered(k_cache, k_scale), gathered(v_cache, v_scale)
-    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, dim)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
-    beyond = torch.arange(keys.shape[1], device=q.device)[None, :] >= lengths[:, None]
-    scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, KVH, G, D]
+    keys, values = gathered(k_cache, k_scale), gathered(v_cache, v_scale)  # [B, L, KVH, D]
+    allowed = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, L]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=allowed[:, None, None, :], scale=scale, enable_gqa=True)
     return out.reshape(batch, num_heads, dim)
