@@ -51,8 +51,12 @@ class RotaryEmbedding(nn.Module):
 
             rotary_in_place(q, k, self.cos, self.sin, positions)
             return q, k
-        cos, sin = self._rows(positions, q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated (a new tensor; the CPU path)."""
+        cos, sin = self._rows(positions, x.dtype)
+        return x * cos + _rotate_half(x) * sin
 
     def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows [T, 1, D] for positions. Every layer of a forward passes the same positions tensor, so the

@@ -82,6 +82,10 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
         if fused:
             return backend.forward_rotary(q, k, v, cache, ctx.attention, self.scale, rotary.cos, rotary.sin, qk_norm)
+        if not q.is_cuda and self.q_norm is None:  # q and k side by side in qkv's rows: one rotation for both
+            heads = self.num_heads + self.num_kv_heads
+            qk = rotary.rotate(ctx.positions, qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim))
+            return backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, cache, ctx.attention, self.scale)
         q, k = rotary(ctx.positions, q, k)
         return backend.forward(q, k, v, cache, ctx.attention, self.scale)
 

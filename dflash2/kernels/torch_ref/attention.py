@@ -16,17 +16,28 @@ class TorchAttention:
     name = "torch"
     supports_graphs = False
 
+    def __init__(self) -> None:
+        # What every layer of a step derives alike from its metadata (cache rows written, decode pages and
+        # mask): computed by the first layer, kept with the metadata it came from (held, so its identity is its own)
+        self._step: tuple[AttentionMetadata, int, dict] | None = None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D]; cache views [num_pages, tokens_per_page, KVH, D]. Returns [T, H, D]."""
+        derived = self._derived(meta, cache.k.shape[1])
+        if "rows" not in derived:
+            derived["rows"] = cache_rows(meta.page_table, meta.token_slots, meta.positions, cache.k.shape[1])
         write_kv(k, v, cache.k, cache.v, meta.page_table, meta.token_slots, meta.positions,
-                 cache.k_scale, cache.v_scale)
-        out = torch.empty_like(q)
+                 cache.k_scale, cache.v_scale, rows=derived["rows"])
         nd = meta.num_decode_tokens
+        if nd == q.shape[0]:  # decodes only: no prefill rows to fill in
+            return decode_attention(q, cache.k, cache.v, meta.page_table, meta.decode_slots, meta.decode_lengths,
+                                    meta.max_decode_length, scale, cache.k_scale, cache.v_scale, derived)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots,
                                         meta.decode_lengths, meta.max_decode_length, scale,
-                                        cache.k_scale, cache.v_scale)
+                                        cache.k_scale, cache.v_scale, derived)
         # a chunk with nothing cached before it may use its new K/V as is, when they read back unchanged
         reads_back_exactly = cache.kind == "float" and cache.k.dtype == k.dtype
         for seg in meta.prefills:
@@ -41,12 +52,25 @@ class TorchAttention:
         return out
 
 
+    def _derived(self, meta: AttentionMetadata, tokens_per_page: int) -> dict:
+        if self._step is None or self._step[0] is not meta or self._step[1] != tokens_per_page:
+            self._step = (meta, tokens_per_page, {})
+        return self._step[2]
+
+
+def cache_rows(page_table: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor,
+               tokens_per_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, offset in it) of each token's K/V."""
+    pages = page_table[token_slots.long(), positions // tokens_per_page].long()
+    return pages, positions % tokens_per_page
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              page_table: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
-    tokens_per_page = k_cache.shape[1]
-    pages = page_table[token_slots.long(), positions // tokens_per_page].long()
-    offsets = positions % tokens_per_page
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+             rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Each token's K and V into its page (`rows`: cache_rows', if the caller has them)."""
+    pages, offsets = rows if rows is not None else cache_rows(page_table, token_slots, positions, k_cache.shape[1])
     kind = kv_kind(k_cache.dtype)
     for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         if kind == "float":
@@ -89,13 +113,20 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, max_length: int, scale: float,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """One query per request over its pages. q [B, H, D] -> [B, H, D]."""
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     derived: dict | None = None) -> torch.Tensor:
+    """One query per request over its pages. q [B, H, D] -> [B, H, D]. `derived`: a dict the step's layers
+    share, which keeps the pages and the mask (the same for every layer) after the first."""
     batch, num_heads, dim = q.shape
     num_kv_heads = k_cache.shape[2]
     tokens_per_page = k_cache.shape[1]
     num_pages = -(-max_length // tokens_per_page)
-    pages = page_table[slots.long(), :num_pages].long().reshape(-1)
+    derived = {} if derived is None else derived
+    if "decode_pages" not in derived:
+        derived["decode_pages"] = page_table[slots.long(), :num_pages].long().reshape(-1)
+        allowed = torch.arange(num_pages * tokens_per_page, device=q.device)[None, :] < lengths[:, None]  # [B, L]
+        derived["decode_mask"] = allowed[:, None, None, :]
+    pages = derived["decode_pages"]
 
     def gathered(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         # index_select copies whole pages (rows of dim 0): about 3x faster on the CPU than cache[table]
@@ -104,7 +135,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return values.reshape(batch, num_pages * tokens_per_page, num_kv_heads, dim)
 
     keys, values = gathered(k_cache, k_scale), gathered(v_cache, v_scale)  # [B, L, KVH, D]
-    allowed = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, L]
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=allowed[:, None, None, :], scale=scale, enable_gqa=True)
+                                         attn_mask=derived["decode_mask"], scale=scale, enable_gqa=True)
     return out.reshape(batch, num_heads, dim)
