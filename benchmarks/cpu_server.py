@@ -7,9 +7,11 @@ requests (issue 41). Prints JSON; --output keeps it.
 The load (issue 41's table): benchmarks/data/cpu_server.jsonl (32 prompts of 33-87 tokens), 128 new tokens each
 (ignore_eos), greedy, streamed /v1/completions; 8 requests one at a time, then 32 requests 16 at a time, sent by
 `dflash2 bench` as its own process. The server runs with its defaults (request log on, as a new user runs it).
-The offline run takes the same prompts through LLM in this process after the server has stopped, with the
-same thread count: 8 `generate` calls one after another, then the 32 requests 16 in flight (a new one added as
-each finishes). tok/s is output tokens over the wall time of the whole phase (prefill included) on both sides.
+The offline run takes the same prompts through LLM in this process, with the server's thread count: 8 `generate`
+calls one after another, then the 32 requests 16 in flight (a new one added as each finishes). tok/s is output
+tokens over the wall time of the whole phase (prefill included) on both sides. Both stay loaded and take turns
+(served 1, offline 1, served 16, offline 16) for --rounds rounds: the 2-core machine's speed drifts by 10-20%
+over minutes, and in turns it moves both sides alike. The medians are reported, every round beside them.
 
 Each phase also records the CPU time that processes other than ours (server, client, this script) used meanwhile
 (`other_cpu_share`, of all cores): above 0.05 the machine was busy and the phase is flagged `disturbed`.
@@ -28,6 +30,7 @@ import os
 import platform
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,48 +119,42 @@ def bench(url: str, concurrency: int, num_prompts: int, server_pid: int | None) 
 
 
 def run_loads(server: ServerProcess) -> dict[str, Any]:
+    """The loads once against a running server (a peer's)."""
     bench(server.url, 1, 1, None)  # warm-up (the first request's one-time costs)
     pid = server.process.pid if server.process is not None else None
     return {str(concurrency): bench(server.url, concurrency, count, pid) for concurrency, count in LOADS}
 
 
-def served(flags: list[str]) -> dict[str, Any]:
-    server = ServerProcess(*flags).start(STARTUP_TIMEOUT_S)
-    try:
-        threads = server.metric("dflash2_engine_torch_threads")
-        result = run_loads(server)
-        result["engine_threads"] = int(threads) if threads is not None else None
-        return result
-    finally:
-        server.stop()
-
-
 # -- offline -----------------------------------------------------------------------------------------------
-def offline(args: argparse.Namespace) -> dict[str, Any]:
-    from dflash2 import LLM, SamplingParams
-    from dflash2.cpu_threads import use_engine_threads
+class Offline:
+    """The same requests through LLM in this process, with the server's thread count."""
 
-    threads = use_engine_threads(args.num_threads)
-    prompts = [json.loads(line)["prompt"] for line in DATASET.read_text().splitlines() if line.strip()]
-    llm = LLM(args.model, dtype=args.dtype)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    llm.generate(prompts[0], SamplingParams(max_tokens=4))  # warm-up
-    result: dict[str, Any] = {"engine_threads": threads, "dtype": str(llm.engine.model.dtype)}
-    quant = llm.engine.model.quant
-    result["weights"] = "float" if quant is None else {g: quant.bits_for(g) for g in
-                                                       ("embed", "qkv", "o_proj", "ffn", "lm_head")}
-    (_, sequential), (in_flight, count) = LOADS
-    meter = OtherCpu().start()
-    started = time.perf_counter()
-    outputs = [llm.generate(prompts[i % len(prompts)], params)[0] for i in range(sequential)]
-    seconds = time.perf_counter() - started
-    result["1"] = _offline_phase(outputs, seconds, None, meter.share())
-    meter.start()
-    outputs, seconds, ttft_p50 = _closed_loop(llm.engine, [prompts[i % len(prompts)] for i in range(count)],
-                                              params, in_flight)
-    result[str(in_flight)] = _offline_phase(outputs, seconds, ttft_p50, meter.share())
-    llm.close()
-    return result
+    def __init__(self, args: argparse.Namespace, threads: int) -> None:
+        from dflash2 import LLM, SamplingParams
+        from dflash2.cpu_threads import use_engine_threads
+
+        self.threads = use_engine_threads(threads)
+        self.prompts = [json.loads(line)["prompt"] for line in DATASET.read_text().splitlines() if line.strip()]
+        self.llm = LLM(args.model, dtype=args.dtype)
+        self.params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        self.llm.generate(self.prompts[0], SamplingParams(max_tokens=4))  # warm-up
+
+    def describe(self) -> dict[str, Any]:
+        quant = self.llm.engine.model.quant
+        weights = "float" if quant is None else {g: quant.bits_for(g) for g in ("embed", "qkv", "o_proj", "ffn",
+                                                                                "lm_head")}
+        return {"engine_threads": self.threads, "dtype": str(self.llm.engine.model.dtype), "weights": weights}
+
+    def run(self, concurrency: int, count: int, server_pid: int | None) -> dict[str, Any]:
+        prompts = [self.prompts[i % len(self.prompts)] for i in range(count)]
+        meter = OtherCpu(server_pid).start()
+        if concurrency == 1:
+            started = time.perf_counter()
+            outputs = [self.llm.generate(prompt, self.params)[0] for prompt in prompts]
+            seconds, ttft_p50 = time.perf_counter() - started, None
+        else:
+            outputs, seconds, ttft_p50 = _closed_loop(self.llm.engine, prompts, self.params, concurrency)
+        return _offline_phase(outputs, seconds, ttft_p50, meter.share())
 
 
 def _closed_loop(engine: Any, prompts: list[str], params: Any, in_flight: int) -> tuple[list, float, float]:
@@ -238,6 +235,16 @@ def peers(args: argparse.Namespace, gguf: str | None, threads: int) -> dict[str,
 
 
 # -- the report --------------------------------------------------------------------------------------------
+def _summary(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median round's tok/s and TTFT, beside every round."""
+    def median(values: list[float | None]) -> float | None:
+        known = [value for value in values if value is not None]
+        return round(statistics.median(known), 1) if known else None
+
+    return {"tok_s": median([p["tok_s"] for p in phases]), "ttft_p50_ms": median([p["ttft_p50_ms"] for p in phases]),
+            "rounds": phases}
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
@@ -248,6 +255,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU) or bfloat16")
     parser.add_argument("--num-threads", "--num_threads", type=int, default=None,
                         help="the engine's torch threads, served and offline (default: the server's own choice)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of the loads, served and offline in turn (the medians are reported)")
     parser.add_argument("--no-offline", action="store_true", help="serve only")
     parser.add_argument("--llama-cpp-python", default=str(ROOT / ".venv-llamacpp" / "bin" / "python"))
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
@@ -269,15 +278,30 @@ def main() -> None:
             "dataset": str(DATASET.relative_to(ROOT)), "new_tokens": NEW_TOKENS, "greedy": True,
             "phases": [{"in_flight": c, "requests": n} for c, n in LOADS], "client": "dflash2 bench"},
         "server_command": "dflash2 serve " + " ".join(flags)}
-    result["served"] = served(flags)
-    if not args.no_offline:
-        result["offline"] = offline(args)
+    server = ServerProcess(*flags).start(STARTUP_TIMEOUT_S)
+    try:
+        threads = int(server.metric("dflash2_engine_torch_threads"))
+        offline = None if args.no_offline else Offline(args, threads)
+        bench(server.url, 1, 1, None)  # warm-up
+        runs: dict[str, dict[str, list]] = {"served": {}, "offline": {}}
+        for _ in range(args.rounds):  # served and offline in turn: a machine that drifts moves both alike
+            for concurrency, count in LOADS:
+                runs["served"].setdefault(str(concurrency), []).append(
+                    bench(server.url, concurrency, count, server.process.pid))
+                if offline is not None:
+                    runs["offline"].setdefault(str(concurrency), []).append(
+                        offline.run(concurrency, count, server.process.pid))
+    finally:
+        server.stop()
+    result["served"] = {"engine_threads": threads, **{key: _summary(phases) for key, phases in runs["served"].items()}}
+    if offline is not None:
+        result["offline"] = {**offline.describe(), **{key: _summary(phases) for key, phases in runs["offline"].items()}}
         result["ratio"] = {key: round(result["served"][key]["tok_s"] / result["offline"][key]["tok_s"], 3)
-                           for key in ("1", "16")}
+                           for key in runs["served"]}
+        offline.llm.close()
     gguf = args.model if args.model and args.model.endswith(".gguf") else (None if args.model else bundled_model_path())
-    result["peers"] = peers(args, gguf, result["served"]["engine_threads"] or physical_cores_available())
-    result["disturbed"] = any(phase.get("disturbed") for side in ("served", "offline")
-                              for phase in result.get(side, {}).values() if isinstance(phase, dict))
+    result["peers"] = peers(args, gguf, threads)
+    result["disturbed"] = any(run["disturbed"] for side in runs.values() for phases in side.values() for run in phases)
     if result["disturbed"]:
         print("warning: other processes used the CPU during a phase (other_cpu_share); run again", file=sys.stderr)
     print_report(result, args.output)

@@ -51,18 +51,18 @@ def test_models_lists_the_bundled_model(client):
     assert [m.id for m in models] == [MODEL]
 
 
-def test_completion_greedy_text_equals_offline_text(client, bundled_llm):
-    expected = offline_text(bundled_llm, PROMPT, 16)
+def test_completion_greedy_text_equals_offline_text(client, bundled_llm_float):
+    expected = offline_text(bundled_llm_float, PROMPT, 16)
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
     assert response.choices[0].text == expected
     assert response.choices[0].finish_reason in ("stop", "length")
-    prompt_tokens = len(bundled_llm.tokenizer.encode(PROMPT))
+    prompt_tokens = len(bundled_llm_float.tokenizer.encode(PROMPT))
     assert response.usage.prompt_tokens == prompt_tokens
     assert response.usage.total_tokens == prompt_tokens + response.usage.completion_tokens
 
 
-def test_completion_stream_matches_and_reports_usage(client, bundled_llm):
-    expected = offline_text(bundled_llm, PROMPT, 16)
+def test_completion_stream_matches_and_reports_usage(client, bundled_llm_float):
+    expected = offline_text(bundled_llm_float, PROMPT, 16)
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
                                        stream_options={"include_usage": True})
     chunks = list(stream)
@@ -73,8 +73,8 @@ def test_completion_stream_matches_and_reports_usage(client, bundled_llm):
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_chat_greedy_and_streamed_text_equal_offline_chat(client, bundled_llm):
-    expected = bundled_llm.chat(CHAT, SamplingParams(max_tokens=24, temperature=0))[0].outputs[0].text
+def test_chat_greedy_and_streamed_text_equal_offline_chat(client, bundled_llm_float):
+    expected = bundled_llm_float.chat(CHAT, SamplingParams(max_tokens=24, temperature=0))[0].outputs[0].text
     whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
     assert whole.choices[0].message.content == expected
     assert whole.choices[0].message.role == "assistant"
@@ -98,9 +98,9 @@ def test_sse_wire_format_is_openai_shaped(real_server):
         assert set(event["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
 
 
-def test_concurrent_requests_each_get_their_offline_text(real_server, bundled_llm):
+def test_concurrent_requests_each_get_their_offline_text(real_server, bundled_llm_float):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "Water boils at"]
-    expected = [offline_text(bundled_llm, p, 12) for p in prompts]
+    expected = [offline_text(bundled_llm_float, p, 12) for p in prompts]
 
     async def run() -> list[str]:
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as http:
@@ -112,14 +112,14 @@ def test_concurrent_requests_each_get_their_offline_text(real_server, bundled_ll
     assert asyncio.run(run()) == expected
 
 
-def test_generate_text_token_ids_and_stream(real_server, bundled_llm):
-    offline = bundled_llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+def test_generate_text_token_ids_and_stream(real_server, bundled_llm_float):
+    offline = bundled_llm_float.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "top_p": 1.0, "top_k": 0, "seed": 1,
             "priority": 1000}
     whole = httpx.post(real_server.url + "/generate", json=body, headers=AUTH, timeout=60).json()
     assert whole["text"] == offline.text and whole["token_ids"] == offline.token_ids
     assert whole["priority"] == 1000
-    ids_body = {"prompt_token_ids": bundled_llm.tokenizer.encode(PROMPT), "max_tokens": 8, "temperature": 0,
+    ids_body = {"prompt_token_ids": bundled_llm_float.tokenizer.encode(PROMPT), "max_tokens": 8, "temperature": 0,
                 "stream": True}
     with httpx.stream("POST", real_server.url + "/generate", json=ids_body, headers=AUTH, timeout=60) as r:
         events = sse_events(r)
@@ -177,12 +177,12 @@ def test_a_client_ttft_splits_into_sending_the_app_and_the_way_back(real_server)
         assert min(parts) >= 0 and abs(sum(parts) - row["ttft_ms"]) <= 0.3  # each part rounded to 0.1 ms
 
 
-def test_vllm_extra_sampling_fields(client, bundled_llm):
+def test_vllm_extra_sampling_fields(client, bundled_llm_float):
     forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
                                        extra_body={"ignore_eos": True, "min_tokens": 10, "top_k": 5,
                                                    "repetition_penalty": 1.1})
     assert forced.usage.completion_tokens == 10
-    greedy_ids = bundled_llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    greedy_ids = bundled_llm_float.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
     stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
                                         extra_body={"stop_token_ids": [greedy_ids[1]]})
     assert stopped.usage.completion_tokens == 2 and stopped.choices[0].finish_reason == "stop"
@@ -207,14 +207,14 @@ def test_logprobs_whole_and_streamed(client):
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
 
 
-def test_tokenize_and_detokenize(real_server, bundled_llm):
+def test_tokenize_and_detokenize(real_server, bundled_llm_float):
     tokens = httpx.post(real_server.url + "/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()
-    assert tokens["tokens"] == bundled_llm.tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["tokens"] == bundled_llm_float.tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
     assert tokens["max_model_len"] == 1024
     text = httpx.post(real_server.url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH).json()
     assert text["prompt"] == PROMPT
     chat = httpx.post(real_server.url + "/tokenize", json={"messages": CHAT}, headers=AUTH).json()
-    assert chat["tokens"] == bundled_llm.apply_chat_template(CHAT)
+    assert chat["tokens"] == bundled_llm_float.apply_chat_template(CHAT)
 
 
 def test_metrics_are_labelled_and_count_requests(real_server, client):
@@ -248,7 +248,7 @@ def test_metrics_are_labelled_and_count_requests(real_server, client):
     assert real_server.metric("dflash2_request_success_total", model_name=MODEL, finished_reason="length") >= 1
 
 
-def test_scrapes_while_requests_stream_answer_whole_and_leave_the_output_unchanged(real_server, client, bundled_llm):
+def test_scrapes_while_requests_stream_answer_whole_and_leave_the_output_unchanged(real_server, client, bundled_llm_float):
     """The engine process renders each scrape on a thread of its own: the replies are whole expositions whose
     token counter only grows, and the streams beside them produce the offline API's greedy text."""
     from concurrent.futures import ThreadPoolExecutor
@@ -271,7 +271,7 @@ def test_scrapes_while_requests_stream_answer_whole_and_leave_the_output_unchang
             counts.append(generated(httpx.get(real_server.url + "/metrics", timeout=30).text))
         texts = [f.result() for f in streams]
     assert counts == sorted(counts) and counts[0] > 0
-    assert texts == [offline_text(bundled_llm, PROMPT, 24)] * 3
+    assert texts == [offline_text(bundled_llm_float, PROMPT, 24)] * 3
 
 
 def test_client_disconnect_aborts_and_frees_pages(real_server):

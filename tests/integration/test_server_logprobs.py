@@ -39,14 +39,14 @@ def assert_vllm_shape(entries: list, prompt_token_ids: list[int], num_top: int) 
         assert best["rank"] == 1
 
 
-def test_completions_return_prompt_logprobs_per_choice_equal_to_offline(real_server, bundled_llm):
+def test_completions_return_prompt_logprobs_per_choice_equal_to_offline(real_server, bundled_llm_float):
     body = post(real_server, "/v1/completions", {"prompt": [PROMPT, "Hello there"], "max_tokens": 1,
                                                  "temperature": 0, "prompt_logprobs": 2})
-    token_ids = bundled_llm.tokenizer.encode(PROMPT)
+    token_ids = bundled_llm_float.tokenizer.encode(PROMPT)
     first = body["choices"][0]["prompt_logprobs"]
     assert_vllm_shape(first, token_ids, 2)
-    assert_vllm_shape(body["choices"][1]["prompt_logprobs"], bundled_llm.tokenizer.encode("Hello there"), 2)
-    offline = offline_prompt_logprobs(bundled_llm, PROMPT, 2)
+    assert_vllm_shape(body["choices"][1]["prompt_logprobs"], bundled_llm_float.tokenizer.encode("Hello there"), 2)
+    offline = offline_prompt_logprobs(bundled_llm_float, PROMPT, 2)
     for served, expected in zip(first[1:], offline[1:]):
         assert set(served) == {str(t) for t in expected}
         for token_id, logprob in expected.items():
@@ -56,16 +56,16 @@ def test_completions_return_prompt_logprobs_per_choice_equal_to_offline(real_ser
         "choices"][0]
 
 
-def test_chat_and_generate_return_prompt_logprobs_on_the_response(real_server, bundled_llm):
+def test_chat_and_generate_return_prompt_logprobs_on_the_response(real_server, bundled_llm_float):
     chat = post(real_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                       "max_tokens": 1, "prompt_logprobs": 0})
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
     generated = post(real_server, "/generate", {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 3})
-    assert_vllm_shape(generated["prompt_logprobs"], bundled_llm.tokenizer.encode(PROMPT), 3)
+    assert_vllm_shape(generated["prompt_logprobs"], bundled_llm_float.tokenizer.encode(PROMPT), 3)
 
 
-def test_echo_with_logprobs_covers_the_prompt_tokens_first(real_server, bundled_llm):
+def test_echo_with_logprobs_covers_the_prompt_tokens_first(real_server, bundled_llm_float):
     body = post(real_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": True,
                                                  "logprobs": 1})
     choice = body["choices"][0]
@@ -76,8 +76,8 @@ def test_echo_with_logprobs_covers_the_prompt_tokens_first(real_server, bundled_
     assert all(isinstance(v, float) for v in logprobs["token_logprobs"][1:])
     assert "".join(logprobs["tokens"]) == choice["text"] and choice["text"].startswith(PROMPT)
     assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"][num_prompt] == len(PROMPT)
-    offline = offline_prompt_logprobs(bundled_llm, PROMPT, 1)
-    token_ids = bundled_llm.tokenizer.encode(PROMPT)
+    offline = offline_prompt_logprobs(bundled_llm_float, PROMPT, 1)
+    token_ids = bundled_llm_float.tokenizer.encode(PROMPT)
     for i in range(1, num_prompt):
         assert logprobs["token_logprobs"][i] == pytest.approx(offline[i][token_ids[i]].logprob, abs=1e-3)
 
