@@ -71,6 +71,7 @@ def quant_config_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash2.quantization.config import QuantConfig
     from dflash2.quantization.convert import ConvertOptions, convert
 
     if args.num_gpus != 1:
@@ -83,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
                              overwrite=args.overwrite, progress=args.progress)
     summary = convert(options)
     q = summary["quantization"]
-    print(f"wrote {summary['output_path']}: embed {q['embed_quant']}, qkv {q['qkv_quant']}, o_proj "
-          f"{q['o_proj_quant']}, ffn {q['ffn_quant']}, lm_head {q['lm_head_quant']} bits; KV {q['kv_cache_dtype']}; "
+    print(f"wrote {summary['output_path']}: {QuantConfig.from_dict(q).describe()}; KV {q['kv_cache_dtype']}; "
           f"{summary['weight_bytes'] / 2**20:.1f} MiB of weights; calibration: {q['calibration']['method']}; "
           f"{summary['seconds']} s", file=sys.stderr)
     print(json.dumps({k: summary[k] for k in ("output_path", "weight_bytes", "seconds")}))

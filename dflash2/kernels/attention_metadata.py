@@ -40,6 +40,9 @@ class AttentionMetadata:
     # Prefill query blocks for the Triton kernel: for each block, its segment and first query row in it.
     prefill_block_segments: torch.Tensor | None = None
     prefill_block_starts: torch.Tensor | None = None
+    # What every layer derives alike from this metadata, filled by the first (the torch backend's cache rows,
+    # decode pages and mask). An eager step builds its metadata anew; a graph's is captured once and never uses it.
+    step_values: dict = field(default_factory=dict)
 
     @property
     def decode_slots(self) -> torch.Tensor:

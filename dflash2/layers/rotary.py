@@ -42,7 +42,6 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        self._memo: tuple | None = None  # (positions, dtype, cos rows, sin rows): _rows
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, KVH, D]; positions [T]. On CUDA q and k are rotated in place."""
@@ -51,24 +50,18 @@ class RotaryEmbedding(nn.Module):
 
             rotary_in_place(q, k, self.cos, self.sin, positions)
             return q, k
-        return self.rotate(positions, q), self.rotate(positions, k)
+        rows = self.rows(positions, q.dtype)
+        return rotate(q, rows), rotate(k, rows)
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated (a new tensor; the CPU path)."""
-        cos, sin = self._rows(positions, x.dtype)
-        return x * cos + _rotate_half(x) * sin
+    def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows [T, 1, D] for positions (the CPU path; `rotate` applies them)."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
-    def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows [T, 1, D] for positions. Every layer of a forward passes the same positions tensor, so the
-        rows are looked up once a forward (held with the tensor, so its identity stays its own; the model's
-        forward calls new_forward(), which drops them, as a buffer may be refilled in place between forwards)."""
-        if self._memo is None or self._memo[0] is not positions or self._memo[1] != dtype:
-            self._memo = (positions, dtype, self.cos[positions].to(dtype)[:, None, :],
-                          self.sin[positions].to(dtype)[:, None, :])
-        return self._memo[2], self._memo[3]
 
-    def new_forward(self) -> None:
-        self._memo = None
+def rotate(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, heads, D] rotated by RotaryEmbedding.rows (a new tensor)."""
+    cos, sin = rows
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -142,7 +142,7 @@ class GGUFCheckpoint:
                 parts = quantize(dequantize_tensor(tensor), fmt)
             base = hf_name.rsplit(".", 1)[0]
             for suffix, part in parts.items():
-                name = hf_name if suffix in ("", "weight") else f"{base}.{suffix}"
+                name = f"{base}.{suffix}" if suffix else hf_name
                 yield name, self._unpermute_rotary(hf_name, part) if unpermute else part
 
     def _native_format(self, tensor: ReaderTensor, quant: QuantConfig) -> WeightFormat | None:

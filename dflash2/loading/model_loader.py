@@ -105,7 +105,7 @@ def _open_checkpoint(path: str, load_format: str, native_gguf: bool = False
         quant = checkpoint.native_quant_config() if native_gguf else None
         if quant is not None:
             logger.info("GGUF weights run in their own precision (%s); --dtype float32 for the float path",
-                        describe_quant(quant))
+                        quant.describe())
         return checkpoint.arch_config, checkpoint.iter_weights(quant), quant
     if os.path.isdir(path):
         return hf_loader.read_hf_config(path), hf_loader.iter_safetensors(path), hf_loader.read_quant_config(path)
@@ -113,18 +113,6 @@ def _open_checkpoint(path: str, load_format: str, native_gguf: bool = False
         raise ValueError(f"{path!r} is an architecture preset: load it with load_format='dummy'")
     raise FileNotFoundError(f"model {path!r} is neither a directory with config.json, a .gguf file, "
                             f"nor a preset ({', '.join(registry.PRESETS)})")
-
-
-def describe_quant(quant: QuantConfig) -> str:
-    """'embed 8, qkv 4, o_proj 4, ffn 4, lm_head 8 bits, int4 groups of 32' (plus the layers that differ)."""
-    from dflash2.quantization.config import GROUPS
-
-    text = ", ".join(f"{group} {quant.bits_for(group)}" for group in GROUPS) + " bits"
-    if any(bits in (4, 6) for bits in quant.all_bits()):
-        text += f", int4/int6 groups of {quant.group_size or 'up to 128'}"
-    if quant.layer_overrides:
-        text += f"; {len(quant.layer_overrides)} layers differ"
-    return text
 
 
 def _read_arch(path: str) -> ModelArchConfig:

@@ -6,7 +6,7 @@ cache through a backend chosen at load time. q/k/v and gate/up are fused into on
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from dflash2.layers.embedding import make_embedding
 from dflash2.layers.linear import make_linear
 from dflash2.layers.norm import RMSNorm
 from dflash2.layers.quant_linear import QuantLinear
-from dflash2.layers.rotary import RotaryEmbedding
+from dflash2.layers.rotary import RotaryEmbedding, rotate
 from dflash2.quantization.config import QuantConfig
 from dflash2.quantization.formats import WeightFormat
 
@@ -30,6 +30,7 @@ class ForwardContext:
     attention: AttentionMetadata
     kv_caches: list  # per layer: a KVCache (K/V page views and scales), or what the backend takes
     attention_backend: object
+    step_values: dict = field(default_factory=dict)  # what every layer derives alike, filled by the first
 
 
 def _format(quant: QuantConfig | None, group: str, in_features: int, layer: int | None = None) -> WeightFormat | None:
@@ -82,11 +83,18 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
         if fused:
             return backend.forward_rotary(q, k, v, cache, ctx.attention, self.scale, rotary.cos, rotary.sin, qk_norm)
-        if not q.is_cuda and self.q_norm is None:  # q and k side by side in qkv's rows: one rotation for both
+        if q.is_cuda:
+            q, k = rotary(ctx.positions, q, k)
+            return backend.forward(q, k, v, cache, ctx.attention, self.scale)
+        rows = ctx.step_values.get("rotary")  # cos/sin rows: the same for every layer
+        if rows is None:
+            rows = ctx.step_values["rotary"] = rotary.rows(ctx.positions, q.dtype)
+        if self.q_norm is None:  # q and k side by side in qkv's rows: one rotation for both
             heads = self.num_heads + self.num_kv_heads
-            qk = rotary.rotate(ctx.positions, qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim))
-            return backend.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, cache, ctx.attention, self.scale)
-        q, k = rotary(ctx.positions, q, k)
+            qk = rotate(qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim), rows)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q, k = rotate(q, rows), rotate(k, rows)
         return backend.forward(q, k, v, cache, ctx.attention, self.scale)
 
     @property
@@ -181,7 +189,6 @@ class LlamaForCausalLM(nn.Module):
         """token_ids [T] -> final hidden states [T, hidden]. With future_tokens, a placeholder id -(i + 1) stands
         for future_tokens[i] (a step graph's ids: resolved in the embedding's launch where it can)."""
         x = self.embed_tokens(token_ids, future_tokens)
-        self.rotary.new_forward()
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, self.rotary, ctx)

@@ -89,6 +89,15 @@ class QuantConfig:
         where = group if layer_index is None else f"layer {layer_index} {group}"
         return WeightFormat(bits, resolve_group_size(in_features, self.group_size, where))
 
+    def describe(self) -> str:
+        """'embed 8, qkv 4, o_proj 4, ffn 4, lm_head 8 bits' (+ the int4/int6 group size, the layers that differ)."""
+        text = ", ".join(f"{group} {getattr(self, group)}" for group in GROUPS) + " bits"
+        if self.group_size is not None and any(bits in (4, 6) for bits in self.all_bits()):
+            text += f" (groups of {self.group_size})"
+        if self.layer_overrides:
+            text += f"; {len(self.layer_overrides)} layers differ"
+        return text
+
     @property
     def is_quantized(self) -> bool:
         return any(bits != 16 for bits in self.all_bits())

@@ -16,28 +16,23 @@ class TorchAttention:
     name = "torch"
     supports_graphs = False
 
-    def __init__(self) -> None:
-        # What every layer of a step derives alike from its metadata (cache rows written, decode pages and
-        # mask): computed by the first layer, kept with the metadata it came from (held, so its identity is its own)
-        self._step: tuple[AttentionMetadata, int, dict] | None = None
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D]; cache views [num_pages, tokens_per_page, KVH, D]. Returns [T, H, D]."""
-        derived = self._derived(meta, cache.k.shape[1])
-        if "rows" not in derived:
-            derived["rows"] = cache_rows(meta.page_table, meta.token_slots, meta.positions, cache.k.shape[1])
+        step = meta.step_values
+        if "cache_rows" not in step:
+            step["cache_rows"] = cache_rows(meta.page_table, meta.token_slots, meta.positions, cache.k.shape[1])
         write_kv(k, v, cache.k, cache.v, meta.page_table, meta.token_slots, meta.positions,
-                 cache.k_scale, cache.v_scale, rows=derived["rows"])
+                 cache.k_scale, cache.v_scale, rows=step["cache_rows"])
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:  # decodes only: no prefill rows to fill in
             return decode_attention(q, cache.k, cache.v, meta.page_table, meta.decode_slots, meta.decode_lengths,
-                                    meta.max_decode_length, scale, cache.k_scale, cache.v_scale, derived)
+                                    meta.max_decode_length, scale, cache.k_scale, cache.v_scale, step)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots,
                                         meta.decode_lengths, meta.max_decode_length, scale,
-                                        cache.k_scale, cache.v_scale, derived)
+                                        cache.k_scale, cache.v_scale, step)
         # a chunk with nothing cached before it may use its new K/V as is, when they read back unchanged
         reads_back_exactly = cache.kind == "float" and cache.k.dtype == k.dtype
         for seg in meta.prefills:
@@ -50,12 +45,6 @@ class TorchAttention:
                 values = gather_pages(cache.v, table, seg.context_len, cache.v_scale, q.dtype)
             out[rows] = prefill_attention(q[rows], keys, values, scale)
         return out
-
-
-    def _derived(self, meta: AttentionMetadata, tokens_per_page: int) -> dict:
-        if self._step is None or self._step[0] is not meta or self._step[1] != tokens_per_page:
-            self._step = (meta, tokens_per_page, {})
-        return self._step[2]
 
 
 def cache_rows(page_table: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor,
@@ -114,19 +103,19 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, max_length: int, scale: float,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     derived: dict | None = None) -> torch.Tensor:
-    """One query per request over its pages. q [B, H, D] -> [B, H, D]. `derived`: a dict the step's layers
-    share, which keeps the pages and the mask (the same for every layer) after the first."""
+                     step_values: dict | None = None) -> torch.Tensor:
+    """One query per request over its pages. q [B, H, D] -> [B, H, D]. `step_values` (the metadata's): the
+    pages and the mask, the same for every layer, are kept there by the first."""
     batch, num_heads, dim = q.shape
     num_kv_heads = k_cache.shape[2]
     tokens_per_page = k_cache.shape[1]
     num_pages = -(-max_length // tokens_per_page)
-    derived = {} if derived is None else derived
-    if "decode_pages" not in derived:
-        derived["decode_pages"] = page_table[slots.long(), :num_pages].long().reshape(-1)
+    step = {} if step_values is None else step_values
+    if "decode_pages" not in step:
+        step["decode_pages"] = page_table[slots.long(), :num_pages].long().reshape(-1)
         allowed = torch.arange(num_pages * tokens_per_page, device=q.device)[None, :] < lengths[:, None]  # [B, L]
-        derived["decode_mask"] = allowed[:, None, None, :]
-    pages = derived["decode_pages"]
+        step["decode_mask"] = allowed[:, None, None, :]
+    pages = step["decode_pages"]
 
     def gathered(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         # index_select copies whole pages (rows of dim 0): about 3x faster on the CPU than cache[table]
@@ -136,5 +125,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     keys, values = gathered(k_cache, k_scale), gathered(v_cache, v_scale)  # [B, L, KVH, D]
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=derived["decode_mask"], scale=scale, enable_gqa=True)
+                                         attn_mask=step["decode_mask"], scale=scale, enable_gqa=True)
     return out.reshape(batch, num_heads, dim)
