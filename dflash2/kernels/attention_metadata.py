@@ -41,7 +41,7 @@ class AttentionMetadata:
     prefill_block_segments: torch.Tensor | None = None
     prefill_block_starts: torch.Tensor | None = None
     # What every layer derives alike from this metadata, filled by the first (the torch backend's cache rows,
-    # decode pages and mask). An eager step builds its metadata anew; a graph's is captured once and never uses it.
+    # decode pages and mask); the model's forward empties it first (ForwardContext.begin_forward).
     step_values: dict = field(default_factory=dict)
 
     @property

@@ -32,6 +32,12 @@ class ForwardContext:
     attention_backend: object
     step_values: dict = field(default_factory=dict)  # what every layer derives alike, filled by the first
 
+    def begin_forward(self) -> None:
+        """Drop the previous forward's step values (a step graph's context and metadata serve every replay)."""
+        self.step_values.clear()
+        if self.attention is not None:
+            self.attention.step_values.clear()
+
 
 def _format(quant: QuantConfig | None, group: str, in_features: int, layer: int | None = None) -> WeightFormat | None:
     """The weight format of one layer's tensor group; None (float, the model dtype) for a plain checkpoint."""
@@ -189,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
         """token_ids [T] -> final hidden states [T, hidden]. With future_tokens, a placeholder id -(i + 1) stands
         for future_tokens[i] (a step graph's ids: resolved in the embedding's launch where it can)."""
         x = self.embed_tokens(token_ids, future_tokens)
+        ctx.begin_forward()
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, self.rotary, ctx)
