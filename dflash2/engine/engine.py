@@ -15,6 +15,13 @@ step outranks, is committed in the same call, right after its launch, so that to
 next step's launch (the next step then starts from an idle device; same-priority batches never take this path,
 nor does a less urgent first token while a more urgent request runs: the device would idle for it).
 
+Several models (EngineConfig.models): each has its own scheduler, KV manager and runner (ServedModel) on one
+page pool; a step runs one model's batch. The model that steps next is the one with the most urgent work
+(effective priority of its waiting or running requests), ties going to the one that stepped least recently;
+a model with work that has not stepped for `max_model_skip_steps` steps goes first (no model starves).
+Preemption crosses models (Scheduler.peers). Models load and unload while the others serve (load_model,
+unload_model).
+
 Step N's sampled tokens are not known on the host when N+1 is planned, so each request gets a
 placeholder token (resolved on the device from the runner's future-token buffer, and on the host at
 commit). A request that hits max_tokens is marked finish_pending so it is not scheduled again; one that
@@ -22,6 +29,7 @@ stops on EOS or a stop string costs one wasted row in the next step.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -32,7 +40,7 @@ from typing import Any
 
 import torch
 
-from dflash2.config import CacheConfig, DeviceDefaults, SchedulerConfig
+from dflash2.config import CacheConfig, DeviceDefaults, ModelArchConfig, SchedulerConfig
 from dflash2.engine.detokenizer import IncrementalDetokenizer
 from dflash2.engine.kv.layout import KVLayout, resolve_kv_dtype
 from dflash2.engine.kv.host_pool import HostPagePool
@@ -40,12 +48,14 @@ from dflash2.engine.kv.manager import KVManager
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.engine.plan import StepPlan
 from dflash2.engine.graphs import graph_batch_sizes, mixed_graph_shapes
-from dflash2.engine.memory import gpu_pool_bytes
+from dflash2.engine.memory import gpu_pool_bytes, profile_model_memory
 from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepResult
 from dflash2.engine.sampler import make_generator
 from dflash2.engine.scheduler import Scheduler
+from dflash2.engine.served_model import ModelSpec, ServedModel
+from dflash2.engine.storage import PoolStorage
 from dflash2.engine.step_trace import StepTrace
-from dflash2.loading.model_loader import load_model
+from dflash2.loading.model_loader import LoadedModel, load_model
 from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenView, check_priority
 from dflash2.sampling_params import MAX_PRIORITY, SamplingParams, check_against_vocab
 
@@ -74,16 +84,25 @@ class EngineConfig:
     stream_interval: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # several models on one pool (empty: the one model above); each spec's unset options take the ones above
+    models: tuple[ModelSpec, ...] = ()
+    # a model with work steps at least once every this many steps, whatever the others' priorities
+    max_model_skip_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.max_model_skip_steps < 1:
+            raise ValueError(f"max_model_skip_steps must be >= 1, got {self.max_model_skip_steps}")
 
-def _device_scheduler_config(config: SchedulerConfig, device: torch.device) -> SchedulerConfig:
+    def model_specs(self) -> tuple[ModelSpec, ...]:
+        return self.models or (ModelSpec(model=self.model, tokenizer=self.tokenizer),)
+
+def _device_scheduler_config(config: SchedulerConfig, device: torch.device, model_name: str = "") -> SchedulerConfig:
     """The scheduler's sizes the user left unset, chosen for the device; logged, with where each came from."""
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     chosen = config.with_device_defaults(device.type, memory)
-    logger.info("batch sizes for %s: %s", device.type, ", ".join(
+    logger.info("batch sizes for %s%s: %s", device.type, f" ({model_name})" if model_name else "", ", ".join(
         f"{name} {getattr(chosen, name)} ({'given' if getattr(config, name) is not None else 'device default'})"
         for name in DeviceDefaults.FIELDS))
     return chosen
@@ -98,40 +117,35 @@ def resolve_device(device: str) -> torch.device:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        device = resolve_device(config.device)
-        self.scheduler_config = _device_scheduler_config(config.scheduler, device)
-        self.model = load_model(config.model, config.load_format, config.dtype, device,
-                                config.scheduler.max_model_len, config.seed, config.tokenizer)
-        self.tokenizer = self.model.tokenizer
-        self.max_model_len = self._max_model_len()
-        checkpoint_kv = self.model.quant.kv_cache_dtype if self.model.quant is not None else None
-        kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, self.model.dtype, checkpoint_kv)
-        layout = KVLayout.for_model(self.model.arch, kv_dtype, config.cache.page_bytes,
-                                    head_major=config.cache.kv_layout == "head_major")
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "torch"
-        num_host_pages = config.cache.swap_space_bytes // config.cache.page_bytes
-        options = RunnerOptions(attention_backend=backend, seed=config.seed,
-                                max_slots=self.scheduler_config.max_num_seqs, max_model_len=self.max_model_len,
-                                enforce_eager=config.enforce_eager, num_host_pages=num_host_pages)
-        num_pages = self._num_pages(layout, device, options)
-        self.pool = PagePool(num_pages, layout.page_bytes)
-        host_pool = HostPagePool(num_host_pages) if num_host_pages else None
-        self.kv = KVManager(self.pool, layout.tokens_per_page, self.model.name, config.cache.enable_prefix_caching,
-                            max_slots=self.scheduler_config.max_num_seqs, host_pool=host_pool)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        self.eos_token_ids = set(self._eos_token_ids())
-        self.runner = ModelRunner(self.model, layout, num_pages, options)
-        self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))
-        if device.type == "cuda" and not config.enforce_eager:
-            sched = self.scheduler_config
-            self.runner.capture_graphs(graph_batch_sizes(sched.max_num_seqs),
-                                       mixed_graph_shapes(sched.max_num_seqs, self._graph_prefill_tokens()))
+        self.device = device = resolve_device(config.device)
+        cache = config.cache
+        specs = config.model_specs()
+        self.models: dict[str, ServedModel] = {}
+        self._admissions = itertools.count()  # shared by the models' schedulers (cross-model victim order)
+        loaded = []
+        try:
+            for spec in specs:  # every model's weights first: the pool takes what they leave
+                loaded.append(self._load(spec, single=len(specs) == 1))
+            names = [item[0] for item in loaded]
+            if len(set(names)) != len(names):
+                raise ValueError(f"two models have the same name ({', '.join(names)}); name them with NAME=PATH")
+            num_pages = self._num_pages(loaded)
+        except BaseException:
+            loaded.clear()
+            _release_device_memory()
+            raise
+        num_host_pages = cache.swap_space_bytes // cache.page_bytes
+        self.storage = PoolStorage(num_pages, cache.page_bytes, num_host_pages, device)
+        self.pool = PagePool(num_pages, cache.page_bytes)
+        self.host_pool = HostPagePool(num_host_pages) if num_host_pages else None
+        for item in loaded:
+            self._serve(*item)
+        loaded.clear()
         self.overlap = config.overlap if config.overlap is not None else device.type == "cuda"
         self.trace = StepTrace.from_env(device)  # one JSON line a step, if DFLASH2_STEP_TRACE names a file
-        self._in_flight: tuple[StepPlan, PendingStep] | None = None
+        self._in_flight: tuple[ServedModel, StepPlan, PendingStep] | None = None
         self._num_added = 0  # requests added so far
+        self._num_steps = 0
         self._failures: list[tuple[str, str]] = []  # requests ended by a failure of their own (take_failures)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -139,50 +153,211 @@ class Engine:
         # where the latest step's host time went (server metrics read them): Scheduler.plan(), building inputs
         # and launching the kernels, and waiting for a step's results (the device) and committing them
         self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
-        logger.info("model %s: %d layers, KV %s, %d pages of %d tokens (%d tokens), max_model_len %d",
-                    self.model.name, self.model.arch.num_layers, layout.dtype, num_pages, layout.tokens_per_page,
-                    num_pages * layout.tokens_per_page, self.max_model_len)
+
+    # -- the models --------------------------------------------------------------------------------
+    def _load(self, spec: ModelSpec, single: bool) -> tuple:
+        """Load one model's weights and work out its sizes (nothing of the pool yet)."""
+        config, device = self.config, self.device
+        sched = config.scheduler if spec.max_num_seqs is None else \
+            dataclasses.replace(config.scheduler, max_num_seqs=spec.max_num_seqs)
+        model = load_model(spec.model, spec.load_format or config.load_format, spec.dtype or config.dtype, device,
+                           config.scheduler.max_model_len, config.seed, spec.tokenizer or config.tokenizer)
+        name = (spec.served_name() if not single or spec.name is not None else None) or model.name
+        model.name = name
+        scheduler_config = _device_scheduler_config(sched, device, name if not single else "")
+        max_model_len = self._max_model_len(model.arch)
+        checkpoint_kv = model.quant.kv_cache_dtype if model.quant is not None else None
+        kv_dtype = resolve_kv_dtype(spec.kv_cache_dtype or config.cache.kv_cache_dtype, model.dtype, checkpoint_kv)
+        layout = KVLayout.for_model(model.arch, kv_dtype, config.cache.page_bytes,
+                                    head_major=config.cache.kv_layout == "head_major")
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        options = RunnerOptions(attention_backend=backend, seed=config.seed,
+                                max_slots=scheduler_config.max_num_seqs, max_model_len=max_model_len,
+                                enforce_eager=config.enforce_eager,
+                                num_host_pages=config.cache.swap_space_bytes // config.cache.page_bytes)
+        return name, spec, model, scheduler_config, max_model_len, layout, options
+
+    def _serve(self, name: str, spec: ModelSpec, model: LoadedModel, scheduler_config: SchedulerConfig,
+               max_model_len: int, layout: KVLayout, options: RunnerOptions) -> ServedModel:
+        """Put a loaded model on the pool: its limits, KV manager, scheduler (peers of the others), runner, graphs."""
+        capacity = self.pool.num_pages * layout.tokens_per_page
+        if capacity < max_model_len:
+            raise ValueError(f"max_model_len {max_model_len} of {name} does not fit: the KV cache holds {capacity} "
+                             f"of its tokens ({self.pool.num_pages} pages of {layout.tokens_per_page}); lower "
+                             f"max_model_len or give the cache more memory")
+        ceiling = None if spec.max_pool_share is None else max(1, int(spec.max_pool_share * self.pool.num_pages))
+        self.pool.set_limits(name, int(spec.min_pool_share * self.pool.num_pages), ceiling)
+        kv = KVManager(self.pool, layout.tokens_per_page, name, self.config.cache.enable_prefix_caching,
+                       max_slots=scheduler_config.max_num_seqs, host_pool=self.host_pool)
+        scheduler = Scheduler(scheduler_config, kv, admissions=self._admissions)
+        runner = ModelRunner(model, layout, self.pool.num_pages, options, storage=self.storage)
+        eos_token_ids = set(model.arch.eos_token_ids)
+        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+            eos_token_ids.add(model.tokenizer.eos_token_id)
+        runner.eos_token_ids = tuple(sorted(eos_token_ids))
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            runner.capture_graphs(graph_batch_sizes(scheduler_config.max_num_seqs),
+                                  mixed_graph_shapes(scheduler_config.max_num_seqs,
+                                                     self._graph_prefill_tokens(scheduler_config)))
+        served = ServedModel(name, spec, model, scheduler_config, max_model_len, layout, kv, scheduler, runner,
+                             eos_token_ids)
+        self.models[name] = served
+        self._link_peers()
+        logger.info("model %s: %d layers, weights %s, KV %s, %d tokens a page (pool: %d pages, %d of its tokens), "
+                    "max_model_len %d", name, model.arch.num_layers, served.describe()["weights"], layout.dtype,
+                    layout.tokens_per_page, self.pool.num_pages, self.pool.num_pages * layout.tokens_per_page,
+                    max_model_len)
+        return served
+
+    def _link_peers(self) -> None:
+        for served in self.models.values():
+            served.scheduler.peers = [other.scheduler for other in self.models.values() if other is not served]
+
+    def load_model(self, spec: ModelSpec) -> ServedModel:
+        """Load another model while the others serve; its KV comes from the same pool. ValueError (nothing
+        changed) for a duplicate name, a model that cannot load, or not enough memory."""
+        name = spec.served_name()
+        if name is not None and name in self.models:
+            raise ValueError(f"a model named {name!r} is already loaded")
+        loaded = None
+        try:
+            loaded = self._load(spec, single=False)
+            if loaded[0] in self.models:
+                raise ValueError(f"a model named {loaded[0]!r} is already loaded")
+            return self._serve(*loaded)
+        except torch.cuda.OutOfMemoryError:
+            raise ValueError(f"not enough device memory to load {spec.model!r} beside the models loaded; unload one "
+                             f"or start with a smaller --gpu-memory-utilization / --kv-cache-memory") from None
+        finally:
+            if loaded is not None and loaded[0] not in self.models:
+                self.pool.forget(loaded[0])
+            del loaded
+            if self.device.type == "cuda":
+                _release_device_memory()
+
+    def unload_model(self, name: str, force: bool = False) -> None:
+        """Free a model's weights, graphs and pages. Its requests must be done, or `force` aborts them."""
+        served = self.served(name)
+        pending = [r for r in self.requests.values() if r.model == name]
+        if pending and not force:
+            raise ValueError(f"model {name!r} still has {len(pending)} requests; let them finish or force")
+        for request in pending:
+            self.abort(request.request_id)
+        if self._in_flight is not None and self._in_flight[0] is served:
+            self._finish_in_flight()  # its outputs are for nobody now
+        del self.models[name]
+        self._link_peers()
+        served.runner.close()
+        self.pool.forget(name)
+        served.model = served.runner = None
+        _release_device_memory()
+        logger.info("model %s unloaded", name)
+
+    def served(self, name: str | None = None) -> ServedModel:
+        """The model named `name`; None: the only one loaded. ValueError if there is no such model."""
+        if name is None:
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            if not self.models:
+                raise ValueError("no model is loaded")
+            raise ValueError(f"several models are loaded ({', '.join(self.models)}): name one")
+        served = self.models.get(name)
+        if served is None:
+            raise ValueError(f"no model named {name!r} is loaded; loaded: {', '.join(self.models) or 'none'}")
+        return served
+
+    # the first model's parts: what a single-model engine's callers read
+    @property
+    def default(self) -> ServedModel:
+        return next(iter(self.models.values()))
+
+    @property
+    def model(self) -> LoadedModel:
+        return self.default.model
+
+    @property
+    def tokenizer(self):  # noqa: ANN201
+        return self.default.tokenizer
+
+    @property
+    def kv(self) -> KVManager:
+        return self.default.kv
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.default.scheduler
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.default.runner
+
+    @property
+    def max_model_len(self) -> int:
+        return self.default.max_model_len
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.default.eos_token_ids
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.default.scheduler_config
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(served.scheduler.waiting) for served in self.models.values())
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(served.scheduler.num_preemptions for served in self.models.values())
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None, priority: int = 0,
-                    request_id: str | None = None) -> Request:
-        """Validate and queue one request; raises ValueError saying what is wrong with it."""
+                    request_id: str | None = None, model: str | None = None) -> Request:
+        """Validate and queue one request for `model` (None: the only model loaded); raises ValueError saying
+        what is wrong with it."""
         params = params or SamplingParams()
+        served = self.served(model)
+        if served.closing:
+            raise ValueError(f"model {served.name!r} is being unloaded")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, token_ids = self._tokenize(prompt)
-        self._validate(token_ids, params)
+        prompt_text, token_ids = self._tokenize(served, prompt)
+        self._validate(served, token_ids, params)
         check_priority(priority)  # before the flip below, so the message names what the client sent
         if self.config.low_priority_values_first:
             priority = MAX_PRIORITY - priority
-        request = Request(request_id, token_ids, params, priority=priority, prompt=prompt_text,
-                          model=self.model.name)
+        request = Request(request_id, token_ids, params, priority=priority, prompt=prompt_text, model=served.name)
         if params.seed is not None:
-            request.generator = make_generator(params.seed, self.model.device)
+            request.generator = make_generator(params.seed, self.device)
         self.requests[request_id] = request
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-        self.scheduler.add(request)
+        self._detokenizers[request_id] = IncrementalDetokenizer(served.tokenizer, token_ids, params)
+        served.scheduler.add(request)
         self._num_added += 1
         return request
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is not None and not request.status.finished:
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self.models[request.model].scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
 
     def close(self) -> None:
         """Free what the engine holds on the device and the host (page pool, CUDA graphs, pinned buffers, the
-        model) and end its requests; idempotent. Dropping the last reference to the engine does the same."""
-        if self.runner is None:
+        models) and end its requests; idempotent. Dropping the last reference to the engine does the same."""
+        if getattr(self, "storage", None) is None:
             return
         for request_id in list(self.requests):
             self.abort(request_id)
         self._in_flight = None
-        self.runner.close()
-        self.runner = None
-        self.model = None
+        for served in self.models.values():
+            served.runner.close()
+            served.model = served.runner = None
+        self.models.clear()
+        self.storage = None
         if self.trace is not None:
             self.trace.file.close()
             self.trace = None
@@ -190,8 +365,8 @@ class Engine:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear_workspaces is not None:  # cuBLAS's per-stream workspaces (the engine's streams are gone)
-                clear_workspaces()
-            torch.cuda.empty_cache()
+                clear_workspaces()  # (only here: a captured graph of a model still loaded may use them)
+        _release_device_memory()
 
     def __enter__(self) -> "Engine":
         return self
@@ -200,11 +375,11 @@ class Engine:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "runner", None) is not None:
+        if getattr(self, "storage", None) is not None:
             self.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self._in_flight is not None or any(m.scheduler.has_unfinished() for m in self.models.values())
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -212,20 +387,20 @@ class Engine:
         self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
         outputs: list[RequestOutput] = []
         started = time.perf_counter()
-        plan = self.scheduler.plan()
+        served, plan = self._plan_next()
         self.last_plan_seconds = time.perf_counter() - started
         if plan and self._in_flight is not None and self._needs_token_values(plan):
             outputs += self._finish_in_flight()  # penalties read the real tokens, not placeholders
         launched = None
         urgent_first_token = False
         if plan:
-            pending = self._launch(plan)
+            pending = self._launch(served, plan)
             urgent_first_token = self._urgent_first_token(*self._step_priorities(plan))
             if not self.overlap:
-                self._in_flight = (plan, pending)
+                self._in_flight = (served, plan, pending)
                 return outputs + self._finish_in_flight(placeholders=False)
             self._add_placeholders(pending)
-            launched = (plan, pending)
+            launched = (served, plan, pending)
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
         self._in_flight = launched
@@ -233,14 +408,43 @@ class Engine:
             outputs += self._finish_in_flight()  # host time): the device idles for one launch, only here
         return outputs
 
-    def _launch(self, plan: StepPlan) -> PendingStep:
+    def _plan_next(self) -> tuple[ServedModel | None, StepPlan]:
+        """The plan of the model that steps next (an empty plan if no model has anything to run now)."""
+        self._num_steps += 1
+        if len(self.models) == 1:
+            served = self.default
+            return served, served.scheduler.plan()
+        for served in self._step_order():
+            plan = served.scheduler.plan()
+            if plan:
+                served.last_step = self._num_steps
+                return served, plan
+        return None, StepPlan()
+
+    def _step_order(self) -> list[ServedModel]:
+        """The models with work, in the order they get to plan this step: one that has not stepped for
+        max_model_skip_steps steps first (longest first), then by their most urgent request's effective
+        priority, then the one that stepped least recently (equal priorities take turns)."""
+        now = time.monotonic()
+        bound = self.config.max_model_skip_steps
+        keyed = []
+        for served in self.models.values():
+            top = served.scheduler.top_priority(now)
+            if top is None:
+                continue
+            starving = self._num_steps - served.last_step > bound
+            keyed.append(((not starving, served.last_step if starving else 0, -top, served.last_step), served))
+        keyed.sort(key=lambda item: item[0])
+        return [served for _, served in keyed]
+
+    def _launch(self, served: ServedModel, plan: StepPlan) -> PendingStep:
         self._mark_scheduled(plan)
         trace = None
         if self.trace:
             _, top, first_token_top = self._step_priorities(plan)
             trace = self.trace.begin(plan, top, first_token_top, self.last_plan_seconds)
         launch_started = time.perf_counter()
-        pending = self.runner.launch(plan, self.requests)
+        pending = served.runner.launch(plan, self.requests)
         self.last_launch_seconds = time.perf_counter() - launch_started
         if trace is not None:
             self.trace.launched(trace, self.last_launch_seconds)
@@ -273,7 +477,8 @@ class Engine:
             return False
         if first_token_top > lowest:
             return True
-        return any(r.priority < first_token_top for r in self.scheduler.running.values())
+        return any(r.priority < first_token_top for served in self.models.values()
+                   for r in served.scheduler.running.values())
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         now = time.monotonic()
@@ -295,24 +500,25 @@ class Engine:
             request.token_ids.append(placeholder)
             max_tokens = request.sampling_params.max_tokens
             if (max_tokens is not None and request.num_output_tokens >= max_tokens) \
-                    or request.num_tokens >= self.max_model_len:
+                    or request.num_tokens >= self.models[request.model].max_model_len:
                 request.finish_pending = True
 
     def _finish_in_flight(self, placeholders: bool = True) -> list[RequestOutput]:
         """Wait for the step in flight and commit it (`placeholders`: its tokens replace the placeholders it
         appended at launch, overlapped; else they are appended)."""
         started = time.perf_counter()
-        plan, pending = self._in_flight
+        served, plan, pending = self._in_flight
         self._in_flight = None
-        result = self.runner.collect(pending)
-        outputs = self._commit(plan, result, pending.placeholders if placeholders else None)
+        result = served.runner.collect(pending)
+        outputs = self._commit(served, plan, result, pending.placeholders if placeholders else None)
         elapsed = time.perf_counter() - started
         self.last_finish_seconds += elapsed
         if pending.trace is not None:
             self.trace.finished(pending.trace, elapsed)
         return outputs
 
-    def _commit(self, plan: StepPlan, result: StepResult, placeholders: list[int] | None) -> list[RequestOutput]:
+    def _commit(self, served: ServedModel, plan: StepPlan, result: StepResult,
+                placeholders: list[int] | None) -> list[RequestOutput]:
         outputs = []
         for request_id, (start, entries) in result.prompt_logprobs.items():
             if request_id in self.requests:
@@ -322,11 +528,11 @@ class Engine:
             if request is None or request.status.finished:
                 continue  # finished or aborted while this step was in flight
             if request_id in result.failed:
-                self._fail(request, result.failed[request_id])
+                self._fail(served, request, result.failed[request_id])
                 continue
             num_outputs = self._place_token(request, token_id, placeholders[index] if placeholders else None)
             self._record_logprobs(request, token_id, result.logprobs.get(request_id))
-            status = self._check_stop(request, token_id, num_outputs)
+            status = self._check_stop(served, request, token_id, num_outputs)
             if status is None:
                 streamed = request.num_streamed_tokens
                 if not request.sampling_params.final_only and (
@@ -334,17 +540,17 @@ class Engine:
                     outputs.append(self._output(request, self._unstreamed(request, token_id, num_outputs),
                                                 num_outputs))
                 continue
-            self.kv.commit(request)  # the pages this step filled stay reusable (on_step_done skips it now)
-            self.scheduler.finish(request, status)
+            served.kv.commit(request)  # the pages this step filled stay reusable (on_step_done skips it now)
+            served.scheduler.finish(request, status)
             outputs.append(self._output(request, self._unstreamed(request, token_id, num_outputs), num_outputs))
             del self.requests[request_id]
             del self._detokenizers[request_id]
-        self.scheduler.on_step_done(plan)
+        served.scheduler.on_step_done(plan)
         return outputs
 
-    def _fail(self, request: Request, reason: str) -> None:
+    def _fail(self, served: ServedModel, request: Request, reason: str) -> None:
         """End one request whose step part raised (its neighbours go on); take_failures() reports it."""
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        served.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         del self.requests[request.request_id]
         del self._detokenizers[request.request_id]
         self._failures.append((request.request_id, reason))
@@ -377,13 +583,14 @@ class Engine:
         request.token_ids[index] = token_id
         return index + 1 - request.num_prompt_tokens
 
-    def _check_stop(self, request: Request, token_id: int, num_outputs: int) -> RequestStatus | None:
+    def _check_stop(self, served: ServedModel, request: Request, token_id: int,
+                    num_outputs: int) -> RequestStatus | None:
         params = request.sampling_params
         detok = self._detokenizers[request.request_id]
         past_min = num_outputs >= params.min_tokens
         stop_string = detok.add_token(token_id, check_stop=past_min)
         if past_min:
-            if token_id in self.eos_token_ids and not params.ignore_eos:
+            if token_id in served.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if params.stop_token_ids and token_id in params.stop_token_ids:
                 request.stop_reason = token_id
@@ -393,7 +600,7 @@ class Engine:
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and num_outputs >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_prompt_tokens + num_outputs >= self.max_model_len:
+        if request.num_prompt_tokens + num_outputs >= served.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -415,7 +622,7 @@ class Engine:
     def _record_logprobs(self, request: Request, token_id: int, entries: dict | None) -> None:
         if request.logprobs is None or entries is None:
             return
-        self._decode_entries(entries)
+        self._decode_entries(request, entries)
         request.logprobs.append(entries)
         request.cumulative_logprob += entries[token_id].logprob
 
@@ -423,19 +630,20 @@ class Engine:
         assert request.prompt_logprobs is not None
         for offset, entry in enumerate(entries):
             if start + offset == len(request.prompt_logprobs):  # skip positions recorded before a preemption
-                self._decode_entries(entry)
+                self._decode_entries(request, entry)
                 request.prompt_logprobs.append(entry)
 
-    def _decode_entries(self, entries: dict) -> None:
-        if self.tokenizer is not None:
+    def _decode_entries(self, request: Request, entries: dict) -> None:
+        tokenizer = self.models[request.model].tokenizer
+        if tokenizer is not None:
             for token_id, entry in entries.items():
-                entry.decoded_token = self.tokenizer.convert_ids_to_tokens(token_id)
+                entry.decoded_token = tokenizer.convert_ids_to_tokens(token_id)
 
     # -- set-up helpers ----------------------------------------------------------------------------
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    def _tokenize(self, served: ServedModel, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self._check_token_ids(served, prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -443,35 +651,38 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
+            if served.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give prompt_token_ids instead of text")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, served.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
-            return None, self._check_token_ids(prompt)
+            return None, self._check_token_ids(served, prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _check_token_ids(self, token_ids: Sequence[Any]) -> list[int]:
+    @staticmethod
+    def _check_token_ids(served: ServedModel, token_ids: Sequence[Any]) -> list[int]:
         if not isinstance(token_ids, (list, tuple)) or not token_ids:
             raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-        vocab = self.model.arch.vocab_size
+        vocab = served.model.arch.vocab_size
         for t in token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is not an integer in [0, {vocab})")
         return list(token_ids)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, served: ServedModel, token_ids: list[int], params: SamplingParams) -> None:
         params.validate()
-        check_against_vocab(params, self.model.arch.vocab_size)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
+        check_against_vocab(params, served.model.arch.vocab_size)
+        if len(token_ids) >= served.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {served.max_model_len} "
                              f"(at least one token must be left to generate)")
-        total = min(self.max_model_len, len(token_ids) + (params.max_tokens or self.max_model_len))
-        if self.kv.num_pages_for(total) > self.pool.num_pages:
+        total = min(served.max_model_len, len(token_ids) + (params.max_tokens or served.max_model_len))
+        limit = self.pool.num_pages
+        if served.spec.max_pool_share is not None:
+            limit = max(1, int(served.spec.max_pool_share * self.pool.num_pages))
+        if served.kv.num_pages_for(total) > limit:
             raise ValueError(f"the request needs up to {total} tokens of KV cache, more than the whole pool holds "
-                             f"({self.pool.num_pages * self.kv.tokens_per_page})")
+                             f"for this model ({limit * served.kv.tokens_per_page})")
 
-    def _max_model_len(self) -> int:
-        arch = self.model.arch
+    def _max_model_len(self, arch: ModelArchConfig) -> int:
         limit = self.config.scheduler.max_model_len or arch.max_position_embeddings
         if self.config.scheduler.max_model_len and limit > arch.max_position_embeddings:
             raise ValueError(f"max_model_len {limit} exceeds the model's max_position_embeddings "
@@ -482,33 +693,37 @@ class Engine:
             limit = arch.sliding_window
         return limit
 
-    def _graph_prefill_tokens(self) -> int:
+    def _graph_prefill_tokens(self, scheduler_config: SchedulerConfig) -> int:
         """The largest prefill a graph is captured for: 0 (decode-only graphs) when graphs are off."""
         if self.config.enforce_eager:
             return 0
-        return min(self.config.cuda_graph_max_prefill_tokens, self.scheduler_config.max_num_batched_tokens)
+        return min(self.config.cuda_graph_max_prefill_tokens, scheduler_config.max_num_batched_tokens)
 
-    def _num_pages(self, layout: KVLayout, device: torch.device, options: RunnerOptions) -> int:
-        cache, sched = self.config.cache, self.scheduler_config
+    def _num_pages(self, loaded: list[tuple]) -> int:
+        """The pool's size: --kv-cache-memory, else on the GPU what the utilization leaves after every model's
+        weights and run-time needs, else on the CPU what every model's sequences can use (1 GiB at most each)."""
+        cache = self.config.cache
         budget = cache.kv_cache_memory_bytes
         if budget is None:
-            if device.type == "cuda":
-                budget = gpu_pool_bytes(self.model, layout, options, cache.gpu_memory_utilization,
-                                        sched.max_num_batched_tokens, sched.max_num_seqs,
-                                        graph_tokens=self._graph_prefill_tokens() + sched.max_num_seqs)
+            if self.device.type == "cuda":
+                needs = [profile_model_memory(model, layout, options, sched.max_num_batched_tokens,
+                                              sched.max_num_seqs,
+                                              graph_tokens=self._graph_prefill_tokens(sched) + sched.max_num_seqs)
+                         for _, _, model, sched, _, layout, options in loaded]
+                budget = gpu_pool_bytes(self.device, needs, cache.gpu_memory_utilization)
             else:
-                needed_pages = -(-self.max_model_len * sched.max_num_seqs // layout.tokens_per_page)
-                budget = min(CacheConfig.CPU_DEFAULT_KV_BYTES, needed_pages * layout.page_bytes)
-        num_pages = budget // layout.page_bytes
-        capacity = num_pages * layout.tokens_per_page
-        if capacity < self.max_model_len:
-            raise ValueError(f"max_model_len {self.max_model_len} does not fit: the KV cache holds {capacity} "
-                             f"tokens ({num_pages} pages of {layout.tokens_per_page}); lower max_model_len or "
-                             f"give the cache more memory")
+                budget = 0
+                for _, _, _, sched, max_model_len, layout, _ in loaded:
+                    needed_pages = -(-max_model_len * sched.max_num_seqs // layout.tokens_per_page)
+                    budget += min(CacheConfig.CPU_DEFAULT_KV_BYTES, needed_pages * layout.page_bytes)
+        num_pages = budget // cache.page_bytes
+        if num_pages < 1:
+            raise ValueError(f"the KV cache budget of {budget} bytes holds no page of {cache.page_bytes} bytes")
         return num_pages
 
-    def _eos_token_ids(self) -> list[int]:
-        ids = list(self.model.arch.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return ids
+
+def _release_device_memory() -> None:
+    """Collect what still points at device tensors through a cycle and give the allocator's cache back."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -1,13 +1,16 @@
-"""Size the GPU page pool: what `gpu_memory_utilization` allows, minus what the model needs to run.
+"""Size the GPU page pool: what `gpu_memory_utilization` allows, minus what the models need to run.
 
-    total * utilization  =  peak of a profiling step (weights + activations of the largest batch)
-                         +  reserve (CUDA graphs: the activations of the largest captured step, every decode
-                            graph's logits and the mixed graphs' shared logits buffer; 1 GiB of allocator slack)
+    total * utilization  =  peak of a profiling step (every model's weights + the activations of the largest
+                            batch of the model whose step needs most: one model steps at a time)
+                         +  each model's reserve (CUDA graphs: the activations of its largest captured step,
+                            every decode graph's logits and the mixed graphs' shared logits buffer; 1 GiB of
+                            allocator slack)
                          +  page pool   <- the rest
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,10 +29,18 @@ logger = logging.getLogger("dflash2")
 GRAPH_RESERVE_BYTES = 1 << 30
 
 
-def gpu_pool_bytes(model: "LoadedModel", layout: "KVLayout", options: "RunnerOptions", utilization: float,
-                   max_num_batched_tokens: int, max_num_seqs: int, graph_tokens: int = 0) -> int:
-    """Bytes left for the page pool after a profiling step of `max_num_batched_tokens` tokens; the CUDA graphs'
-    own memory pool is taken to need the activations of a `graph_tokens`-token step (scaled from the profile)."""
+@dataclass(frozen=True)
+class ModelMemory:
+    """One model's memory needs beside the pool, from a profiling step."""
+
+    peak: int  # bytes allocated at the peak of its largest step (every loaded model's weights included)
+    reserve: int  # bytes its CUDA graphs and the allocator's slack keep besides
+
+
+def profile_model_memory(model: "LoadedModel", layout: "KVLayout", options: "RunnerOptions",
+                         max_num_batched_tokens: int, max_num_seqs: int, graph_tokens: int = 0) -> ModelMemory:
+    """A profiling step of `max_num_batched_tokens` tokens; the CUDA graphs' own memory pool is taken to need the
+    activations of a `graph_tokens`-token step (scaled from the profile)."""
     from dflash2.engine.graphs import graph_batch_sizes
     from dflash2.engine.runner import ModelRunner, RunnerOptions
 
@@ -59,16 +70,23 @@ def gpu_pool_bytes(model: "LoadedModel", layout: "KVLayout", options: "RunnerOpt
     peak = torch.cuda.max_memory_allocated(device)
     del runner
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
     # the graphs' logits (float32 at most): each decode graph's own, and one buffer for all mixed graphs
     logits_bytes = (sum(graph_batch_sizes(max_num_seqs)) + 2 * max_num_seqs) * model.arch.vocab_size * 4
     graph_activations = int((peak - before) * min(1.0, graph_tokens / max_num_batched_tokens))
-    budget = int(total * utilization) - peak - GRAPH_RESERVE_BYTES - graph_activations - logits_bytes
-    logger.info("GPU memory: %.2f GiB total, utilization %.2f, profiling peak %.2f GiB, graph activations "
-                "%.2f GiB, pool %.2f GiB", total / 2**30, utilization, peak / 2**30, graph_activations / 2**30,
-                budget / 2**30)
+    return ModelMemory(peak, GRAPH_RESERVE_BYTES + graph_activations + logits_bytes)
+
+
+def gpu_pool_bytes(device: torch.device, needs: list[ModelMemory], utilization: float) -> int:
+    """Bytes left for the page pool: total * utilization less the highest peak and every model's reserve."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    peak = max(need.peak for need in needs)
+    reserve = sum(need.reserve for need in needs)
+    budget = int(total * utilization) - peak - reserve
+    logger.info("GPU memory: %.2f GiB total, utilization %.2f, profiling peak %.2f GiB, graphs and slack %.2f GiB "
+                "(%d model%s), pool %.2f GiB", total / 2**30, utilization, peak / 2**30, reserve / 2**30,
+                len(needs), "s" if len(needs) != 1 else "", budget / 2**30)
     if budget <= 0:
-        raise ValueError(f"gpu_memory_utilization {utilization} leaves no memory for the KV cache: the model "
-                         f"needs {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB; raise it or lower "
-                         f"max_num_batched_tokens")
+        raise ValueError(f"gpu_memory_utilization {utilization} leaves no memory for the KV cache: the model"
+                         f"{'s need' if len(needs) > 1 else ' needs'} {(peak + reserve) / 2**30:.2f} GiB of "
+                         f"{total / 2**30:.2f} GiB; raise it or lower max_num_batched_tokens")
     return budget

@@ -1,7 +1,7 @@
 """ModelRunner: StepPlan -> device tensors -> model forward -> sampled tokens.
 
-Owns the device side of the KV cache: one byte buffer for the page pool (plus one scratch page that padded
-graph rows write into), each layer's typed view of it, and the page table: one row per request slot,
+Owns one model's side of the KV cache: each layer's typed view of the pool's bytes (PoolStorage, shared by
+every model of the engine), and the page table: one row per request slot,
 updated in place from the pages each chunk adds. The flat batch puts decode chunks (one token) first:
 
     tokens:   [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]      decode rows attend over their pages in one batch;
@@ -25,6 +25,7 @@ import torch
 from dflash2.engine.graphs import StepGraphs
 from dflash2.engine.kv.layout import KVLayout
 from dflash2.engine.plan import ScheduledChunk, StepPlan
+from dflash2.engine.storage import PoolStorage
 from dflash2.engine.sampler import Logprob, Sampler, SamplingRow, prompt_logprobs, sampled_logprobs
 from dflash2.engine.transfer import to_device
 from dflash2.kernels.attention_metadata import AttentionMetadata, PrefillSegment
@@ -80,20 +81,18 @@ def _event_set(event: threading.Event) -> Iterator[None]:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, layout: KVLayout, num_pages: int, options: RunnerOptions) -> None:
+    def __init__(self, model: LoadedModel, layout: KVLayout, num_pages: int, options: RunnerOptions,
+                 storage: PoolStorage | None = None) -> None:
+        """`storage`: the pool's bytes, shared by every model's runner (None: a pool of `num_pages` of its own)."""
         self.model = model
         self.layout = layout
         self.options = options
         self.device = model.device
-        self.num_pages = num_pages
-        self.scratch_page = num_pages
-        self.pool_bytes = torch.zeros((num_pages + 1) * layout.page_bytes, dtype=torch.uint8, device=self.device)
-        self.kv_caches = layout.layer_views(self.pool_bytes)
-        self.device_pages = self.pool_bytes.view(num_pages + 1, layout.page_bytes)
-        self.host_pages = torch.empty((options.num_host_pages, layout.page_bytes), dtype=torch.uint8,
-                                      pin_memory=self.device.type == "cuda")
-        # the swap copies between host and device pages run on their own stream (_swap)
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.storage = storage if storage is not None else PoolStorage(num_pages, layout.page_bytes,
+                                                                       options.num_host_pages, self.device)
+        self.num_pages = self.storage.num_pages
+        self.scratch_page = self.storage.scratch_page
+        self.kv_caches = layout.layer_views(self.storage.pool_bytes)
         self.max_pages_per_slot = -(-options.max_model_len // layout.tokens_per_page)
         self.pad_slot = options.max_slots  # an extra row whose pages are all the scratch page
         self.page_table = torch.full((options.max_slots + 1, self.max_pages_per_slot), self.scratch_page,
@@ -124,8 +123,8 @@ class ModelRunner:
             self.graphs = StepGraphs(self, decode_sizes, list(mixed_shapes))
 
     def close(self) -> None:
-        """Give back the device memory: graphs (and their pool), the page pool, the pinned host pages, the model's
-        weights. The runner is unusable afterwards."""
+        """Give back the device memory: graphs (and their pool), the model's weights, and its hold on the pool's
+        storage. The runner is unusable afterwards."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.graphs is not None:
@@ -133,9 +132,9 @@ class ModelRunner:
                 graph.reset()
             self.graphs = None
         self.kv_caches = []
-        self.pool_bytes = self.device_pages = self.host_pages = self.page_table = None
+        self.storage = self.page_table = None  # the pool's bytes go with the last runner viewing them
         self.future_tokens = self.tokens_host = None
-        self.token_stream = self.copy_stream = self._sampled = None
+        self.token_stream = self._sampled = None
         self.model = None
 
     # -- the step ----------------------------------------------------------------------------------
@@ -144,7 +143,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, requests: Mapping[str, Request]) -> PendingStep:
-        self._swap(plan.swap_out, plan.swap_in)
+        self.storage.swap(plan.swap_out, plan.swap_in)
         if not plan.chunks:
             return PendingStep([], [], None, None)
         self.update_page_table(plan.chunks)
@@ -203,65 +202,6 @@ class ModelRunner:
         for request_id, start, logits, targets, num_top in pending.prompt_logprob_jobs:
             result.prompt_logprobs[request_id] = (start, prompt_logprobs(logits, targets, num_top))
         return result
-
-    # -- swapping ----------------------------------------------------------------------------------
-    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy paused requests' pages to host pages and resumed ones back, queued before the step's
-        kernels (so a page freed by a swap-out is read before anything new is written into it).
-
-        Every source page is read before any destination page is written: one plan may hand a host page
-        freed by a swap-in to a later swap-out, or a device page freed by a swap-out to a later swap-in, in
-        either order (a request is never both paused and resumed in one plan, so no source is itself a
-        destination of the same plan). On the GPU, with no host sync:
-
-            in:  host pages (pinned) --runs, copy stream--> staging (device) --index_copy_, main--> device pages
-            out: device pages --index_select, main--> staging (device) --runs, copy stream--> host pages (pinned)
-
-        one gather or scatter kernel per direction on the main stream, and one async copy per run of
-        consecutive host pages on the copy stream (pairs are sorted by host page, so the staging rows of a run
-        are consecutive too). The copy stream is in order: a swap-in's copies come after every earlier
-        swap-out's copies to the host (it may read those host pages), and this plan's swap-out copies come
-        after its swap-in copies (they may write host pages the swap-in reads). The swap-in's copies are
-        issued at once, so with overlap they run while the step before this one computes; only the scatter
-        waits for them. The swap-out's copies wait for the gather, and the step's kernels may write the freed
-        device pages as soon as the gather has read them.
-        """
-        if not swap_out and not swap_in:
-            return
-        swap_out = sorted(swap_out, key=lambda pair: pair[1])
-        swap_in = sorted(swap_in)
-        if self.device.type != "cuda":
-            out_pages = self.device_pages[[d for d, _ in swap_out]]  # advanced indexing copies: read first
-            in_pages = self.host_pages[[h for h, _ in swap_in]]
-            self.host_pages[[h for _, h in swap_out]] = out_pages
-            self.device_pages[[d for _, d in swap_in]] = in_pages
-            return
-        main, side = torch.cuda.current_stream(self.device), self.copy_stream
-        in_copied = None
-        if swap_in:
-            with torch.cuda.stream(side):  # behind earlier swap-outs' host copies (the stream is in order)
-                # allocated on the copy stream: the allocator never hands it memory that kernels queued on
-                # the main stream may still use (a block freed there is reused in stream order only)
-                in_staging = torch.empty((len(swap_in), self.device_pages.shape[1]), dtype=torch.uint8,
-                                         device=self.device)
-                for row, host_page, count in _runs([h for h, _ in swap_in]):
-                    in_staging[row:row + count].copy_(self.host_pages[host_page:host_page + count],
-                                                      non_blocking=True)
-            in_copied = side.record_event()
-        if swap_out:
-            out_staging = self.device_pages.index_select(0, to_device([d for d, _ in swap_out], torch.long,
-                                                                      self.device))
-            side.wait_stream(main)  # after the gather (and this plan's swap-in copies, already ahead on side)
-            with torch.cuda.stream(side):
-                for row, host_page, count in _runs([h for _, h in swap_out]):
-                    self.host_pages[host_page:host_page + count].copy_(out_staging[row:row + count],
-                                                                       non_blocking=True)
-            out_staging.record_stream(side)  # not reused by the allocator before these copies end
-        if in_copied is not None:
-            main.wait_event(in_copied)  # the scatter (and so the step's kernels) after the copies to staging
-            self.device_pages.index_copy_(0, to_device([d for _, d in swap_in], torch.long, self.device),
-                                          in_staging)
-            in_staging.record_stream(main)  # not reused on the copy stream before the scatter has read it
 
     # -- inputs ------------------------------------------------------------------------------------
     def update_page_table(self, chunks: list[ScheduledChunk]) -> None:
@@ -432,15 +372,3 @@ class _HostBatch:
         has_placeholders = bool(token_ids) and min(token_ids) < 0
         return _HostBatch(token_ids, positions, token_slots, decode_lengths, segments, sample_rows, sample_chunks,
                           logit_chunks, has_placeholders)
-
-
-def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive page ids in a sorted list: (index of the first, first page id, length)."""
-    runs: list[tuple[int, int, int]] = []
-    for index, page in enumerate(pages):
-        if runs and runs[-1][1] + runs[-1][2] == page:
-            row, first, count = runs[-1]
-            runs[-1] = (row, first, count + 1)
-        else:
-            runs.append((index, page, 1))
-    return runs

@@ -23,12 +23,18 @@ Preemption, least urgent first (lowest priority, then most recently admitted):
 A paused request's computed KV goes to host pages when the swap pool has room (it resumes where it
 stopped, no recomputation) or is dropped (recomputed from its prompt and outputs, helped by the prefix
 cache). It goes back to waiting with its original arrival, so it keeps its place in line.
+
+Several models share one page pool: each has its own Scheduler, and each knows the others as `peers`.
+Preemption crosses models: a waiting request may pause the peers' running requests it outranks by
+`preemption_threshold`, and a running one that needs a page may pause theirs that it outranks so; their swap
+copies go into this model's plan (the pool's bytes are shared). Admission numbers come from one counter shared
+by the peers, so "most recently admitted" compares across models.
 No tensors and no device code here: unit tests drive it with a pool of a few pages.
 """
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from dflash2.config import SchedulerConfig
 from dflash2.engine.kv.manager import KVManager
@@ -38,15 +44,18 @@ from dflash2.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager, waiting: WaitingQueue | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager, waiting: WaitingQueue | None = None,
+                 admissions: Iterator[int] | None = None) -> None:
+        """`admissions`: the admission counter, shared by the schedulers of models on one pool."""
         if not config.sizes_chosen:
             raise ValueError("the scheduler needs its batch sizes chosen (SchedulerConfig.with_device_defaults)")
         self.config = config
         self.kv = kv
         self.waiting = waiting if waiting is not None else WaitingQueue(config.priority_aging_seconds)
         self.running: dict[str, Request] = {}
+        self.peers: list[Scheduler] = []  # the other models' schedulers on the same pool (the engine sets them)
         self._arrivals = itertools.count()
-        self._admissions = itertools.count()
+        self._admissions = admissions if admissions is not None else itertools.count()
         self._admitted: dict[str, int] = {}  # request id -> admission number (most recent start)
         self._arrival: dict[str, int] = {}  # request id -> arrival number (its place in line)
         self.num_preemptions = 0
@@ -72,6 +81,19 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def top_priority(self, now: float) -> float | None:
+        """The effective priority of this model's most urgent request, waiting or running (None: none)."""
+        top = None
+        head = self.waiting.head()
+        if head is not None:
+            top = self.waiting.effective_priority(head, now)
+        for request in self.running.values():
+            if not request.finish_pending:
+                effective = self.waiting.effective_priority(request, now)
+                if top is None or effective > top:
+                    top = effective
+        return top
 
     # -- planning ----------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
@@ -164,7 +186,7 @@ class Scheduler:
         if swapped:
             num_new = self._chunk_size(request)
             needed = self.kv.num_pages_for(request.num_computed_tokens + num_new)
-            if needed > self.kv.pool.num_available:
+            if needed > self.kv.num_available:
                 return False
             pairs = self.kv.swap_in(request)
             self.kv.grow(request, request.num_computed_tokens + num_new)
@@ -208,9 +230,10 @@ class Scheduler:
         """
         effective = self.waiting.effective_priority
         bar = effective(request) - self.config.preemption_threshold
-        victims = sorted((r for r in self.running.values()
-                          if r.request_id not in self._admitted_now and effective(r) <= bar),
-                         key=lambda r: (effective(r), -self._admitted[r.request_id]))
+        victims = [r for r in self.running.values() if r.request_id not in self._admitted_now and effective(r) <= bar]
+        for peer in self.peers:
+            victims += [r for r in peer.running.values() if effective(r) <= bar]
+        victims.sort(key=lambda r: (effective(r), -self._admission_of(r)))
         if not victims or not self._could_fit(request, victims):
             return False  # pausing every candidate would still not make room: pause nobody
         for victim in victims:
@@ -225,7 +248,7 @@ class Scheduler:
         return self.kv.pages_needed(request, min(request.num_tokens, self.config.prefill_chunk_size))
 
     def _could_fit(self, request: Request, victims: list[Request]) -> bool:
-        pages = self.kv.pool.num_available + sum(len(self.kv.pages_of(v.request_id)) for v in victims)
+        pages = self.kv.num_available + sum(len(self._owner_of(v).kv.pages_of(v.request_id)) for v in victims)
         budget = self._budget + sum(self._scheduled[v.request_id].num_tokens
                                     for v in victims if v.request_id in self._scheduled)
         return self._pages_needed(request) <= pages and budget > 0
@@ -233,7 +256,7 @@ class Scheduler:
     def _fits(self, request: Request) -> bool:
         if self._budget == 0 or len(self.running) >= self.config.max_num_seqs:
             return False
-        return self._pages_needed(request) <= self.kv.pool.num_available
+        return self._pages_needed(request) <= self.kv.num_available
 
     # -- running requests --------------------------------------------------------------------------
     def _make_room(self, request: Request, num_new: int, plan: StepPlan) -> bool:
@@ -243,22 +266,45 @@ class Scheduler:
             rank = self._victim_rank(request)
             victim = min((r for r in self.running.values() if self._victim_rank(r) <= rank
                           and r.request_id not in self._admitted_now), key=self._victim_rank)
+            bar = request.priority - self.config.preemption_threshold
+            for peer in self.peers:  # another model's requests it outranks by the threshold go first
+                outranked = [r for r in peer.running.values() if r.priority <= bar]
+                if outranked:
+                    victim = min([victim, *outranked], key=self._victim_rank)
             self._preempt(victim, plan)
             if victim is request:
                 return False
         return True
 
+    def _owner_of(self, request: Request) -> "Scheduler":
+        if request.request_id in self.running or not self.peers:
+            return self
+        return next((peer for peer in self.peers if request.request_id in peer.running), self)
+
+    def _admission_of(self, request: Request) -> int:
+        return self._owner_of(request)._admitted[request.request_id]
+
     def _preempt(self, request: Request, plan: StepPlan) -> None:
+        owner = self._owner_of(request)
+        if owner is not self:  # another model's request: its pages come free for this plan
+            owner.pause(request, plan)
+            return
         request_id = request.request_id
         dropped = self._scheduled.pop(request_id, None)
         if dropped is not None:
             plan.chunks.remove(dropped)
             self._budget += dropped.num_tokens
             self._cap_left_add(self._charged.pop(request_id, 0))
-        del self.running[request_id]
-        self._admitted.pop(request_id, None)
         self._preempted_now.add(request_id)
         self._order = None  # it rejoins the line
+        self.pause(request, plan)
+
+    def pause(self, request: Request, plan: StepPlan) -> None:
+        """Send a running request back to waiting, its KV swapped to host pages (the copies go in `plan`, which
+        may be another model's: the pool's bytes are shared) or dropped."""
+        request_id = request.request_id
+        del self.running[request_id]
+        self._admitted.pop(request_id, None)
         pairs = self.kv.swap_out(request)
         if pairs is not None:
             plan.swap_out.extend(pairs)
@@ -328,7 +374,7 @@ class Scheduler:
 
     def _victim_rank(self, request: Request) -> tuple[int, int]:
         """Least urgent first: lower priority, then more recently admitted."""
-        return (request.priority, -self._admitted[request.request_id])
+        return (request.priority, -self._admission_of(request))
 
 
 def _is_prefill(request: Request) -> bool:

@@ -60,7 +60,7 @@ def test_close_and_dropping_the_llm_free_the_engine(tiny_llama):
 
     llm = _llm(tiny_llama)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
-    engine, pool = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.pool_bytes)
+    engine, pool = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.storage.pool_bytes)
     del llm  # the last reference: no explicit close, no gc.collect() here
     assert engine() is None and pool() is None
     gc.collect()

@@ -560,29 +560,24 @@ def test_an_urgent_request_with_a_cached_prefix_is_admitted_in_the_step_that_pau
     assert chunks(plan) == [("u", 8, 4, True)]
 
 
-# -- the runner's swap copies --------------------------------------------------------------------------------
+# -- the pool storage's swap copies --------------------------------------------------------------------------
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_the_runner_swaps_pages_reading_every_source_before_writing(device: str) -> None:
-    import types
-
+def test_the_storage_swaps_pages_reading_every_source_before_writing(device: str) -> None:
     import torch
 
-    from dflash2.engine.runner import ModelRunner, _runs
+    from dflash2.engine.storage import PoolStorage, _runs
 
     assert _runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
-    device_pages = torch.arange(8 * 4, dtype=torch.uint8).reshape(8, 4).to(device)
-    host_pages = (100 + torch.arange(6 * 4, dtype=torch.uint8)).reshape(6, 4)
-    if device == "cuda":
-        host_pages = host_pages.pin_memory()
+    storage = PoolStorage(7, 4, 6, torch.device(device))  # 8 device pages with the scratch page
+    storage.device_pages.copy_(torch.arange(8 * 4, dtype=torch.uint8).reshape(8, 4))
+    storage.host_pages.copy_((100 + torch.arange(6 * 4, dtype=torch.uint8)).reshape(6, 4))
+    device_pages, host_pages = storage.device_pages, storage.host_pages
     before_device, before_host = device_pages.cpu().clone(), host_pages.clone()
-    runner = types.SimpleNamespace(device=torch.device(device), device_pages=device_pages, host_pages=host_pages,
-                                   copy_stream=torch.cuda.Stream() if device == "cuda" else None,
-                                   swap_out_copies=None)
     # Host page 1 is read by a swap-in and written by a swap-out; device page 2 read by a swap-out and
     # written by a swap-in; host pages 3, 4, 0 and device pages 6, 7 make runs and a gap.
     swap_out = [(2, 1), (5, 4), (3, 3), (0, 0)]
     swap_in = [(1, 2), (2, 6), (5, 7)]
-    ModelRunner._swap(runner, swap_out, swap_in)
+    storage.swap(swap_out, swap_in)
     if device == "cuda":
         torch.cuda.synchronize()
     after_device, after_host = device_pages.cpu(), host_pages
@@ -597,11 +592,11 @@ def test_the_runner_swaps_pages_reading_every_source_before_writing(device: str)
     # A swap-out's host copies run on a side stream on the GPU: a swap-in right after (no sync) that reads a
     # host page it wrote waits for them, and the step's writes into the freed device page do not.
     page = device_pages[4].cpu().clone()
-    ModelRunner._swap(runner, [(4, 5)], [])
+    storage.swap([(4, 5)], [])
     device_pages[4] = 7
-    ModelRunner._swap(runner, [], [(5, 3)])
+    storage.swap([], [(5, 3)])
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(device_pages[3].cpu(), page) and torch.equal(host_pages[5], page)
     assert int(device_pages[4].min()) == 7
-    ModelRunner._swap(runner, [], [])  # nothing to copy: nothing happens
+    storage.swap([], [])  # nothing to copy: nothing happens

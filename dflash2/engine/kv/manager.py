@@ -45,6 +45,19 @@ class KVManager:
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found
 
+    @property
+    def num_available(self) -> int:
+        """Pages this model can take now (the pool's free and evictable pages, within the models' limits)."""
+        return self.pool.available_for(self.namespace)
+
+    @property
+    def num_used(self) -> int:
+        return self.pool.num_used_by(self.namespace)
+
+    @property
+    def num_cached(self) -> int:
+        return self.pool.num_cached_by(self.namespace)
+
     def pages_of(self, request_id: str) -> list[int]:
         return self._pages.get(request_id, [])
 
@@ -83,7 +96,7 @@ class KVManager:
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """New device pages for a swapped request: [(host page, device page)], or None (not enough)."""
         host = self._swapped[request.request_id]
-        device = self.pool.allocate(len(host))
+        device = self.pool.allocate(len(host), self.namespace)
         if device is None:
             return None
         self._open(request.request_id).extend(device)
@@ -134,7 +147,7 @@ class KVManager:
 
     def pages_needed(self, request: Request, chunk_tokens: int) -> int:
         """Pages that admitting a request without pages, with a first chunk of `chunk_tokens` after its cached
-        prefix, takes out of `pool.num_available` (its prefix pages now idle in the cache count too)."""
+        prefix, takes out of `num_available` (its prefix pages now idle in the cache count too)."""
         pages, _ = self.lookup_prefix(request)
         idle = sum(1 for page in pages if self.pool.refcount(page) == 0)
         return idle + self.num_pages_for(len(pages) * self.tokens_per_page + chunk_tokens) - len(pages)
@@ -157,7 +170,7 @@ class KVManager:
 
     def can_grow(self, request: Request, num_tokens: int) -> bool:
         missing = self.num_pages_for(num_tokens) - len(self.pages_of(request.request_id))
-        return missing <= self.pool.num_available
+        return missing <= self.num_available
 
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Make the request's table cover `num_tokens` tokens; False (nothing changed) if pages ran out."""
@@ -165,7 +178,7 @@ class KVManager:
         missing = self.num_pages_for(num_tokens) - len(pages)
         if missing <= 0:
             return True
-        new_pages = self.pool.allocate(missing)
+        new_pages = self.pool.allocate(missing, self.namespace)
         if new_pages is None:
             return False
         pages.extend(new_pages)

@@ -8,10 +8,16 @@ Every page is in exactly one state:
 
 so `num_free + num_cached + num_used == num_pages` after every operation (`check()` asserts it).
 A page's bytes hold the same run of tokens whatever its state; only a hit or an allocation changes owners.
+
+Several models share one pool (DESIGN.md decision 1): each allocates under its own name (`owner`), and a used
+or cached page remembers whose it is, so the pool counts each model's pages (`num_used_by`, `num_cached_by`).
+A model may have a floor (pages the others cannot take while it holds fewer) and a ceiling (pages it may hold
+at most): `set_limits`; `available_for(owner)` is what allocate() can give that model now. Eviction of cached
+pages is one LRU across all models.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 
 class PagePool:
@@ -25,6 +31,10 @@ class PagePool:
         self._hash_of: list[bytes | None] = [None] * num_pages
         self._page_of_hash: dict[bytes, int] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first is evicted first
+        self._owner: list[str | None] = [None] * num_pages  # the model a used or cached page belongs to
+        self._used_by: Counter[str | None] = Counter()
+        self._cached_by: Counter[str | None] = Counter()
+        self._limits: dict[str, tuple[int, int | None]] = {}  # owner -> (floor, ceiling) in pages
         self.num_evictions = 0
 
     # -- counts ---------------------------------------------------------------------------------
@@ -48,16 +58,61 @@ class PagePool:
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
+    def num_used_by(self, owner: str | None) -> int:
+        return self._used_by[owner]
+
+    def num_cached_by(self, owner: str | None) -> int:
+        return self._cached_by[owner]
+
+    # -- sharing between models -------------------------------------------------------------------
+    def set_limits(self, owner: str, floor: int = 0, ceiling: int | None = None) -> None:
+        """`owner` keeps at least `floor` pages within reach (the other models cannot allocate into them while it
+        uses fewer) and uses at most `ceiling` pages (None: no limit)."""
+        if floor < 0 or (ceiling is not None and ceiling < max(1, floor)):
+            raise ValueError(f"pool limits of {owner!r}: floor {floor} and ceiling {ceiling} pages do not make sense")
+        reserved = floor + sum(f for o, (f, _) in self._limits.items() if o != owner)
+        if reserved > self.num_pages:
+            raise ValueError(f"the models' minimum pool shares add up to {reserved} pages, more than the pool's "
+                             f"{self.num_pages}")
+        self._limits[owner] = (floor, ceiling)
+
+    def available_for(self, owner: str | None) -> int:
+        """Pages allocate(n, owner) can hand out now: free and evictable cached pages, less the other models'
+        unused floors, and no more than `owner`'s ceiling allows."""
+        available = self.num_available
+        for other, (floor, _) in self._limits.items():
+            if other != owner and floor > self._used_by[other]:
+                available -= floor - self._used_by[other]
+        limits = self._limits.get(owner) if owner is not None else None
+        if limits is not None and limits[1] is not None:
+            available = min(available, limits[1] - self._used_by[owner])
+        return max(0, available)
+
+    def forget(self, owner: str) -> None:
+        """A model leaves the pool: its cached pages become free and its limits go (it must hold none in use)."""
+        if self._used_by[owner]:
+            raise ValueError(f"{owner!r} still uses {self._used_by[owner]} pages")
+        for page in [p for p in self._cached if self._owner[p] == owner]:
+            del self._cached[page]
+            self._unhash(page)
+            self._free.append(page)
+        self._cached_by.pop(owner, None)
+        self._used_by.pop(owner, None)
+        self._limits.pop(owner, None)
+
     # -- operations ------------------------------------------------------------------------------
-    def allocate(self, num_pages: int) -> list[int] | None:
-        """Take `num_pages` pages (refcount 1), evicting cached ones if needed; None if too few exist."""
-        if num_pages > self.num_available:
+    def allocate(self, num_pages: int, owner: str | None = None) -> list[int] | None:
+        """Take `num_pages` pages (refcount 1) for `owner`, evicting cached ones if needed; None if too few are
+        available to it."""
+        if num_pages > self.available_for(owner):
             return None
         pages = []
         for _ in range(num_pages):  # free pages first, then evicted cached ones
             page = self._free.pop() if self._free else self._evict_oldest()
             self._refcount[page] = 1
+            self._owner[page] = owner
             pages.append(page)
+        self._used_by[owner] += num_pages
         return pages
 
     def acquire(self, page: int) -> None:
@@ -66,6 +121,8 @@ class PagePool:
             if page not in self._cached:
                 raise ValueError(f"page {page} is free; only used or cached pages can be acquired")
             del self._cached[page]
+            self._cached_by[self._owner[page]] -= 1
+            self._used_by[self._owner[page]] += 1
         self._refcount[page] += 1
 
     def release(self, pages: list[int]) -> None:
@@ -75,9 +132,13 @@ class PagePool:
                 raise ValueError(f"page {page} released more often than it was taken")
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
+                owner = self._owner[page]
+                self._used_by[owner] -= 1
                 if self._hash_of[page] is not None:
                     self._cached[page] = None
+                    self._cached_by[owner] += 1
                 else:
+                    self._owner[page] = None
                     self._free.append(page)
 
     def register(self, page: int, content_hash: bytes) -> None:
@@ -94,7 +155,9 @@ class PagePool:
         """Forget every content hash; cached pages become free."""
         for page in list(self._cached):
             del self._cached[page]
+            self._owner[page] = None
             self._free.append(page)
+        self._cached_by.clear()
         for page, content_hash in enumerate(self._hash_of):
             if content_hash is not None:
                 self._hash_of[page] = None
@@ -106,12 +169,19 @@ class PagePool:
         assert sum(1 for c in self._refcount if c > 0) == self.num_used
         assert all(self._refcount[p] == 0 and self._hash_of[p] is None for p in self._free)
         assert all(self._refcount[p] == 0 and self._hash_of[p] is not None for p in self._cached)
+        assert sum(self._used_by.values()) == self.num_used and sum(self._cached_by.values()) == self.num_cached
+        assert all(self._owner[p] is None for p in self._free)
 
     def _evict_oldest(self) -> int:
         page, _ = self._cached.popitem(last=False)
-        content_hash = self._hash_of[page]
-        self._hash_of[page] = None
-        if content_hash is not None:
-            del self._page_of_hash[content_hash]
+        self._cached_by[self._owner[page]] -= 1
+        self._unhash(page)
         self.num_evictions += 1
         return page
+
+    def _unhash(self, page: int) -> None:
+        content_hash = self._hash_of[page]
+        self._hash_of[page] = None
+        self._owner[page] = None
+        if content_hash is not None:
+            del self._page_of_hash[content_hash]
