@@ -133,7 +133,7 @@ def main() -> None:
               "decode_tok_s": round((best["tokens"] - 1) / decode_s, 1),
               "ttft_ms": round(best["ttft_s"] * 1e3, 2), "roofline_tok_s": round(ceiling, 1),
               "fraction_of_roofline": round(tok_s / ceiling, 3),
-              "kv_pool_gib": round(llm.engine.runner.pool_bytes.numel() / 2**30, 2),
+              "kv_pool_gib": round(llm.engine.runner.storage.pool_bytes.numel() / 2**30, 2),
               "cuda_graphs": llm.engine.runner.graphs is not None, "overlap": llm.engine.overlap,
               "cuda_graph_max_prefill_tokens": args.cuda_graph_max_prefill_tokens,
               "blas": str(torch.backends.cuda.preferred_blas_library()),

@@ -1,9 +1,10 @@
 """dflash2: an LLM inference serving engine."""
 from __future__ import annotations
 
+from dflash2.engine.served_model import ModelSpec
 from dflash2.entrypoints.llm import LLM
 from dflash2.request import CompletionOutput, RequestOutput
 from dflash2.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "ModelSpec", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

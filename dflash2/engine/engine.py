@@ -121,6 +121,10 @@ class Engine:
         cache = config.cache
         specs = config.model_specs()
         self.models: dict[str, ServedModel] = {}
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._in_flight: tuple[ServedModel, StepPlan, PendingStep] | None = None
+        self.trace: StepTrace | None = None
         self._admissions = itertools.count()  # shared by the models' schedulers (cross-model victim order)
         loaded = []
         try:
@@ -138,17 +142,20 @@ class Engine:
         self.storage = PoolStorage(num_pages, cache.page_bytes, num_host_pages, device)
         self.pool = PagePool(num_pages, cache.page_bytes)
         self.host_pool = HostPagePool(num_host_pages) if num_host_pages else None
-        for item in loaded:
-            self._serve(*item)
+        try:
+            for item in loaded:
+                self._serve(*item)
+        except BaseException:
+            loaded.clear()
+            self.close()
+            raise
         loaded.clear()
         self.overlap = config.overlap if config.overlap is not None else device.type == "cuda"
         self.trace = StepTrace.from_env(device)  # one JSON line a step, if DFLASH2_STEP_TRACE names a file
-        self._in_flight: tuple[ServedModel, StepPlan, PendingStep] | None = None
         self._num_added = 0  # requests added so far
         self._num_steps = 0
+        self.last_model: str | None = None  # the model of the latest step launched
         self._failures: list[tuple[str, str]] = []  # requests ended by a failure of their own (take_failures)
-        self.requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         # where the latest step's host time went (server metrics read them): Scheduler.plan(), building inputs
         # and launching the kernels, and waiting for a step's results (the device) and committing them
@@ -230,6 +237,8 @@ class Engine:
         except torch.cuda.OutOfMemoryError:
             raise ValueError(f"not enough device memory to load {spec.model!r} beside the models loaded; unload one "
                              f"or start with a smaller --gpu-memory-utilization / --kv-cache-memory") from None
+        except OSError as e:  # no such file, unreadable, not a model
+            raise ValueError(f"cannot load {spec.model!r}: {e}") from None
         finally:
             if loaded is not None and loaded[0] not in self.models:
                 self.pool.forget(loaded[0])
@@ -438,6 +447,7 @@ class Engine:
         return [served for _, served in keyed]
 
     def _launch(self, served: ServedModel, plan: StepPlan) -> PendingStep:
+        self.last_model = served.name
         self._mark_scheduled(plan)
         trace = None
         if self.trace:

@@ -3,6 +3,10 @@
     llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
     outs[0].outputs[0].text
+
+Several models on one KV pool: `LLM(models={"small": None, "int8": "/path/to/convert-output"})` (a name to a path,
+None for the bundled model; or a list of ModelSpec / dicts with per-model options), then
+`llm.generate(prompts, params, model="int8")`; `load_model` and `unload_model` change the set while it runs.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import Any
 
 from dflash2.config import CacheConfig, SchedulerConfig
 from dflash2.engine.engine import Engine, EngineConfig, PromptInput
+from dflash2.engine.served_model import ModelSpec
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
 from dflash2.units import parse_bytes
@@ -31,15 +36,19 @@ class LLM:
                  overlap: bool | None = None, swap_space: float | int | str = 0, preemption_threshold: int = 1,
                  priority_aging_seconds: float | None = None, low_priority_values_first: bool = False,
                  max_outranked_prefill_tokens: int | None = 64,
-                 cuda_graph_max_prefill_tokens: int = 2048, stream_interval: int = 1) -> None:
+                 cuda_graph_max_prefill_tokens: int = 2048, stream_interval: int = 1,
+                 models: dict[str, str | None] | Sequence[ModelSpec | dict] | None = None,
+                 max_model_skip_steps: int = 8) -> None:
         """`swap_space`: pinned host memory for paused requests' KV, in GiB as a number (vLLM's unit) or a
         size string such as "512MiB". `max_num_seqs`, `max_num_batched_tokens`, `prefill_chunk_size`: None
-        chooses them by device (config.DeviceDefaults)."""
+        chooses them by device (config.DeviceDefaults). `models`: several models on one pool instead of
+        `model` (see the module docstring); the other arguments are every model's defaults."""
         config = EngineConfig(
             model=model, tokenizer=tokenizer, load_format=load_format, dtype=dtype, device=device, seed=seed,
             attention_backend=attention_backend, enforce_eager=enforce_eager, overlap=overlap,
             cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens,
             low_priority_values_first=low_priority_values_first, stream_interval=stream_interval,
+            models=_model_specs(models), max_model_skip_steps=max_model_skip_steps,
             cache=CacheConfig(page_bytes=page_bytes, kv_cache_dtype=kv_cache_dtype, kv_layout=kv_layout,
                               kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
                               gpu_memory_utilization=gpu_memory_utilization,
@@ -70,10 +79,25 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_tokenizer(self, model: str | None = None) -> Any:
+        return self.engine.served(model).tokenizer
+
+    @property
+    def model_names(self) -> list[str]:
+        return list(self.engine.models)
+
+    def load_model(self, model: str | None, name: str | None = None, **options: Any) -> str:
+        """Load another model onto the pool (options: ModelSpec's fields); returns its name."""
+        return self.engine.load_model(ModelSpec(model=model, name=name, **options)).name
+
+    def unload_model(self, name: str, force: bool = False) -> None:
+        self.engine.unload_model(name, force)
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts.
+                 priority: Sequence[int] | None = None, model: str | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion on `model` (None: the only one loaded); outputs come back in the
+        order of the prompts.
 
         All prompts are validated before any runs, so a bad one raises ValueError and nothing is queued.
         """
@@ -87,7 +111,7 @@ class LLM:
         request_ids = []
         try:
             for prompt, param, prio in zip(prompts, params, priorities):
-                request_ids.append(self.engine.add_request(prompt, param, prio).request_id)
+                request_ids.append(self.engine.add_request(prompt, param, prio, model=model).request_id)
         except ValueError:
             for request_id in request_ids:
                 self.engine.abort(request_id)
@@ -96,18 +120,20 @@ class LLM:
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, model: str | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, model) for c in conversations]
+        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, model=model)
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            model: str | None = None) -> list[int]:
+        tokenizer = self.get_tokenizer(model)
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
@@ -121,6 +147,14 @@ class LLM:
         if failures:
             raise RuntimeError("; ".join(f"request {request_id} failed: {reason}" for request_id, reason in failures))
         return [final[r] for r in request_ids]
+
+
+def _model_specs(models: dict[str, str | None] | Sequence[ModelSpec | dict] | None) -> tuple[ModelSpec, ...]:
+    if models is None:
+        return ()
+    if isinstance(models, dict):
+        return tuple(ModelSpec(model=path, name=name) for name, path in models.items())
+    return tuple(m if isinstance(m, ModelSpec) else ModelSpec.from_dict(m) for m in models)
 
 
 def _swap_bytes(swap_space: float | int | str) -> int:

@@ -21,6 +21,27 @@ def bundled_llm_float() -> LLM:
     return LLM(dtype="float32", max_num_seqs=16)
 
 
+def _convert(tmp_path_factory, name: str, *flags: str) -> str:
+    from dflash2.cli.main import main as dflash2_main
+
+    out = str(tmp_path_factory.mktemp("converted") / name)
+    assert dflash2_main(["convert", "--output-path", out, "--no-progress", *flags]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def converted_int8(tmp_path_factory) -> str:
+    """The bundled model converted to int8 weights (about 15 s, once a session)."""
+    return _convert(tmp_path_factory, "int8", "--dtype", "int8")
+
+
+@pytest.fixture(scope="session")
+def converted_mixed(tmp_path_factory) -> str:
+    """The bundled model converted to the mixed 8/4/8/6 weights with int8 KV."""
+    return _convert(tmp_path_factory, "mixed", "--embed-quant", "8", "--qkv-quant", "4", "--o-proj-quant", "8",
+                    "--ffn-quant", "6", "--kv-quant", "int8")
+
+
 @pytest.fixture(scope="session")
 def hf_bundled():
     """transformers' own load of the same GGUF in float32: the reference (about 20 s, once a session)."""

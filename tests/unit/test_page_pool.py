@@ -234,3 +234,43 @@ def test_reset_prefix_cache_frees_cached_pages_and_forgets_all_hashes() -> None:
 
     pool.register(0, h("a"))  # a hash forgotten by the reset can be registered again
     assert pool.lookup(h("a")) == 0
+
+
+# -- several models on one pool ------------------------------------------------------------------------------
+def test_pages_are_counted_per_model_and_a_leaving_model_frees_its_cached_pages() -> None:
+    pool = PagePool(6, page_bytes=1)
+    a, b = pool.allocate(2, "a"), pool.allocate(3, "b")
+    pool.register(a[0], b"a0")
+    pool.register(b[0], b"b0")
+    pool.release(a + b[:1])
+    pool.check()
+    assert (pool.num_used_by("a"), pool.num_cached_by("a"), pool.num_used_by("b"), pool.num_cached_by("b")) == (0, 1, 2, 1)
+    pool.acquire(b[0])  # a prefix hit of b's
+    assert (pool.num_used_by("b"), pool.num_cached_by("b")) == (3, 0)
+    with pytest.raises(ValueError, match="'b' still uses 3 pages"):
+        pool.forget("b")
+    pool.forget("a")
+    pool.check()
+    assert pool.num_cached == 0 and pool.num_free == 3 and pool.lookup(b"a0") is None and pool.lookup(b"b0") == b[0]
+
+
+def test_a_floor_keeps_pages_for_its_model_and_a_ceiling_caps_one() -> None:
+    pool = PagePool(10, page_bytes=1)
+    pool.set_limits("cold", floor=3)
+    pool.set_limits("capped", ceiling=4)
+    assert pool.available_for("hot") == 7 and pool.available_for("cold") == 10 and pool.available_for("capped") == 4
+    assert pool.allocate(8, "hot") is None  # would eat into cold's floor
+    hot = pool.allocate(5, "hot")
+    assert pool.available_for("capped") == 2 and pool.allocate(3, "capped") is None
+    capped = pool.allocate(2, "capped")
+    assert pool.available_for("cold") == 3 and pool.available_for("hot") == 0
+    cold = pool.allocate(1, "cold")
+    assert pool.available_for("hot") == 0 and pool.available_for("cold") == 2  # its floor: 2 more stay its
+    pool.release(hot)
+    assert pool.available_for("capped") == 2 and pool.available_for("hot") == 5  # capped holds 2 of its 4
+    pool.release(capped + cold)
+    pool.check()
+    with pytest.raises(ValueError, match="minimum pool shares add up to 11 pages"):
+        pool.set_limits("greedy", floor=8)
+    with pytest.raises(ValueError, match="floor 2 and ceiling 1 pages do not make sense"):
+        pool.set_limits("odd", floor=2, ceiling=1)
