@@ -15,10 +15,16 @@ def add_flag(parser: argparse.ArgumentParser | Any, *names: str, **kwargs: Any) 
     parser.add_argument(*spellings, **kwargs)
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags that choose the model and size the engine (shared by the commands that load a model)."""
-    add_flag(parser, "--model", "--model-path", "--model-dir", dest="model", default=None,
-             help="HF directory, .gguf file, or preset name with --load-format dummy (default: bundled SmolLM2-135M)")
+def add_engine_flags(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """Flags that choose the model and size the engine (shared by the commands that load a model).
+    `several_models`: --model may repeat (NAME=PATH), each one served on the same pool."""
+    model_help = "HF directory, .gguf file, or preset name with --load-format dummy (default: bundled SmolLM2-135M)"
+    if several_models:
+        add_flag(parser, "--model", "--model-path", "--model-dir", dest="model", action="append", default=None,
+                 help=f"{model_help}; repeat it to serve several models on one KV pool, NAME=PATH to name one "
+                      f"(default name: the file or directory stem)")
+    else:
+        add_flag(parser, "--model", "--model-path", "--model-dir", dest="model", default=None, help=model_help)
     add_flag(parser, "--tokenizer", default=None, help="tokenizer directory or .gguf (default: the model's)")
     add_flag(parser, "--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy"])
     add_flag(parser, "--dtype", default="auto",

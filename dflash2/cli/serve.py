@@ -1,4 +1,5 @@
-"""`dflash2 serve` (also `dflash2-server`): the OpenAI-compatible HTTP server on one model.
+"""`dflash2 serve` (also `dflash2-server`): the OpenAI-compatible HTTP server on one model, or several on one KV
+pool (`--model NAME=PATH` repeated, or `--models-config FILE`).
 
 A flag for a feature that is not built yet (tensor parallelism, Ray, the L3 disk cache) is an error at
 startup that names the flag, never a silent no-op.
@@ -11,6 +12,7 @@ import sys
 from typing import Any
 
 from dflash2.cli.args import add_engine_flags, add_flag, engine_kwargs
+from dflash2.engine.served_model import ModelSpec
 from dflash2.server.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_QUEUE_LEN,
                                    DEFAULT_MAX_REQUEST_BYTES, ServerConfig)
 
@@ -21,7 +23,11 @@ def add_parser(subparsers: Any) -> None:
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
-    add_engine_flags(parser)
+    add_engine_flags(parser, several_models=True)
+    add_flag(parser, "--models-config", default=None,
+             help="a JSON or YAML file listing the models to serve on one KV pool, each with its own options: "
+                  "name, path, tokenizer, load_format, dtype, quantization (dummy weights), kv_cache_dtype, "
+                  "max_num_seqs, min_pool_share, max_pool_share (a list, or {\"models\": [...]})")
     add_flag(parser, "--host", default="127.0.0.1", help="bind address (0.0.0.0 to expose the server)")
     add_flag(parser, "--port", type=int, default=8000)
     add_flag(parser, "--served-model-name", default=None, help="the model's name in the API (default: its file name)")
@@ -103,9 +109,53 @@ def check_unbuilt(args: argparse.Namespace) -> None:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
 
 
+def model_specs(args: argparse.Namespace) -> list[ModelSpec] | None:
+    """The models to serve when there are several (or one named NAME=PATH, or a --models-config); None: one
+    model, given as --model PATH or not at all (the bundled one), served as before."""
+    specs = [ModelSpec.parse(value) for value in args.model or ()]
+    if args.models_config is not None:
+        specs += read_models_config(args.models_config)
+    if not specs or (len(specs) == 1 and specs[0].name is None and args.models_config is None):
+        return None
+    names = [spec.served_name() or "SmolLM2-135M-Instruct" for spec in specs]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"two models would be served as {duplicates[0]!r}: name them with --model NAME=PATH")
+    if args.served_model_name is not None:
+        raise ValueError("--served-model-name names a single model; with several, name each with --model NAME=PATH")
+    return specs
+
+
+def read_models_config(path: str) -> list[ModelSpec]:
+    """A --models-config file: a JSON or YAML list of model entries, or a mapping with a `models` list."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"--models-config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--models-config {path} is not valid JSON or YAML: {e}") from None
+    entries = document.get("models") if isinstance(document, dict) else document
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"--models-config {path}: expected a non-empty list of models (or {{\"models\": [...]}})")
+    specs = []
+    for index, entry in enumerate(entries):
+        try:
+            specs.append(ModelSpec.from_dict(entry))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--models-config {path}, model {index}: {e}") from None
+    return specs
+
+
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) keyword arguments: the engine flags plus the server's spellings of them."""
-    kwargs = engine_kwargs(args)
+    specs = model_specs(args)
+    single = (args.model or [None])[0] if specs is None else None
+    kwargs = engine_kwargs(argparse.Namespace(**{**vars(args), "model": single}))
+    if specs is not None:
+        kwargs["models"] = specs
     if args.max_batch_size is not None:
         if args.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
@@ -143,7 +193,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    aliases = tuple(name for name in (args.model,) if name)
+    aliases = tuple(args.model) if args.model and len(args.model) == 1 and args.models_config is None else ()
     return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         model_aliases=aliases, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                         streaming_timeout_ms=args.streaming_timeout_ms, metrics_port=args.metrics_port,

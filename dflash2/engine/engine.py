@@ -167,8 +167,13 @@ class Engine:
         config, device = self.config, self.device
         sched = config.scheduler if spec.max_num_seqs is None else \
             dataclasses.replace(config.scheduler, max_num_seqs=spec.max_num_seqs)
-        model = load_model(spec.model, spec.load_format or config.load_format, spec.dtype or config.dtype, device,
-                           config.scheduler.max_model_len, config.seed, spec.tokenizer or config.tokenizer)
+        load_format = spec.load_format or config.load_format
+        if spec.quantization is not None and load_format != "dummy":
+            raise ValueError("quantization applies to dummy weights only (load_format 'dummy'); convert a "
+                             "checkpoint with `dflash2 convert` instead")
+        model = load_model(spec.model, load_format, spec.dtype or config.dtype, device,
+                           config.scheduler.max_model_len, config.seed, spec.tokenizer or config.tokenizer,
+                           quantization=spec.quant_config())
         name = (spec.served_name() if not single or spec.name is not None else None) or model.name
         model.name = name
         scheduler_config = _device_scheduler_config(sched, device, name if not single else "")
@@ -225,25 +230,37 @@ class Engine:
     def load_model(self, spec: ModelSpec) -> ServedModel:
         """Load another model while the others serve; its KV comes from the same pool. ValueError (nothing
         changed) for a duplicate name, a model that cannot load, or not enough memory."""
+        return self.attach_model(self.prepare_model(spec))
+
+    def prepare_model(self, spec: ModelSpec) -> tuple:
+        """The slow half of load_model: the weights, read while the engine keeps stepping (thread-safe: it
+        touches neither the pool nor the other models). ValueError if the model cannot load."""
         name = spec.served_name()
         if name is not None and name in self.models:
             raise ValueError(f"a model named {name!r} is already loaded")
-        loaded = None
         try:
-            loaded = self._load(spec, single=False)
-            if loaded[0] in self.models:
-                raise ValueError(f"a model named {loaded[0]!r} is already loaded")
-            return self._serve(*loaded)
+            return self._load(spec, single=False)
         except torch.cuda.OutOfMemoryError:
+            _release_device_memory()
             raise ValueError(f"not enough device memory to load {spec.model!r} beside the models loaded; unload one "
                              f"or start with a smaller --gpu-memory-utilization / --kv-cache-memory") from None
         except OSError as e:  # no such file, unreadable, not a model
             raise ValueError(f"cannot load {spec.model!r}: {e}") from None
+
+    def attach_model(self, loaded: tuple) -> ServedModel:
+        """The quick half of load_model, between steps: the prepared model joins the pool and the scheduling."""
+        name = loaded[0]
+        try:
+            if name in self.models:
+                raise ValueError(f"a model named {name!r} is already loaded")
+            return self._serve(*loaded)
+        except torch.cuda.OutOfMemoryError:
+            raise ValueError(f"not enough device memory to load {name!r} beside the models loaded; unload one "
+                             f"or start with a smaller --gpu-memory-utilization / --kv-cache-memory") from None
         finally:
-            if loaded is not None and loaded[0] not in self.models:
-                self.pool.forget(loaded[0])
-            del loaded
-            if self.device.type == "cuda":
+            if name not in self.models:
+                self.pool.forget(name)
+                del loaded
                 _release_device_memory()
 
     def unload_model(self, name: str, force: bool = False) -> None:

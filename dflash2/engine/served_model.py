@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from dflash2.engine.scheduler import Scheduler
     from dflash2.loading.model_loader import LoadedModel
 
-SPEC_FIELDS = ("name", "model", "tokenizer", "load_format", "dtype", "kv_cache_dtype", "max_num_seqs",
-               "min_pool_share", "max_pool_share")
+SPEC_FIELDS = ("name", "model", "tokenizer", "load_format", "dtype", "quantization", "kv_cache_dtype",
+               "max_num_seqs", "min_pool_share", "max_pool_share")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class ModelSpec:
     the bundled model. `name`: what requests call it (None: the file or directory stem; for a single model
     served alone, the loader's name as before). `min_pool_share` / `max_pool_share`: the fraction of the
     pool's pages this model keeps within reach (the others cannot take them while it uses fewer) and may use
-    at most.
+    at most. `quantization` ("int8", "int6", "int4"): dummy weights made quantized so (benchmarks; the
+    embedding stays 16-bit), for load_format "dummy" only.
     """
 
     model: str | None = None
@@ -41,6 +42,7 @@ class ModelSpec:
     tokenizer: str | None = None
     load_format: str | None = None
     dtype: str | None = None
+    quantization: str | None = None
     kv_cache_dtype: str | None = None
     max_num_seqs: int | None = None
     min_pool_share: float = 0.0
@@ -55,6 +57,10 @@ class ModelSpec:
             raise ValueError(f"max_pool_share must be in (0, 1], got {self.max_pool_share}")
         if self.max_pool_share is not None and self.max_pool_share < self.min_pool_share:
             raise ValueError(f"max_pool_share {self.max_pool_share} is below min_pool_share {self.min_pool_share}")
+        if self.quantization is not None:
+            from dflash2.quantization.config import parse_bits
+
+            parse_bits(self.quantization)  # ValueError naming the choices (load_format checked at load)
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
@@ -80,6 +86,14 @@ class ModelSpec:
         if unknown:
             raise ValueError(f"unknown model option(s) {', '.join(unknown)}; known: path, {', '.join(SPEC_FIELDS)}")
         return cls(**entry)
+
+    def quant_config(self):  # noqa: ANN201 - QuantConfig | None
+        """The dummy weights' quantization (None: float weights)."""
+        if self.quantization is None:
+            return None
+        from dflash2.quantization.config import QuantConfig, parse_bits
+
+        return QuantConfig.build(parse_bits(self.quantization), group_bits={"embed": 16})
 
     def served_name(self) -> str | None:
         """The name given, else the stem of the file or directory (None: let the loader name it)."""

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import dflash2
+from dflash2.engine.served_model import ModelSpec
 from dflash2.server.engine_loop import EngineError, QueueFull
 from dflash2.server.generate_api import generate
 from dflash2.server.generation import RECEIVED_AT, ClientGone
@@ -100,31 +101,79 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        """Every model with its formats and KV use (pages used and cached now, from the engine)."""
         engine = state.require_ready()
-        card = {"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "dflash2",
-                "root": engine.model_name, "max_model_len": engine.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        live = {card["name"]: card for card in await state.engine.describe_models()}
+        data = []
+        for name, info in engine.models.items():
+            served_name = state.model_name if state.single else name
+            card = live.get(name, {})
+            data.append({"id": served_name, "object": "model", "created": int(state.started_at),
+                         "owned_by": "dflash2", "root": name, "max_model_len": info.max_model_len,
+                         "weights": info.weights, "kv_cache_dtype": info.kv_cache_dtype,
+                         **{key: card[key] for key in MODEL_CARD_LIVE if key in card}})
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/models")
+    async def load_model(http_request: HTTPRequest) -> Response:
+        """Load a model while the others serve: {"name", "path", ...ModelSpec options}."""
+        state.require_ready()
+        body = await read_json(http_request, limit)
+        if not isinstance(body, dict) or not isinstance(body.get("path", body.get("model")), str):
+            raise BadRequest("the body must be a JSON object with the model's `path` (and optionally `name`)")
+        try:
+            spec = ModelSpec.from_dict(body)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(str(e)) from None
+        try:
+            info = await state.engine.load_model(spec)
+        except ValueError as e:
+            raise BadRequest(str(e), code="model_exists" if "already" in str(e) else "model_load_failed",
+                             status_code=409 if "already" in str(e) else 400) from None
+        name = spec.served_name() if spec.served_name() in info.models else list(info.models)[-1]
+        return JSONResponse({"id": name, "object": "model", "weights": info.models[name].weights,
+                             "kv_cache_dtype": info.models[name].kv_cache_dtype}, status_code=201)
+
+    @app.delete("/v1/models/{name:path}")
+    async def unload_model(name: str, http_request: HTTPRequest) -> Response:
+        """Unload a model: its requests finish first (?force=true: they end now with an error), then its weights
+        and pages are freed."""
+        engine = state.require_ready()
+        force_text = http_request.query_params.get("force", "false").lower()
+        if force_text not in ("true", "false", "1", "0"):
+            raise BadRequest(f"force must be true or false, got {force_text!r}", param="force")
+        force = force_text in ("true", "1")
+        if name not in engine.models:
+            raise BadRequest(f"the model {name!r} does not exist", param="model", code="model_not_found",
+                             status_code=404)
+        try:
+            await state.engine.unload_model(name, force)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        return JSONResponse({"id": name, "object": "model", "deleted": True})
+
+
+MODEL_CARD_LIVE = ("kv_pages_used", "kv_pages_cached", "tokens_per_page", "running", "waiting", "max_num_seqs")
 
 
 async def tokenize(_http_request: HTTPRequest, body: TokenizeRequest, state: ServerState) -> Response:
-    state.check_model(body.model)
+    model = state.check_model(body.model)
     if body.messages is not None:
-        prompt = await state.encode_chat(body.messages, body.add_generation_prompt, check_length=False)
+        prompt = await model.encode_chat(body.messages, body.add_generation_prompt, check_length=False)
         token_ids = prompt["prompt_token_ids"]
     else:
-        tokenizer = state.tokenizer
+        tokenizer = model.tokenizer
         token_ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
-    return JSONResponse({"count": len(token_ids), "max_model_len": state.require_ready().max_model_len,
-                         "tokens": token_ids})
+    return JSONResponse({"count": len(token_ids), "max_model_len": model.max_model_len, "tokens": token_ids})
 
 
 async def detokenize(_http_request: HTTPRequest, body: DetokenizeRequest, state: ServerState) -> Response:
-    state.check_model(body.model)
-    vocab_size = state.require_ready().vocab_size
+    model = state.check_model(body.model)
+    vocab_size = model.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab_size]
     if bad:
         raise BadRequest(f"token id {bad[0]} is not in [0, {vocab_size})", param="tokens")
-    return JSONResponse({"prompt": state.decode(body.tokens)})
+    return JSONResponse({"prompt": model.decode(body.tokens)})
 
 
 async def read_json(http_request: HTTPRequest, limit: int) -> Any:

@@ -2,6 +2,8 @@
 
     receive() (the transport's) ──► _drain_commands ──► engine.add_request / engine.abort
                                _step ──► engine.step() ──► observer ──► deliver() (most urgent first)
+    LoadModel / UnloadModel ──► weights read on a loader thread, attached between steps; an unload drains its
+                               model's requests (or ends them: force) ──► answer() with the new EngineInfo
 
 It owns the Engine, which is not thread-safe: nothing else touches it after loading. Two transports subclass it
 and say how commands come in and a refusal, an output or a failure reaches the HTTP side (the hooks at the
@@ -19,12 +21,15 @@ ones, however fast clients send. Priority does not bypass the bound.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from dflash2.engine.served_model import ModelSpec
 
 from dflash2.request import Request, RequestOutput
 from dflash2.sampling_params import SamplingParams
@@ -54,17 +59,37 @@ class QueueFull(Exception):
 
 
 @dataclass(frozen=True)
-class EngineInfo:
-    """What the HTTP side reads of a loaded engine (it never changes once loaded)."""
+class ModelInfo:
+    """What the HTTP side reads of one loaded model (it never changes while the model is loaded)."""
 
     model_name: str
     vocab_size: int
     max_model_len: int
     tokenizer: Any  # None: the model has no tokenizer (clients send token ids)
+    weights: str  # its weight formats, as the logs say them
+    kv_cache_dtype: str
+
+    @classmethod
+    def of(cls, served: Any) -> ModelInfo:
+        card = served.describe()
+        return cls(served.name, served.model.arch.vocab_size, served.max_model_len, served.tokenizer,
+                   card["weights"], card["kv_cache_dtype"])
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The loaded models, in load order (a new EngineInfo replaces it when one loads or unloads)."""
+
+    models: dict[str, ModelInfo]
 
     @classmethod
     def of(cls, engine: Any) -> EngineInfo:
-        return cls(engine.model.name, engine.model.arch.vocab_size, engine.max_model_len, engine.tokenizer)
+        return cls({name: ModelInfo.of(served) for name, served in engine.models.items()})
+
+    @property
+    def default(self) -> ModelInfo:
+        """The first model (the only one, on a single-model server)."""
+        return next(iter(self.models.values()))
 
 
 @dataclass
@@ -77,11 +102,35 @@ class Submit:
     accepted: Any = None  # how the transport answers the submission (EngineThread: an asyncio.Future)
     timing: StreamTiming | None = None
     submitted_at: float = field(default_factory=time.monotonic)
+    model: str | None = None  # None: the only model loaded
 
 
 @dataclass
 class Abort:
     request_id: str
+
+
+@dataclass
+class LoadModel:
+    spec: ModelSpec
+    reply: Any = None  # how the transport answers (EngineThread: an asyncio.Future; the process: a number)
+
+
+@dataclass
+class UnloadModel:
+    name: str
+    force: bool = False  # end its requests now instead of letting them finish
+    reply: Any = None
+
+
+@dataclass
+class DescribeModels:
+    """Each model's formats and current KV use (/v1/models)."""
+
+    reply: Any = None
+
+
+MODEL_UNLOADED = "the model was unloaded while this request ran"
 
 
 class Stop:
@@ -101,6 +150,9 @@ class EngineLoop:
         self._tracked: dict[str, Tracked] = {}
         self.engine: Any = None
         self.observer: RequestObserver | None = None
+        self._loader: concurrent.futures.ThreadPoolExecutor | None = None  # reads a new model's weights
+        self._loading: list[tuple[LoadModel, concurrent.futures.Future]] = []
+        self._unloading: list[UnloadModel] = []
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -112,16 +164,20 @@ class EngineLoop:
             return
         frozen, thresholds = settle_collector()
         self.on_loaded()
-        logger.info("engine ready: model %s (%d objects left out of garbage collection, thresholds %s)",
-                    self.engine.model.name, frozen, thresholds)
+        logger.info("engine ready: model%s %s (%d objects left out of garbage collection, thresholds %s)",
+                    "s" if len(self.engine.models) > 1 else "", ", ".join(self.engine.models), frozen, thresholds)
         while True:
-            if not self._drain_commands(block=not self.engine.has_unfinished()):
+            if not self._drain_commands(block=not self.engine.has_unfinished()):  # (a load waits up to IDLE_WAIT_S)
                 break
             if self.engine.has_unfinished():
                 self._step()
+            if self._loading or self._unloading:
+                self._change_models()
             self.observer.tick(time.monotonic())
         for request_id in list(self._tracked):
             self._abort(request_id)
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply every queued command; False once told to stop."""
@@ -133,6 +189,12 @@ class EngineLoop:
                 self._add(command)
             elif isinstance(command, Abort):
                 self._abort(command.request_id)
+            elif isinstance(command, LoadModel):
+                self._start_load(command)
+            elif isinstance(command, UnloadModel):
+                self._start_unload(command)
+            elif isinstance(command, DescribeModels):
+                self.answer(command.reply, [served.describe() for served in self.engine.models.values()], None)
             else:
                 self.apply(command)
             command = self.receive(False)
@@ -143,7 +205,7 @@ class EngineLoop:
         raise NotImplementedError
 
     def _add(self, command: Submit) -> None:
-        num_waiting = len(self.engine.scheduler.waiting)
+        num_waiting = self.engine.num_waiting
         now = time.monotonic()
         if self._busy_since is None or not self.engine.has_unfinished():
             self._busy_since = now
@@ -162,7 +224,7 @@ class EngineLoop:
             return
         try:
             request: Request = self.engine.add_request(command.prompt, command.params, command.priority,
-                                                       command.request_id)
+                                                       command.request_id, model=command.model)
         except ValueError as e:
             self.settle(command, e)
             return
@@ -176,6 +238,57 @@ class EngineLoop:
             return  # finished already, or never accepted
         self.engine.abort(request_id)
         self.observer.on_finished(tracked, "abort", time.monotonic())
+
+    # -- loading and unloading models ----------------------------------------------------------------
+    def _start_load(self, command: LoadModel) -> None:
+        """Read the weights on the loader thread (the other models keep stepping); attached in _change_models."""
+        if self._loader is None:
+            self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dflash2-loader")
+        name = command.spec.served_name()
+        if any(name is not None and name == other.spec.served_name() for other, _ in self._loading):
+            self.answer(command.reply, None, ValueError(f"a model named {name!r} is being loaded already"))
+            return
+        self._loading.append((command, self._loader.submit(self.engine.prepare_model, command.spec)))
+
+    def _start_unload(self, command: UnloadModel) -> None:
+        try:
+            served = self.engine.served(command.name)
+        except ValueError as e:
+            self.answer(command.reply, None, e)
+            return
+        served.closing = True  # new requests for it are refused from now on
+        if command.force:
+            ended = [tracked for tracked in self._tracked.values() if tracked.request.model == command.name]
+            for tracked in ended:
+                self._abort(tracked.request.request_id)
+            if ended:
+                self.fail(ended, EngineError(MODEL_UNLOADED))
+        self._unloading.append(command)
+
+    def _change_models(self) -> None:
+        """Attach the models whose weights are read; unload the ones whose requests are done."""
+        for command, future in [item for item in self._loading if item[1].done()]:
+            self._loading.remove((command, future))
+            try:
+                served = self.engine.attach_model(future.result())
+            except (ValueError, RuntimeError) as e:
+                self.answer(command.reply, None, e if isinstance(e, ValueError) else ValueError(str(e)))
+                continue
+            logger.info("model %s loaded while serving (%s)", served.name, served.describe()["weights"])
+            self.on_models_changed()
+            self.answer(command.reply, self.engine_info(), None)
+        for command in list(self._unloading):
+            if any(r.model == command.name for r in self.engine.requests.values()):
+                continue  # draining
+            self._unloading.remove(command)
+            if command.name not in self.engine.models:
+                continue  # two unloads of one model: the first did it
+            self.engine.unload_model(command.name, force=True)
+            self.on_models_changed()
+            self.answer(command.reply, self.engine_info(), None)
+
+    def engine_info(self) -> EngineInfo:
+        return EngineInfo.of(self.engine)
 
     def _step(self) -> None:
         started = time.monotonic()
@@ -263,3 +376,10 @@ class EngineLoop:
     def apply(self, command: Any) -> None:
         """A command of the transport's own."""
         raise TypeError(f"unknown engine command {command!r}")
+
+    def answer(self, reply: Any, result: Any, error: BaseException | None) -> None:
+        """Answer a LoadModel / UnloadModel / DescribeModels command (`reply` is what the transport put in it)."""
+        raise NotImplementedError
+
+    def on_models_changed(self) -> None:
+        """A model was loaded or unloaded (the transport updates what the HTTP side reads)."""

@@ -47,8 +47,8 @@ from typing import Any
 
 from dflash2.request import CompletionOutput, RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import (IDLE_WAIT_S, RETRY_AFTER_RANGE_S, Abort, EngineError, EngineInfo,
-                                        EngineLoop, QueueFull, Stop, Submit)
+from dflash2.server.engine_loop import (IDLE_WAIT_S, RETRY_AFTER_RANGE_S, Abort, DescribeModels, EngineError,
+                                        EngineInfo, EngineLoop, LoadModel, QueueFull, Stop, Submit, UnloadModel)
 from dflash2.server.observer import ObserverConfig, StreamTiming, Tracked
 
 logger = logging.getLogger("dflash2.server")
@@ -162,6 +162,7 @@ class EngineProcess:
         self._accepting: dict[str, asyncio.Future] = {}
         self._streams: dict[str, _Stream] = {}
         self._metrics_replies: dict[int, asyncio.Future] = {}
+        self._replies: dict[int, asyncio.Future] = {}  # load / unload / describe, by number
         self._metrics_ids = itertools.count()
         self._stopping = False
         self._gone = False
@@ -215,7 +216,7 @@ class EngineProcess:
 
     # -- requests -------------------------------------------------------------------------------------
     async def submit(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int,
-                     outputs: asyncio.Queue, timing: StreamTiming | None = None) -> None:
+                     outputs: asyncio.Queue, timing: StreamTiming | None = None, model: str | None = None) -> None:
         """As EngineThread.submit."""
         assert self._loop is not None
         if self._gone:
@@ -227,7 +228,7 @@ class EngineProcess:
         self._accepting[request_id] = accepted
         self._streams[request_id] = _Stream(outputs)
         received_at = timing.received_at if timing is not None else None
-        self._send(("submit", request_id, prompt, params, priority, received_at, time.monotonic()))
+        self._send(("submit", request_id, prompt, params, priority, received_at, time.monotonic(), model))
         try:
             await accepted
         except BaseException:
@@ -240,6 +241,29 @@ class EngineProcess:
         """Stop a request and free its pages (a no-op for one already finished)."""
         self._streams.pop(request_id, None)
         self._send(("abort", request_id))
+
+    async def load_model(self, spec: Any) -> EngineInfo:
+        """As EngineThread.load_model."""
+        return await self._call("load", spec)
+
+    async def unload_model(self, name: str, force: bool = False) -> EngineInfo:
+        return await self._call("unload", name, force)
+
+    async def describe_models(self) -> list[dict[str, Any]]:
+        return await self._call("describe")
+
+    async def _call(self, kind: str, *args: Any) -> Any:
+        """A command the engine process answers with ("reply", number, result, error text)."""
+        assert self._loop is not None
+        if self._gone:
+            raise EngineError("the engine process has exited")
+        key = next(self._metrics_ids)
+        reply = self._replies[key] = self._loop.create_future()
+        self._send(("call", key, kind, *args))
+        try:
+            return await reply
+        finally:
+            self._replies.pop(key, None)
 
     def first_sent(self, request_ids: list[str], at: float) -> None:
         """The HTTP side wrote these requests' first text at `at` (for the request log)."""
@@ -304,6 +328,16 @@ class EngineProcess:
             future = self._metrics_replies.get(message[1])
             if future is not None and not future.done():
                 future.set_result(message[2])
+        elif kind == "reply":
+            _, key, result, error = message
+            if isinstance(result, EngineInfo):
+                self.info = result  # (before the waiting handler runs: it may look the new model up)
+            future = self._replies.get(key)
+            if future is not None and not future.done():
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(ValueError(error))
         elif kind == "ready":
             self.info = message[1]
             if self._on_ready is not None:
@@ -346,7 +380,7 @@ class EngineProcess:
             self._process.join(1.0)  # reap it, for its exit code
             code = self._process.exitcode
         error = EngineError(f"the engine process exited (exit code {code})")
-        for future in list(self._accepting.values()) + list(self._metrics_replies.values()):
+        for future in [*self._accepting.values(), *self._metrics_replies.values(), *self._replies.values()]:
             if not future.done():
                 future.set_exception(error)
         for stream in self._streams.values():
@@ -455,9 +489,9 @@ class _ProcessLoop(EngineLoop):
 
         self.registry = CollectorRegistry()
         metrics = ServerMetrics(self.spec.served_model_name or engine.model.name, self.registry)
-        runner = getattr(engine, "runner", None)
-        if runner is not None and runner.device.type == "cuda":
-            self.loop_waits = runner.host_waits = threading.Event()
+        if engine.device.type == "cuda":
+            self.loop_waits = threading.Event()
+            self.on_models_changed()
         if self.spec.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -493,6 +527,13 @@ class _ProcessLoop(EngineLoop):
 
     def fail(self, failed: list[Tracked], error: EngineError) -> None:
         self.send(("fail", [tracked.request.request_id for tracked in failed], str(error)))
+
+    def answer(self, reply: Any, result: Any, error: BaseException | None) -> None:
+        self.send(("reply", reply, result, None if error is None else str(error)))
+
+    def on_models_changed(self) -> None:
+        for served in self.engine.models.values():  # every model's steps wait for the device alike
+            served.runner.host_waits = self.loop_waits
 
     def apply(self, command: Any) -> None:
         kind = command[0]
@@ -572,10 +613,16 @@ def _command_of(message: tuple) -> Any:
     """A commands-pipe message as the loop's command."""
     kind = message[0]
     if kind == "submit":
-        _, request_id, prompt, params, priority, received_at, submitted_at = message
-        return Submit(request_id, prompt, params, priority, timing=StreamTiming(received_at), submitted_at=submitted_at)
+        _, request_id, prompt, params, priority, received_at, submitted_at, model = message
+        return Submit(request_id, prompt, params, priority, timing=StreamTiming(received_at), submitted_at=submitted_at,
+                      model=model)
     if kind == "abort":
         return Abort(message[1])
+    if kind == "call":
+        _, key, call, *args = message
+        command = {"load": LoadModel, "unload": UnloadModel, "describe": DescribeModels}[call](*args)
+        command.reply = key
+        return command
     return message
 
 

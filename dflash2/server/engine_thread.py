@@ -23,8 +23,9 @@ from typing import Any
 
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import (IDLE_WAIT_S, Abort, EngineError, EngineInfo, EngineLoop, QueueFull, Stop,
-                                        Submit)
+from dflash2.engine.served_model import ModelSpec
+from dflash2.server.engine_loop import (IDLE_WAIT_S, Abort, DescribeModels, EngineError, EngineInfo, EngineLoop,
+                                        LoadModel, QueueFull, Stop, Submit, UnloadModel)
 from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 
 
@@ -63,7 +64,7 @@ class EngineThread(EngineLoop):
         return self.loaded.is_set() and self.load_error is None
 
     async def submit(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int,
-                     outputs: asyncio.Queue, timing: StreamTiming | None = None) -> None:
+                     outputs: asyncio.Queue, timing: StreamTiming | None = None, model: str | None = None) -> None:
         """Queue one request; returns once the engine took it, raises ValueError if it refused it and
         QueueFull if max_queue_len requests are waiting.
 
@@ -74,7 +75,7 @@ class EngineThread(EngineLoop):
             raise QueueFull(f"{self._num_submitting} requests are being queued already (--max-queue-len "
                             f"{self.max_queue_len}); retry later", self.retry_after_s)
         accepted = self._loop.create_future()
-        self.commands.put(Submit(request_id, prompt, params, priority, outputs, accepted, timing))
+        self.commands.put(Submit(request_id, prompt, params, priority, outputs, accepted, timing, model=model))
         self._num_submitting += 1
         try:
             await accepted
@@ -84,6 +85,23 @@ class EngineThread(EngineLoop):
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages (a no-op for one already finished)."""
         self.commands.put(Abort(request_id))
+
+    async def load_model(self, spec: ModelSpec) -> EngineInfo:
+        """Load a model beside the others; the new EngineInfo once it serves (ValueError if it cannot)."""
+        return await self._call(LoadModel(spec))
+
+    async def unload_model(self, name: str, force: bool = False) -> EngineInfo:
+        """Unload a model once its requests are done (force: ended now); the new EngineInfo."""
+        return await self._call(UnloadModel(name, force))
+
+    async def describe_models(self) -> list[dict[str, Any]]:
+        return await self._call(DescribeModels())
+
+    async def _call(self, command: Any) -> Any:
+        assert self._loop is not None
+        command.reply = self._loop.create_future()
+        self.commands.put(command)
+        return await command.reply
 
     def first_sent(self, request_ids: list[str], at: float) -> None:
         """The HTTP side wrote these requests' first text at `at`: their StreamTiming (shared with the
@@ -109,6 +127,12 @@ class EngineThread(EngineLoop):
     def on_loaded(self) -> None:
         self.info = EngineInfo.of(self.engine)
         self.loaded.set()
+
+    def on_models_changed(self) -> None:
+        self.info = EngineInfo.of(self.engine)
+
+    def answer(self, reply: Any, result: Any, error: BaseException | None) -> None:
+        self._call_soon(_answer, reply, result, error)
 
     def on_load_failed(self, error: BaseException) -> None:
         self.load_error = error
@@ -137,6 +161,15 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         return  # the HTTP handler was cancelled (client gone) meanwhile; its abort follows in the queue
     if error is None:
         future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _answer(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return  # the HTTP handler is gone
+    if error is None:
+        future.set_result(result)
     else:
         future.set_exception(error)
 

@@ -22,20 +22,20 @@ from dflash2.server.generation import Generation
 from dflash2.server.openai_api import (TRUNCATION_HEADER, collect, event_text, logprobs_json, stream_events,
                                       usage, whole)
 from dflash2.server.protocol import GenerateRequest
-from dflash2.server.state import ServerState
+from dflash2.server.state import ModelHandle, ServerState
 
 
 async def generate(http_request: HTTPRequest, body: GenerateRequest, state: ServerState) -> Response:
     model = state.check_model(body.model)
-    params = body.sampling_params(body.max_tokens, body.logprobs, state.limits)
+    params = body.sampling_params(body.max_tokens, body.logprobs, model.limits)
     prompt = body.prompt if body.prompt is not None else body.prompt_token_ids or []
-    prompts = await state.encode([prompt], add_special_tokens=body.add_special_tokens is not False,
+    prompts = await model.encode([prompt], add_special_tokens=body.add_special_tokens is not False,
                                  check_length=body.truncate_prompt_tokens is None)
-    truncated = state.truncate(prompts, body.truncate_prompt_tokens)
+    truncated = model.truncate(prompts, body.truncate_prompt_tokens)
     generation = await Generation.start(state.engine, f"gen-{uuid.uuid4().hex}", prompts, params, body.priority,
-                                        http_request, response_id=body.request_id)
+                                        http_request, response_id=body.request_id, model=model.engine_name)
     headers = TRUNCATION_HEADER if truncated else None
-    formatter = _GenerateFormat(state, generation, model, body.priority, body.logprobs is not None,
+    formatter = _GenerateFormat(model, generation, body.priority, body.logprobs is not None,
                                 body.prompt_logprobs is not None)
     if body.stream:
         return StreamingResponse(stream_events(state, generation, formatter, include_usage=False),
@@ -45,11 +45,11 @@ async def generate(http_request: HTTPRequest, body: GenerateRequest, state: Serv
 
 
 class _GenerateFormat:
-    def __init__(self, state: ServerState, generation: Generation, model: str, priority: int, with_logprobs: bool,
+    def __init__(self, handle: ModelHandle, generation: Generation, priority: int, with_logprobs: bool,
                  with_prompt_logprobs: bool) -> None:
-        self.state = state
+        self.handle = handle
         self.generation = generation
-        self.model = model
+        self.model = handle.name
         self.priority = priority
         self.with_logprobs = with_logprobs
         self.with_prompt_logprobs = with_prompt_logprobs
@@ -79,7 +79,7 @@ class _GenerateFormat:
         if self.with_logprobs:
             entries = completion.logprobs or []
             count = len(output.delta_token_ids)
-            chunk["logprobs"] = logprobs_json(self.state, entries[len(entries) - count:] if count else [])
+            chunk["logprobs"] = logprobs_json(self.handle, entries[len(entries) - count:] if count else [])
         if output.finished:
             chunk["usage"] = usage([output])
         return [chunk]
@@ -91,7 +91,7 @@ class _GenerateFormat:
                     "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason, "priority": self.priority, "usage": usage([output])}
         if self.with_logprobs:
-            response["logprobs"] = logprobs_json(self.state, completion.logprobs)
+            response["logprobs"] = logprobs_json(self.handle, completion.logprobs)
         if self.with_prompt_logprobs:
-            response["prompt_logprobs"] = logprobs_json(self.state, output.prompt_logprobs)
+            response["prompt_logprobs"] = logprobs_json(self.handle, output.prompt_logprobs)
         return response

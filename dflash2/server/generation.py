@@ -50,11 +50,12 @@ class Generation:
     @classmethod
     async def start(cls, engine: EngineThread | EngineProcess, request_id: str, prompts: list[dict[str, Any]],
                     params: SamplingParams, priority: int, http_request: HTTPRequest | None = None,
-                    response_id: str | None = None) -> Generation:
+                    response_id: str | None = None, model: str | None = None) -> Generation:
         """Submit every prompt at once (each counts against the queue bound while it is on its way, and a
         batch costs one trip to the engine, not one per prompt); if the engine refuses one, abort the others
         and raise BadRequest (a prompt it found wrong) or the refusal (QueueFull, EngineError).
-        `response_id`: the id the response shows (default: request_id, which the engine's ids derive from)."""
+        `response_id`: the id the response shows (default: request_id, which the engine's ids derive from).
+        `model`: the engine's name of the model (None: the only one)."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         received_at = http_request.scope.get(RECEIVED_AT) if http_request is not None else None
         generation = cls(engine, request_id, ids, received_at)
@@ -62,7 +63,7 @@ class Generation:
             generation.id = response_id
         try:
             results = await asyncio.gather(*(
-                engine.submit(sub_id, prompt, params, priority, generation.outputs, generation.timing)
+                engine.submit(sub_id, prompt, params, priority, generation.outputs, generation.timing, model)
                 for sub_id, prompt in zip(ids, prompts)), return_exceptions=True)
         except BaseException:  # cancelled: the client went away
             generation.abort_unfinished()

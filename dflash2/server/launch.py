@@ -62,7 +62,7 @@ def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any])
         histogram (dflash2_server_gc_pause_seconds, beside the engine process's)."""
         frozen, thresholds = settle_collector()
         assert state.engine.info is not None
-        pauses = GcPauses(config.served_model_name or state.engine.info.model_name, SERVER_GC_PAUSE_METRIC)
+        pauses = GcPauses(config.served_model_name or state.engine.info.default.model_name, SERVER_GC_PAUSE_METRIC)
         registry.register(pauses)
         pauses.install()
         logger.info("server process: %d objects left out of garbage collection, thresholds %s", frozen, thresholds)

@@ -9,6 +9,8 @@ The engine thread writes them (prometheus_client is thread-safe); /metrics and -
 """
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -28,12 +30,22 @@ _STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15,
 _SCHEDULER_BUCKETS_US = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000)
 
 
+# Per model (labelled with the model's name when several are served): requests, tokens, latencies, its KV.
+PER_MODEL = ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_hit_ratio",
+             "prompt_tokens", "generation_tokens", "num_preemptions", "num_swap_outs", "swapped_bytes",
+             "prefix_cache_queries", "prefix_cache_hits", "time_to_first_token", "inter_token_latency",
+             "e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time")
+
+
 class ServerMetrics:
-    """The metric objects, each already bound to this server's model name."""
+    """The metric families. Server-wide ones (steps, the pool as a whole, the GPU) are bound to the server's model
+    name; the per-model ones (PER_MODEL) come from model(name), and as attributes for the server's own name."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        self._families: dict[str, Any] = {}
+        self._models: dict[str, ModelMetrics] = {}
 
         def family(kind: type, name: str, doc: str, extra_labels: tuple[str, ...] = (), **kwargs):
             """A metric labelled model_name (+ extra_labels), in this server's registry."""
@@ -48,13 +60,19 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return family(Histogram, name, doc, buckets=buckets).labels(model_name)
 
-        self.num_requests_running = gauge("dflash2_num_requests_running", "Requests in the running set")
-        self.num_requests_waiting = gauge("dflash2_num_requests_waiting", "Requests waiting (incl. preempted)")
+        def per_model(attribute: str, kind: type, name: str, doc: str, **kwargs) -> None:
+            self._families[attribute] = family(kind, name, doc, **kwargs)
+
+        per_model("num_requests_running", Gauge, "dflash2_num_requests_running", "Requests in the running set")
+        per_model("num_requests_waiting", Gauge, "dflash2_num_requests_waiting", "Requests waiting (incl. preempted)")
         self.kv_cache_usage_perc = gauge("dflash2_kv_cache_usage_perc", "Fraction of KV pages owned by requests")
         self.kv_cache_used_pages = gauge("dflash2_kv_cache_used_pages", "KV pages owned by requests")
         self.kv_cache_total_pages = gauge("dflash2_kv_cache_total_pages", "KV pages in the pool")
-        self.kv_cache_hit_ratio = gauge("dflash2_kv_cache_hit_ratio",
-                                        "Prompt tokens served from the prefix cache / prompt tokens (cumulative)")
+        self.kv_cache_model_pages = family(Gauge, "dflash2_kv_cache_model_pages",
+                                           "KV pages of one model of the pool: used (owned by its requests) or "
+                                           "cached (its prefix cache)", ("state",))
+        per_model("kv_cache_hit_ratio", Gauge, "dflash2_kv_cache_hit_ratio",
+                  "Prompt tokens served from the prefix cache / prompt tokens (cumulative)")
         self.cache_eviction_rate = gauge("dflash2_cache_eviction_rate",
                                          "Cached pages evicted per second over the last stats interval")
         self.engine_torch_threads = gauge("dflash2_engine_torch_threads",
@@ -64,40 +82,38 @@ class ServerMetrics:
                                               "Fraction of the GPU's memory in use (absent on CPU)")
         self._gpu_utilization_perc = family(Gauge, "dflash2_gpu_utilization_perc",
                                             "GPU busy percentage from NVML (absent on CPU or without NVML)")
-        self.prompt_tokens = counter("dflash2_prompt_tokens", "Prompt tokens of admitted requests")
-        self.generation_tokens = counter("dflash2_generation_tokens", "Generated tokens")
-        self.num_preemptions = counter("dflash2_num_preemptions", "Requests preempted")
-        self.num_swap_outs = counter("dflash2_num_swap_outs", "Preempted requests whose KV went to host memory")
-        self.swapped_bytes = counter("dflash2_swapped_bytes", "Bytes of KV copied to host memory by preemption")
-        self.num_requests_swapped = gauge("dflash2_num_requests_swapped",
-                                          "Paused requests whose KV is in host memory now")
+        per_model("prompt_tokens", Counter, "dflash2_prompt_tokens", "Prompt tokens of admitted requests")
+        per_model("generation_tokens", Counter, "dflash2_generation_tokens", "Generated tokens")
+        per_model("num_preemptions", Counter, "dflash2_num_preemptions", "Requests preempted")
+        per_model("num_swap_outs", Counter, "dflash2_num_swap_outs", "Preempted requests whose KV went to host memory")
+        per_model("swapped_bytes", Counter, "dflash2_swapped_bytes", "Bytes of KV copied to host memory by preemption")
+        per_model("num_requests_swapped", Gauge, "dflash2_num_requests_swapped",
+                  "Paused requests whose KV is in host memory now")
         self.num_requests_rejected = counter("dflash2_num_requests_rejected",
                                              "Requests refused with 503 because --max-queue-len were waiting")
         self.cache_evictions = counter("dflash2_cache_evictions", "Cached pages evicted")
-        self.prefix_cache_queries = counter("dflash2_prefix_cache_queries", "Prompt tokens looked up in the cache")
-        self.prefix_cache_hits = counter("dflash2_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        per_model("prefix_cache_queries", Counter, "dflash2_prefix_cache_queries", "Prompt tokens looked up in the cache")
+        per_model("prefix_cache_hits", Counter, "dflash2_prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.streaming_success = counter("dflash2_streaming_success", "Streams that ended normally")
         self.streaming_timeout = counter("dflash2_streaming_timeout",
                                          "Streams ended because no token came within --streaming-timeout-ms")
         self._request_success = family(Counter, "dflash2_request_success", "Finished requests by finish reason",
                                        ("finished_reason",))
-        for reason in ("stop", "length", "abort"):
-            self._request_success.labels(model_name, reason)
-        self.time_to_first_token = histogram("dflash2_time_to_first_token_seconds", "Time to first token",
-                                             _TTFT_BUCKETS)
+        per_model("time_to_first_token", Histogram, "dflash2_time_to_first_token_seconds", "Time to first token",
+                  buckets=_TTFT_BUCKETS)
         self._ttft_by_priority = family(Histogram, "dflash2_time_to_first_token_by_priority_seconds",
                                         "Time to first token per priority class (priority rounded down to a "
                                         "power of ten)", ("priority_class",), buckets=_TTFT_BUCKETS)
-        self.inter_token_latency = histogram("dflash2_inter_token_latency_seconds", "Time between tokens",
-                                             _ITL_BUCKETS)
-        self.e2e_request_latency = histogram("dflash2_e2e_request_latency_seconds", "Arrival to last token",
-                                             _REQUEST_BUCKETS)
-        self.request_queue_time = histogram("dflash2_request_queue_time_seconds", "Arrival to first scheduled",
-                                            _REQUEST_BUCKETS)
-        self.request_prefill_time = histogram("dflash2_request_prefill_time_seconds",
-                                              "First scheduled to first token", _REQUEST_BUCKETS)
-        self.request_decode_time = histogram("dflash2_request_decode_time_seconds", "First token to last token",
-                                             _REQUEST_BUCKETS)
+        per_model("inter_token_latency", Histogram, "dflash2_inter_token_latency_seconds", "Time between tokens",
+                  buckets=_ITL_BUCKETS)
+        per_model("e2e_request_latency", Histogram, "dflash2_e2e_request_latency_seconds", "Arrival to last token",
+                  buckets=_REQUEST_BUCKETS)
+        per_model("request_queue_time", Histogram, "dflash2_request_queue_time_seconds", "Arrival to first scheduled",
+                  buckets=_REQUEST_BUCKETS)
+        per_model("request_prefill_time", Histogram, "dflash2_request_prefill_time_seconds",
+                  "First scheduled to first token", buckets=_REQUEST_BUCKETS)
+        per_model("request_decode_time", Histogram, "dflash2_request_decode_time_seconds", "First token to last token",
+                  buckets=_REQUEST_BUCKETS)
         self.step_duration = histogram("dflash2_step_duration_seconds",
                                        "Wall time of one Engine.step() (plan, run, commit) on the engine thread",
                                        _STEP_BUCKETS)
@@ -110,6 +126,27 @@ class ServerMetrics:
                                            "Time Scheduler.plan() takes per step", _SCHEDULER_BUCKETS_US)
         self.gc_pauses = GcPauses(model_name)  # dflash2_gc_pause_seconds; records once install()ed
         self.registry.register(self.gc_pauses)
+        own = self.model(model_name)
+        for attribute in PER_MODEL:  # the server's own name: as before several models could be served
+            setattr(self, attribute, getattr(own, attribute))
+
+    def model(self, name: str) -> ModelMetrics:
+        """The per-model metrics of the model labelled `name` (made on first use)."""
+        metrics = self._models.get(name)
+        if metrics is None:
+            metrics = self._models[name] = ModelMetrics(name, self._families, self._request_success,
+                                                        self._ttft_by_priority)
+        return metrics
+
+    def drop_model_gauges(self, name: str) -> None:
+        """An unloaded model's gauges go (its counters and histograms stay: what it served is history)."""
+        for attribute in PER_MODEL:
+            family = self._families[attribute]
+            if isinstance(family, Gauge):
+                family.remove(name)
+        for state in ("used", "cached"):
+            self.kv_cache_model_pages.remove(name, state)
+        self._models.pop(name, None)
 
     def request_success(self, finished_reason: str) -> Counter:
         return self._request_success.labels(self.model_name, finished_reason)
@@ -125,6 +162,25 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """One model's children of the per-model families (attributes named as in PER_MODEL)."""
+
+    def __init__(self, name: str, families: dict[str, Any], request_success: Counter, ttft_by_priority: Histogram) -> None:
+        self.name = name
+        for attribute in PER_MODEL:
+            setattr(self, attribute, families[attribute].labels(name))
+        self._request_success = request_success
+        self._ttft_by_priority = ttft_by_priority
+        for reason in ("stop", "length", "abort"):
+            request_success.labels(name, reason)
+
+    def request_success(self, finished_reason: str) -> Counter:
+        return self._request_success.labels(self.name, finished_reason)
+
+    def time_to_first_token_by_priority(self, priority: int) -> Histogram:
+        return self._ttft_by_priority.labels(self.name, priority_class(priority))
 
 
 def priority_class(priority: int) -> str:

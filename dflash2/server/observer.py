@@ -68,13 +68,11 @@ class RequestObserver:
         self.metrics = metrics
         self.config = config
         self.model_name = metrics.model_name
+        self._first_model = next(iter(engine.models))  # its metrics and log lines go under the server's name
         self._page_bytes = engine.pool.page_bytes
-        self._tokens_per_page = engine.kv.tokens_per_page
-        self._seen_preemptions = 0
-        self._seen_swap_outs = 0
-        self._seen_swapped_bytes = 0
+        self._seen: dict[str, dict[str, int]] = {}  # per model: the engine's cumulative counts already counted
+        self._labels: set[str] = set()  # the models whose gauges are set
         self._seen_evictions = 0
-        self._seen_prefix = (0, 0)
         self.gpu_sampler = GpuSampler(engine, metrics) if _is_cuda(engine) else None
         metrics.gc_pauses.install()
         self._gauge_tick = (time.monotonic(), 0)  # (when, evictions then)
@@ -85,12 +83,16 @@ class RequestObserver:
         metrics.engine_torch_threads.set(_torch_threads())  # (built on the engine's own thread and process)
         self._update_gauges()
 
+    def label(self, model: str | None) -> str:
+        """The model_name a model's metrics and log lines carry: the server's name for the first model."""
+        return self.model_name if model is None or model == self._first_model else model
+
     # -- per request ---------------------------------------------------------------------------------
     def on_output(self, tracked: Tracked, output: RequestOutput, now: float) -> None:
         num_new = len(output.delta_token_ids)
         if num_new == 0:
             return
-        m = self.metrics
+        m = self.metrics.model(self.label(tracked.request.model))
         if tracked.first_token_at is None:
             tracked.first_token_at = now
             m.time_to_first_token.observe(now - tracked.submitted_at)
@@ -108,8 +110,8 @@ class RequestObserver:
                 self._log_token(tracked, token_id, latency_ms)
 
     def on_finished(self, tracked: Tracked, finish_reason: str, now: float) -> None:
-        m = self.metrics
         request = tracked.request
+        m = self.metrics.model(self.label(request.model))
         m.request_success(finish_reason).inc()
         m.e2e_request_latency.observe(now - tracked.submitted_at)
         scheduled = _first_scheduled(request)
@@ -129,7 +131,7 @@ class RequestObserver:
         num_output = request.num_output_tokens
         return {
             "event": "request_finished", "time": round(time.time(), 3), "request_id": request.request_id,
-            "model": self.model_name, "priority": _client_priority(tracked), "finish_reason": finish_reason,
+            "model": self.label(request.model), "priority": _client_priority(tracked), "finish_reason": finish_reason,
             "prompt_tokens": request.num_prompt_tokens, "completion_tokens": num_output,
             "cached_tokens": request.num_cached_tokens, "num_preemptions": request.num_preemptions,
             "queue_time_ms": _ms(scheduled - tracked.submitted_at) if scheduled is not None else None,
@@ -141,13 +143,17 @@ class RequestObserver:
 
     def _log_token(self, tracked: Tracked, token_id: int, latency_ms: float) -> None:
         request = tracked.request
-        tokenizer = self.engine.tokenizer
+        served = self.engine.models.get(request.model)
+        if served is None:
+            return  # unloaded meanwhile (force)
+        tokenizer = served.tokenizer
         text = tokenizer.decode([token_id]) if tokenizer is not None else None
-        num_pages = -(-request.num_tokens // self._tokens_per_page)
+        num_pages = -(-request.num_tokens // served.kv.tokens_per_page)
         request_logger.info(json.dumps({
             "event": "token", "req_id": request.request_id, "token_id": token_id, "token_text": text,
             "latency_ms": round(latency_ms, 3), "kv_cache_size_bytes": num_pages * self._page_bytes,
-            "priority": _client_priority(tracked), "model": self.model_name}, ensure_ascii=False))
+            "priority": _client_priority(tracked), "model": self.label(request.model),
+            "quant_config": quant_bits(served)}, ensure_ascii=False))
 
     # -- per step and per tick -----------------------------------------------------------------------
     def on_step(self, engine: Any, now: float, step_seconds: float | None = None) -> None:
@@ -175,29 +181,38 @@ class RequestObserver:
             self._log_stats(now)
 
     def _update_gauges(self) -> None:
-        engine, m = self.engine, self.metrics
-        pool, scheduler = engine.pool, engine.scheduler
+        engine, metrics = self.engine, self.metrics
+        pool = engine.pool
+        metrics.kv_cache_used_pages.set(pool.num_used)
+        metrics.kv_cache_usage_perc.set(pool.num_used / pool.num_pages)
+        _inc_by_delta(metrics.cache_evictions, pool.num_evictions - self._seen_evictions)
+        self._seen_evictions = pool.num_evictions
+        labels = set()
+        for name, served in engine.models.items():
+            label = self.label(name)
+            labels.add(label)
+            self._update_model(served, label, metrics.model(label))
+        for gone in self._labels - labels:  # unloaded
+            metrics.drop_model_gauges(gone)
+        self._labels = labels
+
+    def _update_model(self, served: Any, label: str, m: Any) -> None:
+        """One model's gauges, and its counters by what the engine counted since the last update."""
+        scheduler, kv = served.scheduler, served.kv
         m.num_requests_running.set(len(scheduler.running))
         m.num_requests_waiting.set(len(scheduler.waiting))
-        m.kv_cache_used_pages.set(pool.num_used)
-        m.kv_cache_usage_perc.set(pool.num_used / pool.num_pages)
-        _inc_by_delta(m.num_preemptions, scheduler.num_preemptions - self._seen_preemptions)
-        self._seen_preemptions = scheduler.num_preemptions
-        swap_outs = getattr(scheduler, "num_swap_outs", 0)
-        _inc_by_delta(m.num_swap_outs, swap_outs - self._seen_swap_outs)
-        self._seen_swap_outs = swap_outs
-        swapped_bytes = getattr(scheduler, "swapped_bytes", 0)
-        _inc_by_delta(m.swapped_bytes, swapped_bytes - self._seen_swapped_bytes)
-        self._seen_swapped_bytes = swapped_bytes
-        m.num_requests_swapped.set(getattr(engine.kv, "num_swapped_requests", 0))
-        _inc_by_delta(m.cache_evictions, pool.num_evictions - self._seen_evictions)
-        self._seen_evictions = pool.num_evictions
-        queries, hits = engine.kv.num_prefix_queries, engine.kv.num_prefix_hits
-        _inc_by_delta(m.prefix_cache_queries, queries - self._seen_prefix[0])
-        _inc_by_delta(m.prefix_cache_hits, hits - self._seen_prefix[1])
-        self._seen_prefix = (queries, hits)
-        if queries:
-            m.kv_cache_hit_ratio.set(hits / queries)
+        m.num_requests_swapped.set(kv.num_swapped_requests)
+        self.metrics.kv_cache_model_pages.labels(label, "used").set(kv.num_used)
+        self.metrics.kv_cache_model_pages.labels(label, "cached").set(kv.num_cached)
+        seen = self._seen.setdefault(served.name + f"#{id(served)}", {})
+        counts = {"num_preemptions": scheduler.num_preemptions, "num_swap_outs": scheduler.num_swap_outs,
+                  "swapped_bytes": scheduler.swapped_bytes, "prefix_cache_queries": kv.num_prefix_queries,
+                  "prefix_cache_hits": kv.num_prefix_hits}
+        for attribute, count in counts.items():
+            _inc_by_delta(getattr(m, attribute), count - seen.get(attribute, 0))
+            seen[attribute] = count
+        if kv.num_prefix_queries:
+            m.kv_cache_hit_ratio.set(kv.num_prefix_hits / kv.num_prefix_queries)
 
     def _log_stats(self, now: float) -> None:
         when, prompt, generation = self._stats_tick
@@ -205,11 +220,22 @@ class RequestObserver:
         prompt_rate = (self._num_prompt_tokens - prompt) / elapsed
         generation_rate = (self._num_generation_tokens - generation) / elapsed
         self._stats_tick = (now, self._num_prompt_tokens, self._num_generation_tokens)
-        scheduler = self.engine.scheduler
-        if prompt_rate or generation_rate or scheduler.running or scheduler.waiting:
+        running = sum(len(served.scheduler.running) for served in self.engine.models.values())
+        waiting = self.engine.num_waiting
+        if prompt_rate or generation_rate or running or waiting:
             logger.info("stats: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV pages %.1f%%",
-                        prompt_rate, generation_rate, len(scheduler.running), len(scheduler.waiting),
+                        prompt_rate, generation_rate, running, waiting,
                         100.0 * self.engine.pool.num_used / self.engine.pool.num_pages)
+
+
+def quant_bits(served: Any) -> list[int]:
+    """The per-token log's quant_config: [qk_bits, v_bits, o_bits, proj_bits] of the model's weights (q, k and v
+    are one fused group; a float model: its dtype's bits)."""
+    quant = served.model.quant if served.model is not None else None
+    if quant is None:
+        bits = served.model.dtype.itemsize * 8 if served.model is not None else 16
+        return [bits] * 4
+    return [quant.qkv, quant.qkv, quant.o_proj, quant.ffn]
 
 
 def _client_priority(tracked: Tracked) -> int:

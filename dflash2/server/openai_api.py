@@ -25,7 +25,7 @@ from dflash2.request import RequestOutput
 from dflash2.server.generation import Generation, StreamTimeout
 from dflash2.server.engine_loop import EngineError
 from dflash2.server.protocol import ChatCompletionRequest, CompletionRequest
-from dflash2.server.state import ServerState
+from dflash2.server.state import ModelHandle, ServerState
 
 logger = logging.getLogger("dflash2.server")
 
@@ -52,18 +52,19 @@ def usage(finals: list[RequestOutput]) -> dict[str, Any]:
 # -- /v1/completions ---------------------------------------------------------------------------------
 async def create_completion(http_request: HTTPRequest, body: CompletionRequest, state: ServerState) -> Response:
     model = state.check_model(body.model)
-    limits = state.limits
+    limits = model.limits
     params = body.sampling_params(body.max_tokens, body.logprobs, limits)
     truncating = body.truncate_prompt_tokens is not None
-    prompts = await state.encode(body.prompts(limits), add_special_tokens=body.add_special_tokens is not False,
+    prompts = await model.encode(body.prompts(limits), add_special_tokens=body.add_special_tokens is not False,
                                  check_length=not truncating)
-    truncated = state.truncate(prompts, body.truncate_prompt_tokens)
+    truncated = model.truncate(prompts, body.truncate_prompt_tokens)
     generation = await Generation.start(state.engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, body.priority,
-                                        http_request, response_id=_response_id("cmpl", body.request_id))
+                                        http_request, response_id=_response_id("cmpl", body.request_id),
+                                        model=model.engine_name)
     headers = TRUNCATION_HEADER if truncated else None
-    echo = [state.decode(p["prompt_token_ids"]) if p["prompt"] is None else p["prompt"] for p in prompts] \
+    echo = [model.decode(p["prompt_token_ids"]) if p["prompt"] is None else p["prompt"] for p in prompts] \
         if body.echo else None
-    formatter = _CompletionFormat(state, generation, model, body.logprobs, echo, body.prompt_logprobs is not None)
+    formatter = _CompletionFormat(model, generation, body.logprobs, echo, body.prompt_logprobs is not None)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(state, generation, formatter, include_usage),
@@ -85,7 +86,7 @@ async def whole(formatter: Any, finals: list[RequestOutput], params: Any) -> dic
     return await asyncio.to_thread(formatter.whole, finals)
 
 
-def logprobs_json(state: ServerState, entries: list[dict | None] | None) -> list[dict | None] | None:
+def logprobs_json(handle: ModelHandle, entries: list[dict | None] | None) -> list[dict | None] | None:
     """Logprob entries in vLLM's shape (its `prompt_logprobs`; /generate's `logprobs` too): per token
     {token id: {"logprob", "rank", "decoded_token"}}, the token itself and the top ones (a prompt's first token
     has none: null)."""
@@ -95,7 +96,7 @@ def logprobs_json(state: ServerState, entries: list[dict | None] | None) -> list
 
     def text(token_id: int) -> str:
         if token_id not in texts:
-            texts[token_id] = state.decode([token_id])
+            texts[token_id] = handle.decode([token_id])
         return texts[token_id]
 
     return [None if entry is None else
@@ -127,11 +128,11 @@ class _CompletionFormat:
 
     object_name = "text_completion"
 
-    def __init__(self, state: ServerState, generation: Generation, model: str, num_logprobs: int | None,
+    def __init__(self, handle: ModelHandle, generation: Generation, num_logprobs: int | None,
                  echo: list[str] | None, with_prompt_logprobs: bool = False) -> None:
-        self.state = state
+        self.handle = handle
         self.generation = generation
-        self.model = model
+        self.model = handle.name
         self.num_logprobs = num_logprobs
         self.echo = echo
         self.with_prompt_logprobs = with_prompt_logprobs
@@ -203,7 +204,7 @@ class _CompletionFormat:
             choice = {"index": index, "text": prefix + completion.text, "finish_reason": completion.finish_reason,
                       "stop_reason": completion.stop_reason, "logprobs": logprobs}
             if self.with_prompt_logprobs:
-                choice["prompt_logprobs"] = logprobs_json(self.state, output.prompt_logprobs)
+                choice["prompt_logprobs"] = logprobs_json(self.handle, output.prompt_logprobs)
             choices.append(choice)
         return {**self.header(choices), "usage": usage(finals)}
 
@@ -215,11 +216,11 @@ class _CompletionFormat:
             return None
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, entries if whole_prompt else entries[-len(token_ids):]):
-            text = self.state.decode([token_id])
+            text = self.handle.decode([token_id])
             tokens.append(text)
             token_logprobs.append(None if entry is None else _json_logprob(entry[token_id].logprob))
             top.append(None if entry is None else
-                       {self.state.decode([t]): _json_logprob(lp.logprob) for t, lp in _top(entry, self.num_logprobs)})
+                       {self.handle.decode([t]): _json_logprob(lp.logprob) for t, lp in _top(entry, self.num_logprobs)})
             offsets.append(self._text_offset[index])
             self._text_offset[index] += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -235,17 +236,18 @@ def _joined(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict
 async def create_chat_completion(http_request: HTTPRequest, body: ChatCompletionRequest,
                                  state: ServerState) -> Response:
     model = state.check_model(body.model)
-    params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, state.limits)
+    params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, model.limits)
     truncating = body.truncate_prompt_tokens is not None
-    prompts = [await state.encode_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
+    prompts = [await model.encode_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
                                        body.chat_template_kwargs, add_special_tokens=bool(body.add_special_tokens),
                                        check_length=not truncating)]
-    truncated = state.truncate(prompts, body.truncate_prompt_tokens)
+    truncated = model.truncate(prompts, body.truncate_prompt_tokens)
     generation = await Generation.start(state.engine, f"chatcmpl-{uuid.uuid4().hex}", prompts, params,
                                         body.priority, http_request,
-                                        response_id=_response_id("chatcmpl", body.request_id))
+                                        response_id=_response_id("chatcmpl", body.request_id),
+                                        model=model.engine_name)
     headers = TRUNCATION_HEADER if truncated else None
-    formatter = _ChatFormat(state, generation, model, body.num_logprobs, body.prompt_logprobs is not None)
+    formatter = _ChatFormat(model, generation, body.num_logprobs, body.prompt_logprobs is not None)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(state, generation, formatter, include_usage),
@@ -257,9 +259,9 @@ async def create_chat_completion(http_request: HTTPRequest, body: ChatCompletion
 class _ChatFormat(_CompletionFormat):
     object_name = "chat.completion.chunk"
 
-    def __init__(self, state: ServerState, generation: Generation, model: str, num_logprobs: int | None,
+    def __init__(self, handle: ModelHandle, generation: Generation, num_logprobs: int | None,
                  with_prompt_logprobs: bool = False) -> None:
-        super().__init__(state, generation, model, num_logprobs, None, with_prompt_logprobs)
+        super().__init__(handle, generation, num_logprobs, None, with_prompt_logprobs)
 
     def opening(self) -> list[dict[str, Any]]:
         return [self.header([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -289,7 +291,7 @@ class _ChatFormat(_CompletionFormat):
                    for index, output in enumerate(finals)]
         response = {**self.header(choices), "object": "chat.completion", "usage": usage(finals)}
         if self.with_prompt_logprobs:  # vLLM: the response's, not a choice's
-            response["prompt_logprobs"] = logprobs_json(self.state, finals[0].prompt_logprobs)
+            response["prompt_logprobs"] = logprobs_json(self.handle, finals[0].prompt_logprobs)
         return response
 
     def _chat_logprobs(self, entries: list[dict] | None, token_ids: list[int]) -> dict[str, Any] | None:
@@ -303,7 +305,7 @@ class _ChatFormat(_CompletionFormat):
         return {"content": content}
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.state.decode([token_id])
+        text = self.handle.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 

@@ -1,9 +1,10 @@
-"""ServerState: what every HTTP handler shares: the engine (its process or thread), the config, the tokenizer.
+"""ServerState: what every HTTP handler shares: the engine (its process or thread), the config, the models.
 
-Handlers tokenize on a worker thread (asyncio.to_thread: the tokenizer is read-only once loaded and leaves the
-GIL while it works; the engine process sends a copy of its own when it is ready), so a long prompt never stalls
-the other streams, and hand token ids to the engine, which never waits for text processing. A text prompt too
-long for the context by its byte count alone is refused before it is tokenized (PromptBound).
+A request's `model` picks a ModelHandle (check_model): that model's tokenizer, limits and prompt checks. Handlers
+tokenize on a worker thread (asyncio.to_thread: the tokenizer is read-only once loaded and leaves the GIL while it
+works; the engine process sends a copy of each model's when it is ready or loads one), so a long prompt never
+stalls the other streams, and hand token ids to the engine, which never waits for text processing. A text prompt
+too long for the context by its byte count alone is refused before it is tokenized (PromptBound).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from dflash2.server.config import ServerConfig
-from dflash2.server.engine_loop import EngineInfo
+from dflash2.server.engine_loop import EngineInfo, ModelInfo
 from dflash2.server.engine_process import EngineProcess
 from dflash2.server.engine_thread import EngineThread
 from dflash2.server.protocol import BadRequest, ChatMessage, RequestLimits
@@ -35,9 +36,9 @@ class ServerState:
         self.engine = engine
         self.registry = registry
         self.started_at = time.time()
-        self._prompt_bound: PromptBound | None = None
+        self._handles: dict[int, ModelHandle] = {}  # by id() of the ModelInfo: one handle (and bound) per load
 
-    # -- model ---------------------------------------------------------------------------------------
+    # -- models --------------------------------------------------------------------------------------
     def require_ready(self) -> EngineInfo:
         if not self.engine.ready:
             raise NotReady("the model is still loading")
@@ -45,26 +46,72 @@ class ServerState:
         return self.engine.info
 
     @property
-    def model_name(self) -> str:
-        return self.config.served_model_name or self.require_ready().model_name
+    def single(self) -> bool:
+        """One model, served as before several could be: under --served-model-name or its own name."""
+        return len(self.require_ready().models) == 1
 
-    def check_model(self, requested: str | None) -> str:
-        """The served name, if `requested` names this model (or is absent); else a 404, as OpenAI and vLLM."""
+    @property
+    def model_name(self) -> str:
+        """The single model's served name."""
+        return self.config.served_model_name or self.require_ready().default.model_name
+
+    def check_model(self, requested: str | None) -> ModelHandle:
+        """The model a request names (`model` may be absent when one model is loaded); else a 404, as OpenAI and
+        vLLM."""
         engine = self.require_ready()
-        known = {self.model_name, engine.model_name, *self.config.model_aliases}
-        if requested is not None and requested not in known:
-            raise BadRequest(f"the model {requested!r} does not exist; this server serves {self.model_name!r}",
-                             param="model", code="model_not_found", status_code=404)
-        return self.model_name
+        if self.single:
+            info = engine.default
+            known = {self.model_name, info.model_name, *self.config.model_aliases}
+            if requested is not None and requested not in known:
+                raise BadRequest(f"the model {requested!r} does not exist; this server serves {self.model_name!r}",
+                                 param="model", code="model_not_found", status_code=404)
+            return self._handle(info, self.model_name)
+        if requested is None:
+            raise BadRequest(f"this server serves several models ({', '.join(engine.models)}): name one in `model`",
+                             param="model")
+        info = engine.models.get(requested)
+        if info is None:
+            raise BadRequest(f"the model {requested!r} does not exist; this server serves "
+                             f"{', '.join(map(repr, engine.models))}", param="model", code="model_not_found",
+                             status_code=404)
+        return self._handle(info, requested)
+
+    def _handle(self, info: ModelInfo, served_name: str) -> ModelHandle:
+        handle = self._handles.get(id(info))
+        if handle is None or handle.info is not info:
+            handle = self._handles[id(info)] = ModelHandle(info, served_name, self.config)
+        return handle
+
+
+class ModelHandle:
+    """One served model as the HTTP handlers use it: its limits, prompts tokenized on a worker thread, decoding.
+
+    Handlers tokenize on a worker thread (asyncio.to_thread: the tokenizer is read-only once loaded and leaves the
+    GIL while it works), so a long prompt never stalls the other streams, and hand token ids to the engine. A text
+    prompt too long for the context by its byte count alone is refused before it is tokenized (PromptBound)."""
+
+    def __init__(self, info: ModelInfo, served_name: str, config: ServerConfig) -> None:
+        self.info = info
+        self.name = served_name  # what responses call it
+        self.engine_name = info.model_name  # what the engine calls it
+        self.config = config
+        self._prompt_bound: PromptBound | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
 
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(self.require_ready().vocab_size, self.config.max_logprobs,
-                             self.config.max_prompts_per_request)
+        return RequestLimits(self.info.vocab_size, self.config.max_logprobs, self.config.max_prompts_per_request)
 
     @property
     def tokenizer(self) -> Any:
-        tokenizer = self.require_ready().tokenizer
+        tokenizer = self.info.tokenizer
         if tokenizer is None:
             raise BadRequest("this model has no tokenizer: send token ids")
         return tokenizer
@@ -111,7 +158,7 @@ class ServerState:
     def prompt_bound(self) -> PromptBound | None:
         """The byte-count check of text prompts (None: this tokenizer's longest token is not known)."""
         if self._prompt_bound is None:
-            self._prompt_bound = PromptBound.of(self.tokenizer, self.require_ready().max_model_len)
+            self._prompt_bound = PromptBound.of(self.tokenizer, self.info.max_model_len)
         return self._prompt_bound if self._prompt_bound.max_bytes_per_token else None
 
     def truncate(self, prompts: list[dict[str, Any]], num_tokens: int | None) -> bool:

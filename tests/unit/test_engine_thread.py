@@ -23,22 +23,31 @@ class FakeEngine:
 
     def __init__(self, fail_step: bool = False) -> None:
         self.pool = PagePool(8, 1024)
-        self.kv = SimpleNamespace(tokens_per_page=4, num_prefix_queries=0, num_prefix_hits=0)
-        self.scheduler = SimpleNamespace(running={}, waiting=[], num_preemptions=0)
-        self.model = SimpleNamespace(name="fake", device=SimpleNamespace(type="cpu"),
-                                     arch=SimpleNamespace(vocab_size=100))
+        self.kv = SimpleNamespace(tokens_per_page=4, num_prefix_queries=0, num_prefix_hits=0, num_swapped_requests=0,
+                                  num_used=0, num_cached=0)
+        self.scheduler = SimpleNamespace(running={}, waiting=[], num_preemptions=0, num_swap_outs=0, swapped_bytes=0)
+        self.device = SimpleNamespace(type="cpu")
+        self.model = SimpleNamespace(name="fake", device=self.device, arch=SimpleNamespace(vocab_size=100),
+                                     quant=None)
         self.max_model_len = 64
         self.tokenizer = None
+        served = SimpleNamespace(name="fake", scheduler=self.scheduler, kv=self.kv, model=self.model, tokenizer=None,
+                                 max_model_len=64, describe=lambda: {"weights": "fake", "kv_cache_dtype": "fp32"})
+        self.models = {"fake": served}
         self.last_plan_seconds = 0.0
         self.fail_step = fail_step
         self.aborted: list[str] = []
         self.pages: dict[str, list[int]] = {}
         self.requests = self.scheduler.running  # every request it holds runs here
 
-    def add_request(self, prompt, params, priority, request_id) -> Request:
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def add_request(self, prompt, params, priority, request_id, model=None) -> Request:
         if prompt["prompt_token_ids"] == [0]:
             raise ValueError("token 0 is refused")
-        request = Request(request_id, prompt["prompt_token_ids"], params, priority=priority)
+        request = Request(request_id, prompt["prompt_token_ids"], params, priority=priority, model="fake")
         self.scheduler.running[request_id] = request
         self.pages[request_id] = self.pool.allocate(1)
         return request
