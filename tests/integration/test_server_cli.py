@@ -48,7 +48,7 @@ def test_every_flag_takes_both_spellings(command, flags):
 
 def test_model_dir_spelling_and_server_config():
     args = build_parser().parse_args(["serve", "--model_dir", "/models/x", *argv("serve", SERVER_FLAGS, False)[3:]])
-    assert args.model == "/models/x"
+    assert args.model == ["/models/x"]
     check_unbuilt(args)
     config = server_config(args)
     assert (config.host, config.port, config.api_key, config.streaming_timeout_ms, config.metrics_port) == (
@@ -57,6 +57,46 @@ def test_model_dir_spelling_and_server_config():
     assert not server_config(build_parser().parse_args(["serve"])).single_process  # the engine's own process
     kwargs = llm_kwargs(args)
     assert (kwargs["max_num_seqs"], kwargs["max_model_len"], kwargs["prefill_chunk_size"]) == (8, 512, 256)
+    assert kwargs["model"] == "/models/x" and "models" not in kwargs and config.model_aliases == ("/models/x",)
+
+
+def test_several_models_from_repeated_flags_and_a_config_file(tmp_path):
+    config = tmp_path / "models.yaml"
+    config.write_text("models:\n  - {name: big, path: llama-3-8b, load_format: dummy, quantization: int4,"
+                      " min_pool_share: 0.2}\n  - name: small\n    path: qwen3-0.6b\n    max_pool_share: 0.5\n")
+    args = build_parser().parse_args(["serve", "--model", "a=/m/one.gguf", "--model", "/m/two", "--models_config",
+                                      str(config)])
+    kwargs = llm_kwargs(args)
+    assert kwargs["model"] is None
+    assert [(m.name, m.model, m.served_name()) for m in kwargs["models"]] == [
+        ("a", "/m/one.gguf", "a"), (None, "/m/two", "two"), ("big", "llama-3-8b", "big"),
+        ("small", "qwen3-0.6b", "small")]
+    assert (kwargs["models"][2].quantization, kwargs["models"][2].min_pool_share) == ("int4", 0.2)
+    assert server_config(args).model_aliases == ()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "/m/x", "--model", "/n/x"], "two models would be served as 'x'"),
+    (["--model", "a=/m/x", "--model", "b=/m/y", "--served-model-name", "z"], "--served-model-name names a single"),
+    (["--models-config", "/no/such.yaml"], "--models-config /no/such.yaml: No such file or directory"),
+])
+def test_bad_model_lists_are_refused_before_loading(flags, message):
+    with pytest.raises(ValueError, match=message):
+        llm_kwargs(build_parser().parse_args(["serve", *flags]))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[]", "expected a non-empty list of models"),
+    ("- {name: a, path: /m, colour: red}", "model 0: unknown model option\\(s\\) colour"),
+    ("- {name: a, path: /m, min_pool_share: 2}", "model 0: min_pool_share must be in \\[0, 1\\], got 2"),
+    ("- {name: a, path: /m, quantization: int3}", "model 0: "),
+    ("models: [unclosed", "is not valid JSON or YAML"),
+])
+def test_a_bad_models_config_names_the_problem(tmp_path, text, message):
+    config = tmp_path / "models.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        llm_kwargs(build_parser().parse_args(["serve", "--models-config", str(config)]))
 
 
 def test_swap_space_reaches_the_engine():
