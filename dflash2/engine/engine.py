@@ -18,7 +18,7 @@ nor does a less urgent first token while a more urgent request runs: the device 
 Several models (EngineConfig.models): each has its own scheduler, KV manager and runner (ServedModel) on one
 page pool; a step runs one model's batch. The model that steps next is the one with the most urgent work
 (effective priority of its waiting or running requests), ties going to the one that stepped least recently;
-a model with work that has not stepped for `max_model_skip_steps` steps goes first (no model starves).
+a model with work that another model's steps passed over `max_model_skip_steps` times goes first (no model starves).
 Preemption crosses models (Scheduler.peers). Models load and unload while the others serve (load_model,
 unload_model).
 
@@ -440,16 +440,22 @@ class Engine:
         if len(self.models) == 1:
             served = self.default
             return served, served.scheduler.plan()
-        for served in self._step_order():
+        order = self._step_order()
+        chosen, plan = None, StepPlan()
+        for served in order:
             plan = served.scheduler.plan()
             if plan:
-                served.last_step = self._num_steps
-                return served, plan
-        return None, StepPlan()
+                chosen = served
+                break
+        for served in order:  # the models with work that did not step wait one step longer
+            served.skipped_steps = 0 if served is chosen else served.skipped_steps + 1
+        if chosen is not None:
+            chosen.last_step = self._num_steps
+        return chosen, plan
 
     def _step_order(self) -> list[ServedModel]:
-        """The models with work, in the order they get to plan this step: one that has not stepped for
-        max_model_skip_steps steps first (longest first), then by their most urgent request's effective
+        """The models with work, in the order they get to plan this step: one skipped for max_model_skip_steps
+        steps while it had work first (the longest skipped first), then by their most urgent request's effective
         priority, then the one that stepped least recently (equal priorities take turns)."""
         now = time.monotonic()
         bound = self.config.max_model_skip_steps
@@ -457,9 +463,10 @@ class Engine:
         for served in self.models.values():
             top = served.scheduler.top_priority(now)
             if top is None:
+                served.skipped_steps = 0  # no work: nothing to starve
                 continue
-            starving = self._num_steps - served.last_step > bound
-            keyed.append(((not starving, served.last_step if starving else 0, -top, served.last_step), served))
+            starving = served.skipped_steps >= bound
+            keyed.append(((not starving, -served.skipped_steps if starving else 0, -top, served.last_step), served))
         keyed.sort(key=lambda item: item[0])
         return [served for _, served in keyed]
 

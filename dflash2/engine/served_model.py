@@ -122,6 +122,7 @@ class ServedModel:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.last_step = 0  # the engine's step count when this model last stepped
+        self.skipped_steps = 0  # steps since then in which it had work but another model stepped
         self.closing = False  # being unloaded: takes no new requests
 
     @property

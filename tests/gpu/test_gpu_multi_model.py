@@ -44,17 +44,19 @@ def test_two_models_on_one_pool_with_graphs_and_overlap_equal_each_alone():
 
 
 def test_an_urgent_request_swaps_out_another_models_requests_on_the_gpu():
-    long_prompts = [[(11 * i + j) % 900 + 1 for j in range(300)] for i in range(4)]
+    """48 pages of 1 MiB: 9 tokens of qwen3-0.6b each, so its six 100-token prompts take them all at once."""
+    long_prompts = [[(11 * i + j) % 900 + 1 for j in range(100)] for i in range(6)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     with LLM(models=SPECS, max_num_seqs=16, kv_cache_memory="48MiB", swap_space="256MiB",
-             max_model_len=1024) as llm:
+             max_model_len=400) as llm:
         engine = llm.engine
         bulk = engine.models["qwen-int8"].scheduler
         for prompt in long_prompts:
             engine.add_request({"prompt_token_ids": prompt}, params, 0, model="qwen-int8")
         finished = {}
-        while engine.pool.available_for("small") > 0:
+        while engine.pool.available_for("small") > 0 and engine.has_unfinished():
             finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert engine.pool.available_for("small") == 0 and not finished
         urgent = engine.add_request({"prompt_token_ids": PROMPTS[0]}, params, 1000, model="small").request_id
         swap_outs = bulk.num_swap_outs
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
@@ -63,9 +65,9 @@ def test_an_urgent_request_swaps_out_another_models_requests_on_the_gpu():
         while engine.has_unfinished():
             finished.update((o.request_id, o) for o in engine.step() if o.finished)
             engine.pool.check()
-        assert len(finished) == 5
+        assert len(finished) == 7
         assert engine.pool.num_used == 0 and engine.host_pool.num_swapped == 0
-    with LLM(models=[SPECS[0]], max_num_seqs=16, kv_cache_memory="48MiB", max_model_len=1024) as llm:
+    with LLM(models=[SPECS[0]], max_num_seqs=16, kv_cache_memory="48MiB", max_model_len=400) as llm:
         assert finished[urgent].outputs[0].token_ids == llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
 
 

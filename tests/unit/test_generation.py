@@ -75,7 +75,8 @@ def test_the_first_sent_time_is_the_first_text_the_client_sees():
         engine = NoEngine()
         state = SimpleNamespace(config=SimpleNamespace(streaming_timeout_ms=None), engine=engine)
         generation = Generation(engine, "r", ["r"])
-        stream = stream_events(state, generation, _CompletionFormat(state, generation, "m", None, None), False)
+        handle = SimpleNamespace(name="m", decode=lambda token_ids: "")  # the model (ModelHandle): unused here
+        stream = stream_events(state, generation, _CompletionFormat(handle, generation, None, None), False)
         generation.outputs.put_nowait(plain(2, ""))
         queued = {}
 
@@ -104,7 +105,7 @@ class SlowEngine(NoEngine):
         self.most_in_flight = 0
         self.refuse = refuse or {}
 
-    async def submit(self, request_id, prompt, params, priority, outputs, timing=None) -> None:
+    async def submit(self, request_id, prompt, params, priority, outputs, timing=None, model=None) -> None:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         await asyncio.sleep(0.01)
