@@ -74,6 +74,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
              help=f"the most logprobs / top_logprobs / prompt_logprobs a request may ask for; more gets 400 "
                   f"(default: {DEFAULT_MAX_LOGPROBS}, as vLLM)")
+    add_flag(parser, "--shutdown-timeout", type=float, default=30.0,
+             help="on SIGTERM / SIGINT: seconds the requests in flight may still run (new ones get 503), then the "
+                  "rest end with an error and the server exits 0")
     add_flag(parser, "--single-process", action="store_true",
              help="run the engine on a thread of the HTTP server's process instead of a process of its own "
                   "(one process to debug or profile; the engine's host work and the HTTP side then share a GIL)")
@@ -201,6 +204,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         log_tokens=args.log_tokens, log_level=args.log_level, max_queue_len=args.max_queue_len,
                         max_prompts_per_request=args.max_prompts_per_request, max_logprobs=args.max_logprobs,
                         single_process=args.single_process, num_threads=args.num_threads,
+                        shutdown_timeout_s=args.shutdown_timeout,
                         max_held_requests=args.max_num_seqs if args.max_batch_size is not None else None)
 
 

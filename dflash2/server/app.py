@@ -3,8 +3,8 @@
 Every client error is a JSON body {"error": {"message", "type", "param", "code"}}: 400 for bad input,
 401 (with WWW-Authenticate: Bearer) for a missing or wrong API key, 404 for an unknown model or route, 413 for
 a body over --max-request-bytes, 503 while the model loads, and 503 with a Retry-After header (seconds) when
---max-queue-len requests are already waiting. A 500 (a bug) says only that it is one: the server log has the
-traceback; no error closes the connection. /health, /metrics, /version and /openapi.json stay open without the
+--max-queue-len requests are already waiting or the server drains (SIGTERM: launch.drain). A 500 (a bug) says
+only that it is one: the server log has the traceback; no error closes the connection. /health, /metrics, /version and /openapi.json stay open without the
 key; /openapi.json describes every route's request body (the pydantic models of protocol.py).
 """
 from __future__ import annotations
@@ -38,6 +38,7 @@ from dflash2.server.state import NotReady, ServerState
 logger = logging.getLogger("dflash2.server")
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
+DRAIN_RETRY_AFTER_S = 5  # a draining server's 503s: by then a restarted one (or another replica) takes them
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
           "/generate": GenerateRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 # answered by their own handlers; anything else a route raises is a bug (500)
@@ -57,7 +58,7 @@ def build_app(state: ServerState, on_load_error: Callable[[BaseException], None]
                   redoc_url=None, openapi_url="/openapi.json")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.state.server = state
-    app.add_middleware(GuardMiddleware, api_key=state.config.api_key, max_request_bytes=state.config.max_request_bytes)
+    app.add_middleware(GuardMiddleware, state=state)
     _add_error_handlers(app)
     _add_routes(app, state)
     return app
@@ -86,6 +87,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if state.engine.ready:
             return JSONResponse({"status": "ok"})
         status = "failed" if state.engine.load_error is not None else "loading"
@@ -208,13 +211,15 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 
 class GuardMiddleware:
-    """API key check and an early 413 from Content-Length, before any route runs (plain ASGI, so
-    streaming responses and client-disconnect detection pass through untouched)."""
+    """API key check, an early 413 from Content-Length, and 503 while the server drains, before any route runs
+    (plain ASGI, so streaming responses and client-disconnect detection pass through untouched); counts the
+    requests in flight (until their response is sent whole) for the drain."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
-        self.api_key = api_key
-        self.max_request_bytes = max_request_bytes
+        self.state = state
+        self.api_key = state.config.api_key
+        self.max_request_bytes = state.config.max_request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -234,7 +239,20 @@ class GuardMiddleware:
                                                "invalid_request_error", "request_too_large"), status_code=413)
             await response(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        if scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining:
+            response = JSONResponse(error_body("the server is shutting down; retry later", "service_unavailable",
+                                               "draining"), status_code=503,
+                                    headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
+            await response(scope, receive, send)
+            return
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
 
     def _authorized(self, headers: dict[str, str]) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")

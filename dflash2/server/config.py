@@ -38,12 +38,15 @@ class ServerConfig:
     max_held_requests: int | None = None
     single_process: bool = False  # the engine on a thread of the server's process, not a process of its own
     num_threads: int | None = None  # torch threads of the engine's process; None: its physical cores (cpu_threads)
+    shutdown_timeout_s: float = 30.0  # on SIGTERM / SIGINT: how long in-flight requests may still run (drain)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in [1, 65535], got {self.metrics_port}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s:g}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
         if self.streaming_timeout_ms is not None and self.streaming_timeout_ms < 1:

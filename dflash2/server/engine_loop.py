@@ -124,6 +124,13 @@ class UnloadModel:
 
 
 @dataclass
+class EndAll:
+    """End every request in the engine with this message (the server's drain ran out of time)."""
+
+    message: str
+
+
+@dataclass
 class DescribeModels:
     """Each model's formats and current KV use (/v1/models)."""
 
@@ -193,6 +200,10 @@ class EngineLoop:
                 self._start_load(command)
             elif isinstance(command, UnloadModel):
                 self._start_unload(command)
+            elif isinstance(command, EndAll):
+                if self._tracked:
+                    logger.warning("ending %d requests: %s", len(self._tracked), command.message)
+                self._fail_all(EngineError(command.message))
             elif isinstance(command, DescribeModels):
                 self.answer(command.reply, [served.describe() for served in self.engine.models.values()], None)
             else:

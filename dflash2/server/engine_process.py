@@ -47,8 +47,9 @@ from typing import Any
 
 from dflash2.request import CompletionOutput, RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import (IDLE_WAIT_S, RETRY_AFTER_RANGE_S, Abort, DescribeModels, EngineError,
-                                        EngineInfo, EngineLoop, LoadModel, QueueFull, Stop, Submit, UnloadModel)
+from dflash2.server.engine_loop import (IDLE_WAIT_S, RETRY_AFTER_RANGE_S, Abort, DescribeModels, EndAll,
+                                        EngineError, EngineInfo, EngineLoop, LoadModel, QueueFull, Stop, Submit,
+                                        UnloadModel)
 from dflash2.server.observer import ObserverConfig, StreamTiming, Tracked
 
 logger = logging.getLogger("dflash2.server")
@@ -241,6 +242,10 @@ class EngineProcess:
         """Stop a request and free its pages (a no-op for one already finished)."""
         self._streams.pop(request_id, None)
         self._send(("abort", request_id))
+
+    def end_all(self, message: str) -> None:
+        """As EngineThread.end_all."""
+        self._send(("end_all", message))
 
     async def load_model(self, spec: Any) -> EngineInfo:
         """As EngineThread.load_model."""
@@ -618,6 +623,8 @@ def _command_of(message: tuple) -> Any:
                       model=model)
     if kind == "abort":
         return Abort(message[1])
+    if kind == "end_all":
+        return EndAll(message[1])
     if kind == "call":
         _, key, call, *args = message
         command = {"load": LoadModel, "unload": UnloadModel, "describe": DescribeModels}[call](*args)

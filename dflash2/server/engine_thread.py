@@ -24,8 +24,8 @@ from typing import Any
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
 from dflash2.engine.served_model import ModelSpec
-from dflash2.server.engine_loop import (IDLE_WAIT_S, Abort, DescribeModels, EngineError, EngineInfo, EngineLoop,
-                                        LoadModel, QueueFull, Stop, Submit, UnloadModel)
+from dflash2.server.engine_loop import (IDLE_WAIT_S, Abort, DescribeModels, EndAll, EngineError, EngineInfo,
+                                        EngineLoop, LoadModel, QueueFull, Stop, Submit, UnloadModel)
 from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 
 
@@ -85,6 +85,10 @@ class EngineThread(EngineLoop):
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages (a no-op for one already finished)."""
         self.commands.put(Abort(request_id))
+
+    def end_all(self, message: str) -> None:
+        """End every request in the engine: each one's client gets `message` as an error (the drain's end)."""
+        self.commands.put(EndAll(message))
 
     async def load_model(self, spec: ModelSpec) -> EngineInfo:
         """Load a model beside the others; the new EngineInfo once it serves (ValueError if it cannot)."""

@@ -3,13 +3,21 @@
 Startup order: uvicorn runs the app's lifespan (which starts the engine process loading the model), then
 binds the port, so /health answers 503 while the model loads and 200 once it is ready. A model that fails
 to load, or an engine process that dies, stops the server with exit status 1.
+
+Shutdown (SIGTERM or SIGINT): the server drains. It keeps its port but answers new requests 503 with
+Retry-After (and /health 503 "draining"), lets the requests in flight finish for up to --shutdown-timeout
+seconds, then ends the rest with an error (an error event on a stream), and exits 0 once they are answered. A
+second SIGINT exits at once.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -98,9 +106,10 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
 
         start_http_server(config.metrics_port, addr=config.host, registry=state.registry)
         logger.info("metrics on http://%s:%d/metrics", config.host, config.metrics_port)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _draining_server_class(uvicorn)(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-        access_log=config.log_level.lower() == "debug", timeout_graceful_shutdown=5))
+        access_log=config.log_level.lower() == "debug", timeout_graceful_shutdown=5),
+        lambda: drain(state, config.shutdown_timeout_s))
     logger.info("loading the model; serving on http://%s:%d (/health answers 503 until it is loaded)",
                 config.host, config.port)
     ignore_restart_signal()
@@ -111,6 +120,64 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
         print(f"error: {what}: {error}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
+
+
+ENDED_BY_SHUTDOWN = "the server is shutting down: this request did not finish within --shutdown-timeout"
+ANSWER_GRACE_S = 5.0  # after the ended requests' errors go out, how long their handlers get to write them
+
+
+async def drain(state: ServerState, timeout_s: float) -> None:
+    """Stop taking requests (503), let those in flight finish for up to timeout_s, end the rest with an error,
+    and return once every request is answered (or ANSWER_GRACE_S later)."""
+    state.draining = True
+    logger.info("shutting down: draining %d requests in flight for up to %g s (new requests get 503)",
+                state.in_flight, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while state.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if state.in_flight:
+        logger.warning("shutdown timeout: ending the %d requests still in flight", state.in_flight)
+        state.engine.end_all(ENDED_BY_SHUTDOWN)
+        deadline = time.monotonic() + ANSWER_GRACE_S
+        while state.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    logger.info("drained; stopping")
+
+
+def _draining_server_class(uvicorn: Any) -> type:
+    """uvicorn.Server whose first SIGTERM / SIGINT drains (drain()) before it stops, and exits 0 after (uvicorn
+    raises a caught signal again once it has stopped, which would end the process with that signal)."""
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self, config: Any, drain_coroutine: Callable[[], Any]) -> None:
+            super().__init__(config)
+            self._drain_coroutine = drain_coroutine
+            self._draining: asyncio.Task | None = None
+            self._loop: asyncio.AbstractEventLoop | None = None
+
+        async def startup(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self._draining is None and self.started and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._start_drain)
+                self._draining = True  # (the task replaces it on the loop)
+            elif self._draining is not None and sig == signal.SIGINT:
+                logger.warning("second SIGINT: stopping now")
+                self.should_exit = self.force_exit = True
+            elif self._draining is None:
+                self.should_exit = True  # not serving yet: stop
+
+        def _start_drain(self) -> None:
+            async def drain_then_exit() -> None:
+                try:
+                    await self._drain_coroutine()
+                finally:
+                    self.should_exit = True
+            self._draining = asyncio.ensure_future(drain_then_exit())
+
+    return DrainingServer
 
 
 def ignore_restart_signal() -> None:

@@ -36,6 +36,8 @@ class ServerState:
         self.engine = engine
         self.registry = registry
         self.started_at = time.time()
+        self.draining = False  # SIGTERM / SIGINT: no new requests; those in flight finish (launch.drain)
+        self.in_flight = 0  # requests past the guard, not yet answered whole (GuardMiddleware counts them)
         self._handles: dict[int, ModelHandle] = {}  # by id() of the ModelInfo: one handle (and bound) per load
 
     # -- models --------------------------------------------------------------------------------------
