@@ -77,6 +77,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--shutdown-timeout", type=float, default=30.0,
              help="on SIGTERM / SIGINT: seconds the requests in flight may still run (new ones get 503), then the "
                   "rest end with an error and the server exits 0")
+    add_flag(parser, "--step-timeout", type=float, default=300.0,
+             help="the watchdog: an engine step running longer turns /health to 503 with the reason and ends its "
+                  "requests with an error (the server keeps running; a step that comes back serves on); 0: off")
     add_flag(parser, "--single-process", action="store_true",
              help="run the engine on a thread of the HTTP server's process instead of a process of its own "
                   "(one process to debug or profile; the engine's host work and the HTTP side then share a GIL)")
@@ -205,6 +208,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         max_prompts_per_request=args.max_prompts_per_request, max_logprobs=args.max_logprobs,
                         single_process=args.single_process, num_threads=args.num_threads,
                         shutdown_timeout_s=args.shutdown_timeout,
+                        step_timeout_s=args.step_timeout or None,
                         max_held_requests=args.max_num_seqs if args.max_batch_size is not None else None)
 
 

@@ -89,6 +89,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        problem = getattr(state.engine, "unhealthy", None)
+        if problem is not None:  # the watchdog: a step is stuck
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
         if state.engine.ready:
             return JSONResponse({"status": "ok"})
         status = "failed" if state.engine.load_error is not None else "loading"

@@ -39,12 +39,15 @@ class ServerConfig:
     single_process: bool = False  # the engine on a thread of the server's process, not a process of its own
     num_threads: int | None = None  # torch threads of the engine's process; None: its physical cores (cpu_threads)
     shutdown_timeout_s: float = 30.0  # on SIGTERM / SIGINT: how long in-flight requests may still run (drain)
+    step_timeout_s: float | None = 300.0  # the watchdog: a step running longer turns /health to 503 (None: off)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in [1, 65535], got {self.metrics_port}")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(f"--step-timeout must be > 0, got {self.step_timeout_s:g}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s:g}")
         if self.max_request_bytes < 1:

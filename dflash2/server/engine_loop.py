@@ -24,6 +24,8 @@ import collections
 import concurrent.futures
 import logging
 import math
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -146,8 +148,14 @@ class Stop:
 
 class EngineLoop:
     def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver],
-                 max_queue_len: int | None = None, max_held_requests: int | None = None) -> None:
+                 max_queue_len: int | None = None, max_held_requests: int | None = None,
+                 step_timeout_s: float | None = None) -> None:
         self._engine_factory = engine_factory
+        self.step_timeout_s = step_timeout_s  # the watchdog's bound on one step (None: no watchdog)
+        self._step_started: float | None = None  # while a step runs (the watchdog reads it)
+        self._stuck: list[str] | None = None  # the requests of a step the watchdog gave up on
+        self._steps_run = 0
+        self._stall = _injected_stall()
         self._observer_factory = observer_factory
         self.max_queue_len = max_queue_len
         self.max_held_requests = max_held_requests  # running, paused and waiting (--max-num-seqs beside --max-batch-size)
@@ -170,6 +178,8 @@ class EngineLoop:
             self.on_load_failed(e)
             return
         frozen, thresholds = settle_collector()
+        if self.step_timeout_s is not None:
+            threading.Thread(target=self._watch_steps, name="dflash2-watchdog", daemon=True).start()
         self.on_loaded()
         logger.info("engine ready: model%s %s (%d objects left out of garbage collection, thresholds %s)",
                     "s" if len(self.engine.models) > 1 else "", ", ".join(self.engine.models), frozen, thresholds)
@@ -303,12 +313,24 @@ class EngineLoop:
 
     def _step(self) -> None:
         started = time.monotonic()
+        self._steps_run += 1
+        self._step_started = started
         try:
+            if self._stall is not None and self._steps_run == self._stall[1]:
+                time.sleep(self._stall[0])  # DFLASH2_INJECT_STEP_STALL: the watchdog's test
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving the next ones
             logger.exception("engine step failed; aborting %d requests", len(self._tracked))
             self._fail_all(EngineError(ENGINE_FAILED))
             return
+        finally:
+            self._step_started = None
+        if self._stuck is not None:  # the step came back after the watchdog ended its requests
+            stuck, self._stuck = self._stuck, None
+            for request_id in stuck:
+                self._abort(request_id)
+            logger.warning("the stuck step finished after %.1f s; serving again", time.monotonic() - started)
+            self.on_health(None)
         now = time.monotonic()
         self.observer.on_step(self.engine, now, now - started)
         self._handle_outputs(outputs, now)
@@ -318,6 +340,26 @@ class EngineLoop:
                 logger.error("request %s failed alone: %s", request_id, reason)
                 self.observer.on_finished(tracked, "error", now)
                 self.fail([tracked], EngineError("the request failed in the engine (the server log has the details)"))
+
+    # -- the watchdog ----------------------------------------------------------------------------------
+    def _watch_steps(self) -> None:
+        """A thread: a step running past step_timeout_s turns /health to 503 with the reason and ends the requests
+        in the engine with an error (they are aborted once the step returns, if it does); the loop is never
+        killed, so a step that comes back serves on."""
+        timeout = self.step_timeout_s
+        while True:
+            started = self._step_started
+            if started is not None and self._stuck is None and time.monotonic() - started > timeout:
+                stuck = list(self._tracked)
+                self._stuck = stuck
+                reason = (f"an engine step has not finished in {timeout:g} s (--step-timeout); "
+                          f"{len(stuck)} requests ended")
+                logger.error("%s; the engine holds %d requests (%d waiting)", reason, len(self.engine.requests),
+                             self.engine.num_waiting)
+                self.on_health(reason)
+                self.fail([self._tracked[r] for r in stuck if r in self._tracked], EngineError(
+                    f"the engine is stuck: a step did not finish in {timeout:g} s; this request was ended"))
+            time.sleep(min(0.25, timeout / 4))
 
     def _handle_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         deliveries: list[tuple[Tracked, RequestOutput]] = []
@@ -394,3 +436,16 @@ class EngineLoop:
 
     def on_models_changed(self) -> None:
         """A model was loaded or unloaded (the transport updates what the HTTP side reads)."""
+
+    def on_health(self, problem: str | None) -> None:
+        """The watchdog found a stuck step (`problem`), or the step came back (None): /health says so."""
+
+
+def _injected_stall() -> tuple[float, int] | None:
+    """DFLASH2_INJECT_STEP_STALL="SECONDS:STEP": the engine loop sleeps that long before its STEP-th step (tests of
+    the watchdog); None when unset."""
+    value = os.environ.get("DFLASH2_INJECT_STEP_STALL")
+    if not value:
+        return None
+    seconds, _, step = value.partition(":")
+    return float(seconds), int(step or 1)

@@ -128,6 +128,7 @@ class EngineProcessSpec:
     metrics_host: str = "127.0.0.1"
     max_held_requests: int | None = None  # running, paused and waiting (EngineLoop)
     num_threads: int | None = None  # torch threads here (None: the physical cores available; cpu_threads)
+    step_timeout_s: float | None = None  # the watchdog's bound on one step (EngineLoop)
 
 
 class EngineLoadError(RuntimeError):
@@ -155,6 +156,7 @@ class EngineProcess:
         self.retry_after_s = RETRY_AFTER_RANGE_S[0]
         self.info: EngineInfo | None = None
         self.load_error: BaseException | None = None
+        self.unhealthy: str | None = None  # why /health answers 503 (the engine's watchdog), None when it need not
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands_out: Any = None  # the commands pipe, until the event loop's transport has it
         self._writer: asyncio.WriteTransport | None = None
@@ -343,6 +345,8 @@ class EngineProcess:
                     future.set_result(result)
                 else:
                     future.set_exception(ValueError(error))
+        elif kind == "health":
+            self.unhealthy = message[1]
         elif kind == "ready":
             self.info = message[1]
             if self._on_ready is not None:
@@ -440,7 +444,8 @@ class _ProcessLoop(EngineLoop):
     main thread does both)."""
 
     def __init__(self, spec: EngineProcessSpec, commands: Any, results: Any) -> None:
-        super().__init__(spec.engine_factory, self._make_observer, spec.max_queue_len, spec.max_held_requests)
+        super().__init__(spec.engine_factory, self._make_observer, spec.max_queue_len, spec.max_held_requests,
+                         spec.step_timeout_s)
         self.spec = spec
         self.commands_in = commands  # the commands pipe (a Connection)
         self._poller: Any = None  # select.poll() on the commands pipe: whether a command (or its end) is there
@@ -535,6 +540,9 @@ class _ProcessLoop(EngineLoop):
 
     def answer(self, reply: Any, result: Any, error: BaseException | None) -> None:
         self.send(("reply", reply, result, None if error is None else str(error)))
+
+    def on_health(self, problem: str | None) -> None:
+        self.send(("health", problem))
 
     def on_models_changed(self) -> None:
         for served in self.engine.models.values():  # every model's steps wait for the device alike

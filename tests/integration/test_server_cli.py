@@ -21,7 +21,7 @@ SERVER_FLAGS = {
     "--kv-cache-memory": "8MiB", "--preemption-threshold": "50", "--priority-aging-seconds": "30",
     "--low-priority-values-first": None, "--max-queue-len": "7", "--stream-interval": "4",
     "--disable-overlap-schedule": None, "--single-process": None, "--pipeline-parallel-size": "1",
-    "--disable-nagle": None, "--max-logprobs": "5", "--max-prompts-per-request": "9", "--shutdown-timeout": "5",
+    "--disable-nagle": None, "--max-logprobs": "5", "--max-prompts-per-request": "9", "--shutdown-timeout": "5", "--step-timeout": "60",
 }
 BENCH_FLAGS = {
     "--url": "http://127.0.0.1:1", "--dataset": "d.jsonl", "--concurrency": "3", "--request-rate": "2.5",
