@@ -9,6 +9,7 @@ The engine thread writes them (prometheus_client is thread-safe); /metrics and -
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -35,6 +36,17 @@ PER_MODEL = ("num_requests_running", "num_requests_waiting", "num_requests_swapp
              "prompt_tokens", "generation_tokens", "num_preemptions", "num_swap_outs", "swapped_bytes",
              "prefix_cache_queries", "prefix_cache_hits", "time_to_first_token", "inter_token_latency",
              "e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time")
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One sample of one GPU (observer.GpuSampler): NVML's, or CUDA's memory alone without NVML."""
+
+    gpu: str  # its index, the `gpu` label
+    memory_fraction: float
+    memory_used_bytes: int
+    utilization_perc: float | None = None
+    power_watts: float | None = None
 
 
 class ServerMetrics:
@@ -82,6 +94,13 @@ class ServerMetrics:
                                               "Fraction of the GPU's memory in use (absent on CPU)")
         self._gpu_utilization_perc = family(Gauge, "dflash2_gpu_utilization_perc",
                                             "GPU busy percentage from NVML (absent on CPU or without NVML)")
+        self._gpu_memory_used = family(Gauge, "dflash2_gpu_memory_used_bytes", "Device memory in use, per GPU",
+                                       ("gpu",))
+        self._gpu_power = family(Gauge, "dflash2_gpu_power_draw_watts", "Power draw from NVML, per GPU", ("gpu",))
+        self._gpu_utilization = family(Gauge, "dflash2_gpu_utilization",
+                                       "GPU busy percentage from NVML, per GPU (0-100)", ("gpu",))
+        self.avg_kv_cache_utilization = gauge("dflash2_avg_kv_cache_utilization",
+                                              "Mean fraction of KV pages owned by requests over the last minute")
         per_model("prompt_tokens", Counter, "dflash2_prompt_tokens", "Prompt tokens of admitted requests")
         per_model("generation_tokens", Counter, "dflash2_generation_tokens", "Generated tokens")
         per_model("num_preemptions", Counter, "dflash2_num_preemptions", "Requests preempted")
@@ -154,11 +173,16 @@ class ServerMetrics:
     def time_to_first_token_by_priority(self, priority: int) -> Histogram:
         return self._ttft_by_priority.labels(self.model_name, priority_class(priority))
 
-    def set_gpu(self, memory_fraction: float | None, utilization_perc: float | None) -> None:
-        if memory_fraction is not None:
-            self._gpu_memory_utilization.labels(self.model_name).set(memory_fraction)
-        if utilization_perc is not None:
-            self._gpu_utilization_perc.labels(self.model_name).set(utilization_perc)
+    def set_gpu(self, reading: GpuReading) -> None:
+        """One GPU's gauges; a value the reading lacks (no NVML) keeps no sample."""
+        name, gpu = self.model_name, reading.gpu
+        self._gpu_memory_utilization.labels(name).set(reading.memory_fraction)
+        self._gpu_memory_used.labels(name, gpu).set(reading.memory_used_bytes)
+        if reading.utilization_perc is not None:
+            self._gpu_utilization_perc.labels(name).set(reading.utilization_perc)
+            self._gpu_utilization.labels(name, gpu).set(reading.utilization_perc)
+        if reading.power_watts is not None:
+            self._gpu_power.labels(name, gpu).set(reading.power_watts)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

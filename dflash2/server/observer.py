@@ -13,6 +13,7 @@ engine thread, through CUDA and torch.cuda.utilization, they stalled it by a few
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import threading
@@ -22,12 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash2.request import Request, RequestOutput
-from dflash2.server.metrics import ServerMetrics
+from dflash2.server.metrics import GpuReading, ServerMetrics
 
 request_logger = logging.getLogger("dflash2.requests")  # one JSON object per line, set up by the launcher
 logger = logging.getLogger("dflash2.server")
 
 _GAUGE_INTERVAL_S = 1.0
+_KV_USAGE_WINDOW_S = 60.0  # dflash2_avg_kv_cache_utilization averages the pool's use over this long
 
 
 @dataclass
@@ -72,6 +74,7 @@ class RequestObserver:
         self._page_bytes = engine.pool.page_bytes
         self._seen: dict[str, dict[str, int]] = {}  # per model: the engine's cumulative counts already counted
         self._labels: set[str] = set()  # the models whose gauges are set
+        self._kv_usage: collections.deque[tuple[float, float]] = collections.deque()  # (when, used fraction)
         self._seen_evictions = 0
         self.gpu_sampler = GpuSampler(engine, metrics) if _is_cuda(engine) else None
         metrics.gc_pauses.install()
@@ -153,7 +156,14 @@ class RequestObserver:
             "event": "token", "req_id": request.request_id, "token_id": token_id, "token_text": text,
             "latency_ms": round(latency_ms, 3), "kv_cache_size_bytes": num_pages * self._page_bytes,
             "priority": _client_priority(tracked), "model": self.label(request.model),
-            "quant_config": quant_bits(served)}, ensure_ascii=False))
+            "quant_config": quant_bits(served), **self._gpu_sm_util()}, ensure_ascii=False))
+
+    def _gpu_sm_util(self) -> dict[str, float]:
+        """{"gpu_sm_util": busy percent} from the GPU sampler's latest NVML reading, where there is one."""
+        reading = self.gpu_sampler.last if self.gpu_sampler is not None else None
+        if reading is None or reading.utilization_perc is None:
+            return {}
+        return {"gpu_sm_util": reading.utilization_perc}
 
     # -- per step and per tick -----------------------------------------------------------------------
     def on_step(self, engine: Any, now: float, step_seconds: float | None = None) -> None:
@@ -177,6 +187,10 @@ class RequestObserver:
         if now - when >= _GAUGE_INTERVAL_S:
             self.metrics.cache_eviction_rate.set((self._seen_evictions - evictions) / (now - when))
             self._gauge_tick = (now, self._seen_evictions)
+            self._kv_usage.append((now, self.engine.pool.num_used / self.engine.pool.num_pages))
+            while self._kv_usage[0][0] < now - _KV_USAGE_WINDOW_S:
+                self._kv_usage.popleft()
+            self.metrics.avg_kv_cache_utilization.set(sum(u for _, u in self._kv_usage) / len(self._kv_usage))
         if self.config.log_stats and now - self._stats_tick[0] >= self.config.stats_interval_s:
             self._log_stats(now)
 
@@ -277,6 +291,7 @@ class GpuSampler:
         self.metrics = metrics
         self.interval_s = interval_s
         self.stopped = threading.Event()
+        self.last: GpuReading | None = None  # the latest reading (the per-token log's gpu_sm_util)
         self.thread = threading.Thread(target=self._run, name="dflash2-gpu-sampler", daemon=True)
         self.thread.start()
 
@@ -288,7 +303,8 @@ class GpuSampler:
             interval_s = max(self.interval_s, self.FALLBACK_INTERVAL_S)
         while not self.stopped.wait(interval_s):
             try:
-                self.metrics.set_gpu(*read())
+                self.last = read()
+                self.metrics.set_gpu(self.last)
             except Exception:  # noqa: BLE001 - a gauge reading must never take the server down
                 logger.exception("reading the GPU gauges failed; they stop updating")
                 return
@@ -297,26 +313,32 @@ class GpuSampler:
         self.stopped.set()
 
 
-def nvml_reader(device: Any) -> Callable[[], tuple[float, float]]:
-    """A function giving (fraction of device memory in use, busy percent) of this CUDA device through NVML."""
+def nvml_reader(device: Any) -> Callable[[], GpuReading]:
+    """A function reading this CUDA device through NVML: memory, busy percent, power draw."""
     import pynvml
     import torch
 
     pynvml.nvmlInit()
     # torch's own mapping of a CUDA device to its NVML index (it honours CUDA_VISIBLE_DEVICES)
-    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
+    index = torch.cuda._get_nvml_device_index(device)
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
 
-    def read() -> tuple[float, float]:
+    def read() -> GpuReading:
         memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        return memory.used / memory.total, float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        try:
+            power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0  # milliwatts
+        except pynvml.NVMLError:
+            power = None
+        return GpuReading(str(index), memory.used / memory.total, int(memory.used),
+                          float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu), power)
     return read
 
 
-def cuda_memory_reading(device: Any) -> tuple[float, None]:
+def cuda_memory_reading(device: Any) -> GpuReading:
     import torch
 
     free, total = torch.cuda.mem_get_info(device)
-    return 1.0 - free / total, None
+    return GpuReading(str(device.index or 0), 1.0 - free / total, int(total - free))
 
 
 def _http_times(tracked: Tracked) -> dict[str, float]:

@@ -14,7 +14,7 @@ from dflash2.request import CompletionOutput, Request, RequestOutput, RequestSta
 from dflash2.sampling_params import SamplingParams
 from dflash2.server.engine_loop import EngineError, QueueFull
 from dflash2.server.engine_thread import EngineThread
-from dflash2.server.metrics import ServerMetrics, priority_class
+from dflash2.server.metrics import GpuReading, ServerMetrics, priority_class
 from dflash2.server.observer import ObserverConfig, RequestObserver
 
 
@@ -311,7 +311,7 @@ def test_gpu_gauges_are_read_on_their_own_thread_not_the_engine_loop(monkeypatch
     def reader(device):
         def read():
             calls.append((device, threading.current_thread().name))
-            return 0.25, 40.0
+            return GpuReading("0", 0.25, 20 << 30, 40.0, 312.5)
         return read
 
     monkeypatch.setattr(observer_module, "nvml_reader", reader)
@@ -330,3 +330,7 @@ def test_gpu_gauges_are_read_on_their_own_thread_not_the_engine_loop(monkeypatch
     text = metrics.render().decode()
     assert 'dflash2_gpu_memory_utilization{model_name="fake"} 0.25' in text
     assert 'dflash2_gpu_utilization_perc{model_name="fake"} 40.0' in text
+    assert 'dflash2_gpu_utilization{gpu="0",model_name="fake"} 40.0' in text
+    assert 'dflash2_gpu_power_draw_watts{gpu="0",model_name="fake"} 312.5' in text
+    assert 'dflash2_gpu_memory_used_bytes{gpu="0",model_name="fake"} 2.147483648e+10' in text
+    assert sampler.last.utilization_perc == 40.0
