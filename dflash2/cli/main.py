@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflash2.cli import bench, convert, generate, serve, validate
+from dflash2.cli import bench, convert, generate, serve, top, validate
 from dflash2.logs import configure_logging
 
 
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(subparsers)
     convert.add_parser(subparsers)
     validate.add_parser(subparsers)
+    top.add_parser(subparsers)
     return parser
 
 
