@@ -644,9 +644,11 @@ def _command_of(message: tuple) -> Any:
 def run_engine_process(spec: EngineProcessSpec, commands_in: Any, results_out: Any) -> None:
     """The engine process's main: logging as the server's, then the EngineLoop until told to stop.
 
-    It ignores SIGINT: Ctrl+C in a terminal reaches every process of the group, and the server process stops
-    this one itself, after its HTTP side (the pipe's end stops it too, if the server process dies)."""
+    It ignores SIGINT and SIGTERM: Ctrl+C in a terminal reaches every process of the group, and a service manager's
+    stop every process of the service, while the server process drains first and then stops this one itself (the
+    pipe's end stops it too, if the server process dies)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the server process logs it (launch.ignore_restart_signal)
     from dflash2.cpu_threads import use_engine_threads
     from dflash2.logs import configure_logging

@@ -78,8 +78,8 @@ def test_sigint_stops_the_server_and_its_engine_process():
         assert "engine ready: model SmolLM2-135M-Instruct" in log and "server process:" in log
         assert log.count("thresholds (700, 1, 500)") == 2
         server.process.send_signal(signal.SIGINT)
-        # uvicorn shuts down gracefully, then re-raises the signal it caught (so the exit is by SIGINT)
-        assert server.process.wait(60) in (0, -signal.SIGINT)
+        # the server drains (nothing in flight), stops its engine process, and exits 0
+        assert server.process.wait(60) == 0
         assert "Application shutdown complete." in server.stderr()
         assert gone_within(engine, 10)
         assert "did not stop" not in server.stderr()  # it stopped when asked, not killed
