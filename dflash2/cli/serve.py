@@ -225,8 +225,9 @@ def run(args: argparse.Namespace) -> int:
     kwargs = llm_kwargs(args)
 
     from dflash2.server.launch import serve
+    from dflash2.server.restart import restart_command
 
-    return serve(config, functools.partial(build_engine, kwargs))
+    return serve(config, functools.partial(build_engine, kwargs), restart_command(sys.argv))
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import dflash2
 from dflash2.engine.served_model import ModelSpec
+from dflash2.server import restart
 from dflash2.server.engine_loop import EngineError, QueueFull
 from dflash2.server.generate_api import generate
 from dflash2.server.generation import RECEIVED_AT, ClientGone
@@ -49,6 +50,11 @@ def build_app(state: ServerState, on_load_error: Callable[[BaseException], None]
     @asynccontextmanager
     async def lifespan(_app: FastAPI):  # type: ignore[no-untyped-def]
         state.engine.start(asyncio.get_running_loop(), on_load_error or _log_load_error)
+        if restart.is_restart_child():  # accept nothing before the engine serves: the old server still does
+            while not state.engine.ready and state.engine.load_error is None:
+                await asyncio.sleep(0.05)
+            if state.engine.ready:
+                restart.announce_ready()
         try:
             yield
         finally:  # (also when a second Ctrl+C cancels the shutdown)
@@ -253,7 +259,7 @@ class GuardMiddleware:
             return
         self.state.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send if not self.state.handing_over else _closing(send))
         finally:
             self.state.in_flight -= 1
 
@@ -261,6 +267,16 @@ class GuardMiddleware:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         assert self.api_key is not None
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+
+def _closing(send: Send) -> Send:
+    """`send` with Connection: close on the response: the client's next request opens a new connection (to the
+    server that took over the socket)."""
+    async def send_closing(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+        await send(message)
+    return send_closing
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -7,7 +7,8 @@ to load, or an engine process that dies, stops the server with exit status 1.
 Shutdown (SIGTERM or SIGINT): the server drains. It keeps its port but answers new requests 503 with
 Retry-After (and /health 503 "draining"), lets the requests in flight finish for up to --shutdown-timeout
 seconds, then ends the rest with an error (an error event on a stream), and exits 0 once they are answered. A
-second SIGINT exits at once.
+second SIGINT exits at once. SIGUSR2 restarts without downtime (restart.py): a successor takes over the listening
+socket, and this server drains without refusing anything.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from dflash2.server.engine_thread import EngineThread
 from dflash2.server.gc_pauses import SERVER_GC_PAUSE_METRIC, GcPauses, settle_collector
 from dflash2.server.metrics import ServerMetrics
 from dflash2.server.observer import ObserverConfig, RequestObserver, request_logger
+from dflash2.server.restart import Restarter, listening_socket
 from dflash2.server.state import ServerState
 
 logger = logging.getLogger("dflash2.server")
@@ -80,8 +82,9 @@ def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any])
     return state  # (on_ready reads it)
 
 
-def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
-    """Run the server in the foreground; returns the process exit status."""
+def serve(config: ServerConfig, engine_factory: Callable[[], Any], command: list[str] | None = None) -> int:
+    """Run the server in the foreground; returns the process exit status. `command` starts a successor on SIGUSR2
+    (None: SIGUSR2 is logged and ignored)."""
     import uvicorn
 
     set_up_request_log(_request_log_on(config))
@@ -110,11 +113,16 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any]) -> int:
     server = _draining_server_class(uvicorn)(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level.lower(),
         access_log=config.log_level.lower() == "debug", timeout_graceful_shutdown=5),
-        lambda: drain(state, config.shutdown_timeout_s))
+        lambda: drain(state, config.shutdown_timeout_s),
+        lambda: drain(state, config.shutdown_timeout_s, handing_over=True))
+    sock = listening_socket(config.host, config.port)
     logger.info("loading the model; serving on http://%s:%d (/health answers 503 until it is loaded)",
                 config.host, config.port)
-    ignore_restart_signal()
-    server.run()
+    if command is not None:
+        Restarter(command, sock, server.hand_over).install()
+    else:
+        ignore_restart_signal()
+    server.run(sockets=[sock])
     if load_errors:
         error = load_errors[0]
         what = "the engine failed" if isinstance(error, EngineError) else "the model failed to load"
@@ -127,12 +135,16 @@ ENDED_BY_SHUTDOWN = "the server is shutting down: this request did not finish wi
 ANSWER_GRACE_S = 5.0  # after the ended requests' errors go out, how long their handlers get to write them
 
 
-async def drain(state: ServerState, timeout_s: float) -> None:
-    """Stop taking requests (503), let those in flight finish for up to timeout_s, end the rest with an error,
-    and return once every request is answered (or ANSWER_GRACE_S later)."""
-    state.draining = True
-    logger.info("shutting down: draining %d requests in flight for up to %g s (new requests get 503)",
-                state.in_flight, timeout_s)
+async def drain(state: ServerState, timeout_s: float, handing_over: bool = False) -> None:
+    """Stop taking requests (503; handing_over: a successor took the socket, so what still comes in on open
+    connections is served, with Connection: close), let those in flight finish for up to timeout_s, end the rest
+    with an error, and return once every request is answered (or ANSWER_GRACE_S later)."""
+    if handing_over:
+        state.handing_over = True
+    else:
+        state.draining = True
+    logger.info("shutting down: draining %d requests in flight for up to %g s (%s)", state.in_flight, timeout_s,
+                "a new server takes new connections" if handing_over else "new requests get 503")
     deadline = time.monotonic() + timeout_s
     while state.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -150,9 +162,11 @@ def _draining_server_class(uvicorn: Any) -> type:
     raises a caught signal again once it has stopped, which would end the process with that signal)."""
 
     class DrainingServer(uvicorn.Server):
-        def __init__(self, config: Any, drain_coroutine: Callable[[], Any]) -> None:
+        def __init__(self, config: Any, drain_coroutine: Callable[[], Any],
+                     hand_over_coroutine: Callable[[], Any]) -> None:
             super().__init__(config)
             self._drain_coroutine = drain_coroutine
+            self._hand_over_coroutine = hand_over_coroutine
             self._draining: asyncio.Task | None = None
             self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -170,13 +184,27 @@ def _draining_server_class(uvicorn: Any) -> type:
             elif self._draining is None:
                 self.should_exit = True  # not serving yet: stop
 
-        def _start_drain(self) -> None:
+        def _start_drain(self, coroutine: Callable[[], Any] | None = None) -> None:
             async def drain_then_exit() -> None:
                 try:
-                    await self._drain_coroutine()
+                    await (coroutine or self._drain_coroutine)()
                 finally:
                     self.should_exit = True
             self._draining = asyncio.ensure_future(drain_then_exit())
+
+        def hand_over(self) -> None:
+            """A successor serves on the same socket (from a thread): stop accepting, close the idle
+            connections, and drain what is left without refusing it."""
+            if self._loop is not None and self._draining is None:
+                self._draining = True
+                self._loop.call_soon_threadsafe(self._stop_accepting)
+
+        def _stop_accepting(self) -> None:
+            for listener in self.servers:
+                listener.close()
+            for connection in list(self.server_state.connections):
+                connection.shutdown()  # idle ones close now; busy ones after their response
+            self._start_drain(self._hand_over_coroutine)
 
     return DrainingServer
 

@@ -37,6 +37,7 @@ class ServerState:
         self.registry = registry
         self.started_at = time.time()
         self.draining = False  # SIGTERM / SIGINT: no new requests; those in flight finish (launch.drain)
+        self.handing_over = False  # SIGUSR2: a successor took the socket; responses say Connection: close
         self.in_flight = 0  # requests past the guard, not yet answered whole (GuardMiddleware counts them)
         self._handles: dict[int, ModelHandle] = {}  # by id() of the ModelInfo: one handle (and bound) per load
 
