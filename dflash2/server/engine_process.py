@@ -649,7 +649,7 @@ def run_engine_process(spec: EngineProcessSpec, commands_in: Any, results_out: A
     pipe's end stops it too, if the server process dies)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the server process logs it (launch.ignore_restart_signal)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the server process restarts (server/restart.py)
     from dflash2.cpu_threads import use_engine_threads
     from dflash2.logs import configure_logging
     from dflash2.server.launch import set_up_request_log

@@ -210,11 +210,10 @@ def _draining_server_class(uvicorn: Any) -> type:
 
 
 def ignore_restart_signal() -> None:
-    """SIGUSR2 (an operator's restart signal) is logged and ignored until graceful restart is built; its default
-    action would kill the server at once."""
+    """SIGUSR2 in a server started without a command line to restart with (in-process benchmarks): logged and
+    ignored, since its default action would kill the server at once."""
     def on_usr2(signum: int, frame: Any) -> None:
-        logger.warning("SIGUSR2 received: graceful restart is not built yet; the signal is ignored, the server "
-                       "keeps serving")
+        logger.warning("SIGUSR2 received: this server has no command line to restart with; the signal is ignored")
 
     signal.signal(signal.SIGUSR2, on_usr2)
 
