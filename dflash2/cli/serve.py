@@ -123,7 +123,9 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec] | None:
         specs += read_models_config(args.models_config)
     if not specs or (len(specs) == 1 and specs[0].name is None and args.models_config is None):
         return None
-    names = [spec.served_name() or "SmolLM2-135M-Instruct" for spec in specs]
+    from dflash2.loading.model_loader import BUNDLED_MODEL_NAME
+
+    names = [spec.served_name() or BUNDLED_MODEL_NAME for spec in specs]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ValueError(f"two models would be served as {duplicates[0]!r}: name them with --model NAME=PATH")

@@ -52,7 +52,7 @@ from dflash2.engine.memory import gpu_pool_bytes, profile_model_memory
 from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepResult
 from dflash2.engine.sampler import make_generator
 from dflash2.engine.scheduler import Scheduler
-from dflash2.engine.served_model import ModelSpec, ServedModel
+from dflash2.engine.served_model import ModelSpec, PreparedModel, ServedModel
 from dflash2.engine.storage import PoolStorage
 from dflash2.engine.step_trace import StepTrace
 from dflash2.loading.model_loader import LoadedModel, load_model
@@ -130,7 +130,7 @@ class Engine:
         try:
             for spec in specs:  # every model's weights first: the pool takes what they leave
                 loaded.append(self._load(spec, single=len(specs) == 1))
-            names = [item[0] for item in loaded]
+            names = [prepared.name for prepared in loaded]
             if len(set(names)) != len(names):
                 raise ValueError(f"two models have the same name ({', '.join(names)}); name them with NAME=PATH")
             num_pages = self._num_pages(loaded)
@@ -143,8 +143,8 @@ class Engine:
         self.pool = PagePool(num_pages, cache.page_bytes)
         self.host_pool = HostPagePool(num_host_pages) if num_host_pages else None
         try:
-            for item in loaded:
-                self._serve(*item)
+            for prepared in loaded:
+                self._serve(prepared)
         except BaseException:
             loaded.clear()
             self.close()
@@ -162,7 +162,7 @@ class Engine:
         self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
 
     # -- the models --------------------------------------------------------------------------------
-    def _load(self, spec: ModelSpec, single: bool) -> tuple:
+    def _load(self, spec: ModelSpec, single: bool) -> PreparedModel:
         """Load one model's weights and work out its sizes (nothing of the pool yet)."""
         config, device = self.config, self.device
         sched = config.scheduler if spec.max_num_seqs is None else \
@@ -189,11 +189,12 @@ class Engine:
                                 max_slots=scheduler_config.max_num_seqs, max_model_len=max_model_len,
                                 enforce_eager=config.enforce_eager,
                                 num_host_pages=config.cache.swap_space_bytes // config.cache.page_bytes)
-        return name, spec, model, scheduler_config, max_model_len, layout, options
+        return PreparedModel(name, spec, model, scheduler_config, max_model_len, layout, options)
 
-    def _serve(self, name: str, spec: ModelSpec, model: LoadedModel, scheduler_config: SchedulerConfig,
-               max_model_len: int, layout: KVLayout, options: RunnerOptions) -> ServedModel:
+    def _serve(self, prepared: PreparedModel) -> ServedModel:
         """Put a loaded model on the pool: its limits, KV manager, scheduler (peers of the others), runner, graphs."""
+        name, spec, model, layout = prepared.name, prepared.spec, prepared.model, prepared.layout
+        scheduler_config, max_model_len = prepared.scheduler_config, prepared.max_model_len
         capacity = self.pool.num_pages * layout.tokens_per_page
         if capacity < max_model_len:
             raise ValueError(f"max_model_len {max_model_len} of {name} does not fit: the KV cache holds {capacity} "
@@ -204,7 +205,7 @@ class Engine:
         kv = KVManager(self.pool, layout.tokens_per_page, name, self.config.cache.enable_prefix_caching,
                        max_slots=scheduler_config.max_num_seqs, host_pool=self.host_pool)
         scheduler = Scheduler(scheduler_config, kv, admissions=self._admissions)
-        runner = ModelRunner(model, layout, self.pool.num_pages, options, storage=self.storage)
+        runner = ModelRunner(model, layout, self.pool.num_pages, prepared.options, storage=self.storage)
         eos_token_ids = set(model.arch.eos_token_ids)
         if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
             eos_token_ids.add(model.tokenizer.eos_token_id)
@@ -232,7 +233,7 @@ class Engine:
         changed) for a duplicate name, a model that cannot load, or not enough memory."""
         return self.attach_model(self.prepare_model(spec))
 
-    def prepare_model(self, spec: ModelSpec) -> tuple:
+    def prepare_model(self, spec: ModelSpec) -> PreparedModel:
         """The slow half of load_model: the weights, read while the engine keeps stepping (thread-safe: it
         touches neither the pool nor the other models). ValueError if the model cannot load."""
         name = spec.served_name()
@@ -242,25 +243,23 @@ class Engine:
             return self._load(spec, single=False)
         except torch.cuda.OutOfMemoryError:
             _release_device_memory()
-            raise ValueError(f"not enough device memory to load {spec.model!r} beside the models loaded; unload one "
-                             f"or start with a smaller --gpu-memory-utilization / --kv-cache-memory") from None
+            raise _no_room_for(spec.model) from None
         except OSError as e:  # no such file, unreadable, not a model
             raise ValueError(f"cannot load {spec.model!r}: {e}") from None
 
-    def attach_model(self, loaded: tuple) -> ServedModel:
+    def attach_model(self, prepared: PreparedModel) -> ServedModel:
         """The quick half of load_model, between steps: the prepared model joins the pool and the scheduling."""
-        name = loaded[0]
+        name = prepared.name
         try:
             if name in self.models:
                 raise ValueError(f"a model named {name!r} is already loaded")
-            return self._serve(*loaded)
+            return self._serve(prepared)
         except torch.cuda.OutOfMemoryError:
-            raise ValueError(f"not enough device memory to load {name!r} beside the models loaded; unload one "
-                             f"or start with a smaller --gpu-memory-utilization / --kv-cache-memory") from None
+            raise _no_room_for(name) from None
         finally:
             if name not in self.models:
                 self.pool.forget(name)
-                del loaded
+                del prepared
                 _release_device_memory()
 
     def unload_model(self, name: str, force: bool = False) -> None:
@@ -425,7 +424,7 @@ class Engine:
             if not self.overlap:
                 self._in_flight = (served, plan, pending)
                 return outputs + self._finish_in_flight(placeholders=False)
-            self._add_placeholders(pending)
+            self._add_placeholders(served, pending)
             launched = (served, plan, pending)
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
@@ -528,13 +527,13 @@ class Engine:
                 return True
         return False
 
-    def _add_placeholders(self, pending: PendingStep) -> None:
+    def _add_placeholders(self, served: ServedModel, pending: PendingStep) -> None:
         for request_id, placeholder in zip(pending.sample_ids, pending.placeholders):
             request = self.requests[request_id]
             request.token_ids.append(placeholder)
             max_tokens = request.sampling_params.max_tokens
             if (max_tokens is not None and request.num_output_tokens >= max_tokens) \
-                    or request.num_tokens >= self.models[request.model].max_model_len:
+                    or request.num_tokens >= served.max_model_len:
                 request.finish_pending = True
 
     def _finish_in_flight(self, placeholders: bool = True) -> list[RequestOutput]:
@@ -556,7 +555,7 @@ class Engine:
         outputs = []
         for request_id, (start, entries) in result.prompt_logprobs.items():
             if request_id in self.requests:
-                self._record_prompt_logprobs(self.requests[request_id], start, entries)
+                self._record_prompt_logprobs(served.tokenizer, self.requests[request_id], start, entries)
         for index, (request_id, token_id) in enumerate(result.sampled.items()):
             request = self.requests.get(request_id)
             if request is None or request.status.finished:
@@ -565,7 +564,7 @@ class Engine:
                 self._fail(served, request, result.failed[request_id])
                 continue
             num_outputs = self._place_token(request, token_id, placeholders[index] if placeholders else None)
-            self._record_logprobs(request, token_id, result.logprobs.get(request_id))
+            self._record_logprobs(served.tokenizer, request, token_id, result.logprobs.get(request_id))
             status = self._check_stop(served, request, token_id, num_outputs)
             if status is None:
                 streamed = request.num_streamed_tokens
@@ -653,25 +652,19 @@ class Engine:
                              [completion], finished, request.num_cached_tokens,
                              delta_text=detok.take_delta(finished), delta_token_ids=new_token_ids)
 
-    def _record_logprobs(self, request: Request, token_id: int, entries: dict | None) -> None:
+    def _record_logprobs(self, tokenizer: Any, request: Request, token_id: int, entries: dict | None) -> None:
         if request.logprobs is None or entries is None:
             return
-        self._decode_entries(request, entries)
+        _decode_entries(tokenizer, entries)
         request.logprobs.append(entries)
         request.cumulative_logprob += entries[token_id].logprob
 
-    def _record_prompt_logprobs(self, request: Request, start: int, entries: list[dict]) -> None:
+    def _record_prompt_logprobs(self, tokenizer: Any, request: Request, start: int, entries: list[dict]) -> None:
         assert request.prompt_logprobs is not None
         for offset, entry in enumerate(entries):
             if start + offset == len(request.prompt_logprobs):  # skip positions recorded before a preemption
-                self._decode_entries(request, entry)
+                _decode_entries(tokenizer, entry)
                 request.prompt_logprobs.append(entry)
-
-    def _decode_entries(self, request: Request, entries: dict) -> None:
-        tokenizer = self.models[request.model].tokenizer
-        if tokenizer is not None:
-            for token_id, entry in entries.items():
-                entry.decoded_token = tokenizer.convert_ids_to_tokens(token_id)
 
     # -- set-up helpers ----------------------------------------------------------------------------
     def _tokenize(self, served: ServedModel, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -733,27 +726,40 @@ class Engine:
             return 0
         return min(self.config.cuda_graph_max_prefill_tokens, scheduler_config.max_num_batched_tokens)
 
-    def _num_pages(self, loaded: list[tuple]) -> int:
+    def _num_pages(self, loaded: list[PreparedModel]) -> int:
         """The pool's size: --kv-cache-memory, else on the GPU what the utilization leaves after every model's
         weights and run-time needs, else on the CPU what every model's sequences can use (1 GiB at most each)."""
         cache = self.config.cache
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
-                needs = [profile_model_memory(model, layout, options, sched.max_num_batched_tokens,
-                                              sched.max_num_seqs,
-                                              graph_tokens=self._graph_prefill_tokens(sched) + sched.max_num_seqs)
-                         for _, _, model, sched, _, layout, options in loaded]
+                needs = [profile_model_memory(p.model, p.layout, p.options, p.scheduler_config.max_num_batched_tokens,
+                                              p.scheduler_config.max_num_seqs,
+                                              graph_tokens=self._graph_prefill_tokens(p.scheduler_config)
+                                              + p.scheduler_config.max_num_seqs)
+                         for p in loaded]
                 budget = gpu_pool_bytes(self.device, needs, cache.gpu_memory_utilization)
             else:
                 budget = 0
-                for _, _, _, sched, max_model_len, layout, _ in loaded:
-                    needed_pages = -(-max_model_len * sched.max_num_seqs // layout.tokens_per_page)
-                    budget += min(CacheConfig.CPU_DEFAULT_KV_BYTES, needed_pages * layout.page_bytes)
+                for p in loaded:
+                    needed_pages = -(-p.max_model_len * p.scheduler_config.max_num_seqs // p.layout.tokens_per_page)
+                    budget += min(CacheConfig.CPU_DEFAULT_KV_BYTES, needed_pages * p.layout.page_bytes)
         num_pages = budget // cache.page_bytes
         if num_pages < 1:
             raise ValueError(f"the KV cache budget of {budget} bytes holds no page of {cache.page_bytes} bytes")
         return num_pages
+
+
+def _decode_entries(tokenizer: Any, entries: dict) -> None:
+    """Each logprob entry's token text (the model's tokenizer; none: left unset)."""
+    if tokenizer is not None:
+        for token_id, entry in entries.items():
+            entry.decoded_token = tokenizer.convert_ids_to_tokens(token_id)
+
+
+def _no_room_for(model: str | None) -> ValueError:
+    return ValueError(f"not enough device memory to load {model!r} beside the models loaded; unload one or start "
+                      f"with a smaller --gpu-memory-utilization / --kv-cache-memory")
 
 
 def _release_device_memory() -> None:

@@ -7,6 +7,7 @@ are the engine's, shared by all of them.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +18,9 @@ from dflash2.config import SchedulerConfig
 if TYPE_CHECKING:
     from dflash2.engine.kv.layout import KVLayout
     from dflash2.engine.kv.manager import KVManager
-    from dflash2.engine.runner import ModelRunner
+    from dflash2.engine.runner import ModelRunner, RunnerOptions
     from dflash2.engine.scheduler import Scheduler
     from dflash2.loading.model_loader import LoadedModel
-
-SPEC_FIELDS = ("name", "model", "tokenizer", "load_format", "dtype", "quantization", "kv_cache_dtype",
-               "max_num_seqs", "min_pool_share", "max_pool_share")
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -82,9 +79,10 @@ class ModelSpec:
             if "model" in entry:
                 raise ValueError("a model entry has both 'path' and 'model'")
             entry["model"] = entry.pop("path")
-        unknown = sorted(set(entry) - set(SPEC_FIELDS))
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(entry) - set(known))
         if unknown:
-            raise ValueError(f"unknown model option(s) {', '.join(unknown)}; known: path, {', '.join(SPEC_FIELDS)}")
+            raise ValueError(f"unknown model option(s) {', '.join(unknown)}; known: path, {', '.join(known)}")
         return cls(**entry)
 
     def quant_config(self):  # noqa: ANN201 - QuantConfig | None
@@ -103,6 +101,19 @@ class ModelSpec:
             return None
         path = Path(os.path.normpath(self.model))
         return path.stem if path.suffix == ".gguf" else path.name
+
+
+@dataclass
+class PreparedModel:
+    """A model whose weights are loaded and sizes worked out, not yet on the pool (Engine.prepare_model)."""
+
+    name: str
+    spec: ModelSpec
+    model: "LoadedModel"
+    scheduler_config: SchedulerConfig
+    max_model_len: int
+    layout: "KVLayout"
+    options: "RunnerOptions"
 
 
 class ServedModel:

@@ -26,6 +26,7 @@ from dflash2.quantization.config import QuantConfig
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what requests call the bundled model
 logger = logging.getLogger("dflash2")
 
 
@@ -80,7 +81,7 @@ def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, de
     if quant is not None:
         prepare_quantized(module, quant_backend, torch_dtype, device)
     tok = load_tokenizer(tokenizer or path)
-    name = os.path.basename(os.path.normpath(path)) if model else "SmolLM2-135M-Instruct"
+    name = os.path.basename(os.path.normpath(path)) if model else BUNDLED_MODEL_NAME
     return LoadedModel(name, path, arch, module, tok, torch_dtype, device, quant)
 
 

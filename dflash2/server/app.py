@@ -142,7 +142,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         except ValueError as e:
             raise BadRequest(str(e), code="model_exists" if "already" in str(e) else "model_load_failed",
                              status_code=409 if "already" in str(e) else 400) from None
-        name = spec.served_name() if spec.served_name() in info.models else list(info.models)[-1]
+        name = list(info.models)[-1]  # the model loaded last
         return JSONResponse({"id": name, "object": "model", "weights": info.models[name].weights,
                              "kv_cache_dtype": info.models[name].kv_cache_dtype}, status_code=201)
 

@@ -296,8 +296,7 @@ class EngineLoop:
                 self.answer(command.reply, None, e if isinstance(e, ValueError) else ValueError(str(e)))
                 continue
             logger.info("model %s loaded while serving (%s)", served.name, served.describe()["weights"])
-            self.on_models_changed()
-            self.answer(command.reply, self.engine_info(), None)
+            self._models_changed(command.reply)
         for command in list(self._unloading):
             if any(r.model == command.name for r in self.engine.requests.values()):
                 continue  # draining
@@ -305,11 +304,13 @@ class EngineLoop:
             if command.name not in self.engine.models:
                 continue  # two unloads of one model: the first did it
             self.engine.unload_model(command.name, force=True)
-            self.on_models_changed()
-            self.answer(command.reply, self.engine_info(), None)
+            self._models_changed(command.reply)
 
-    def engine_info(self) -> EngineInfo:
-        return EngineInfo.of(self.engine)
+    def _models_changed(self, reply: Any) -> None:
+        """Tell the transport, and answer the command, with the models' new EngineInfo (built once)."""
+        info = EngineInfo.of(self.engine)
+        self.on_models_changed(info)
+        self.answer(reply, info, None)
 
     def _step(self) -> None:
         started = time.monotonic()
@@ -434,8 +435,8 @@ class EngineLoop:
         """Answer a LoadModel / UnloadModel / DescribeModels command (`reply` is what the transport put in it)."""
         raise NotImplementedError
 
-    def on_models_changed(self) -> None:
-        """A model was loaded or unloaded (the transport updates what the HTTP side reads)."""
+    def on_models_changed(self, info: EngineInfo) -> None:
+        """A model was loaded or unloaded: `info` is what the HTTP side reads now."""
 
     def on_health(self, problem: str | None) -> None:
         """The watchdog found a stuck step (`problem`), or the step came back (None): /health says so."""

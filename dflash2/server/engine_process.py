@@ -501,7 +501,7 @@ class _ProcessLoop(EngineLoop):
         metrics = ServerMetrics(self.spec.served_model_name or engine.model.name, self.registry)
         if engine.device.type == "cuda":
             self.loop_waits = threading.Event()
-            self.on_models_changed()
+            self._share_device_waits()
         if self.spec.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -544,7 +544,10 @@ class _ProcessLoop(EngineLoop):
     def on_health(self, problem: str | None) -> None:
         self.send(("health", problem))
 
-    def on_models_changed(self) -> None:
+    def on_models_changed(self, info: EngineInfo) -> None:
+        self._share_device_waits()  # (the HTTP side gets `info` with the command's reply)
+
+    def _share_device_waits(self) -> None:
         for served in self.engine.models.values():  # every model's steps wait for the device alike
             served.runner.host_waits = self.loop_waits
 

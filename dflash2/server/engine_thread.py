@@ -134,8 +134,8 @@ class EngineThread(EngineLoop):
         self.info = EngineInfo.of(self.engine)
         self.loaded.set()
 
-    def on_models_changed(self) -> None:
-        self.info = EngineInfo.of(self.engine)
+    def on_models_changed(self, info: EngineInfo) -> None:
+        self.info = info
 
     def on_health(self, problem: str | None) -> None:
         self.unhealthy = problem

@@ -148,13 +148,15 @@ class ServerMetrics:
         own = self.model(model_name)
         for attribute in PER_MODEL:  # the server's own name: as before several models could be served
             setattr(self, attribute, getattr(own, attribute))
+        self.request_success = own.request_success
+        self.time_to_first_token_by_priority = own.time_to_first_token_by_priority
 
     def model(self, name: str) -> ModelMetrics:
         """The per-model metrics of the model labelled `name` (made on first use)."""
         metrics = self._models.get(name)
         if metrics is None:
             metrics = self._models[name] = ModelMetrics(name, self._families, self._request_success,
-                                                        self._ttft_by_priority)
+                                                        self._ttft_by_priority, self.kv_cache_model_pages)
         return metrics
 
     def drop_model_gauges(self, name: str) -> None:
@@ -165,13 +167,7 @@ class ServerMetrics:
                 family.remove(name)
         for state in ("used", "cached"):
             self.kv_cache_model_pages.remove(name, state)
-        self._models.pop(name, None)
-
-    def request_success(self, finished_reason: str) -> Counter:
-        return self._request_success.labels(self.model_name, finished_reason)
-
-    def time_to_first_token_by_priority(self, priority: int) -> Histogram:
-        return self._ttft_by_priority.labels(self.model_name, priority_class(priority))
+        self._models.pop(name, None)  # made again (with its gauges) if a model of that name comes back
 
     def set_gpu(self, reading: GpuReading) -> None:
         """One GPU's gauges; a value the reading lacks (no NVML) keeps no sample."""
@@ -191,10 +187,13 @@ class ServerMetrics:
 class ModelMetrics:
     """One model's children of the per-model families (attributes named as in PER_MODEL)."""
 
-    def __init__(self, name: str, families: dict[str, Any], request_success: Counter, ttft_by_priority: Histogram) -> None:
+    def __init__(self, name: str, families: dict[str, Any], request_success: Counter, ttft_by_priority: Histogram,
+                 kv_pages: Gauge) -> None:
         self.name = name
         for attribute in PER_MODEL:
             setattr(self, attribute, families[attribute].labels(name))
+        self.kv_pages_used = kv_pages.labels(name, "used")
+        self.kv_pages_cached = kv_pages.labels(name, "cached")
         self._request_success = request_success
         self._ttft_by_priority = ttft_by_priority
         for reason in ("stop", "length", "abort"):

@@ -72,7 +72,8 @@ class RequestObserver:
         self.model_name = metrics.model_name
         self._first_model = next(iter(engine.models))  # its metrics and log lines go under the server's name
         self._page_bytes = engine.pool.page_bytes
-        self._seen: dict[str, dict[str, int]] = {}  # per model: the engine's cumulative counts already counted
+        # per loaded model, (name, id): the engine's counts already counted (an unloaded model's entry goes)
+        self._seen: dict[tuple[str, int], dict[str, int]] = {}
         self._labels: set[str] = set()  # the models whose gauges are set
         self._kv_usage: collections.deque[tuple[float, float]] = collections.deque()  # (when, used fraction)
         self._seen_evictions = 0
@@ -205,20 +206,22 @@ class RequestObserver:
         for name, served in engine.models.items():
             label = self.label(name)
             labels.add(label)
-            self._update_model(served, label, metrics.model(label))
-        for gone in self._labels - labels:  # unloaded
-            metrics.drop_model_gauges(gone)
+            self._update_model(served, metrics.model(label))
+        if self._labels - labels:  # unloaded
+            for gone in self._labels - labels:
+                metrics.drop_model_gauges(gone)
+            self._seen = {key: seen for key, seen in self._seen.items() if key[0] in engine.models}
         self._labels = labels
 
-    def _update_model(self, served: Any, label: str, m: Any) -> None:
+    def _update_model(self, served: Any, m: Any) -> None:
         """One model's gauges, and its counters by what the engine counted since the last update."""
         scheduler, kv = served.scheduler, served.kv
         m.num_requests_running.set(len(scheduler.running))
         m.num_requests_waiting.set(len(scheduler.waiting))
         m.num_requests_swapped.set(kv.num_swapped_requests)
-        self.metrics.kv_cache_model_pages.labels(label, "used").set(kv.num_used)
-        self.metrics.kv_cache_model_pages.labels(label, "cached").set(kv.num_cached)
-        seen = self._seen.setdefault(served.name + f"#{id(served)}", {})
+        m.kv_pages_used.set(kv.num_used)
+        m.kv_pages_cached.set(kv.num_cached)
+        seen = self._seen.setdefault((served.name, id(served)), {})  # loaded again: counts from zero
         counts = {"num_preemptions": scheduler.num_preemptions, "num_swap_outs": scheduler.num_swap_outs,
                   "swapped_bytes": scheduler.swapped_bytes, "prefix_cache_queries": kv.num_prefix_queries,
                   "prefix_cache_hits": kv.num_prefix_hits}

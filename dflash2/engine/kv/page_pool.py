@@ -74,12 +74,17 @@ class PagePool:
         if reserved > self.num_pages:
             raise ValueError(f"the models' minimum pool shares add up to {reserved} pages, more than the pool's "
                              f"{self.num_pages}")
-        self._limits[owner] = (floor, ceiling)
+        if floor == 0 and ceiling is None:
+            self._limits.pop(owner, None)  # no limits: nothing for available_for to look at
+        else:
+            self._limits[owner] = (floor, ceiling)
 
     def available_for(self, owner: str | None) -> int:
         """Pages allocate(n, owner) can hand out now: free and evictable cached pages, less the other models'
         unused floors, and no more than `owner`'s ceiling allows."""
         available = self.num_available
+        if not self._limits:  # no model has a floor or a ceiling (a single model, as a rule)
+            return available
         for other, (floor, _) in self._limits.items():
             if other != owner and floor > self._used_by[other]:
                 available -= floor - self._used_by[other]
