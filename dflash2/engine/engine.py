@@ -142,6 +142,8 @@ class Engine:
         self.storage = PoolStorage(num_pages, cache.page_bytes, num_host_pages, device)
         self.pool = PagePool(num_pages, cache.page_bytes)
         self.host_pool = HostPagePool(num_host_pages) if num_host_pages else None
+        # the host pages are also the L2 tier: cached pages the device evicts are copied down, not dropped
+        self.pool.keep_evicted = self.host_pool is not None and cache.enable_prefix_caching
         try:
             for prepared in loaded:
                 self._serve(prepared)
@@ -276,6 +278,8 @@ class Engine:
         self._link_peers()
         served.runner.close()
         self.pool.forget(name)
+        if self.host_pool is not None:
+            self.host_pool.forget(name)
         served.model = served.runner = None
         _release_device_memory()
         logger.info("model %s unloaded", name)

@@ -112,7 +112,19 @@ class Scheduler:
         self._admit(plan)  # 3. the rest of the line
         for chunk in plan.chunks:
             self.running[chunk.request_id].num_computed_tokens = chunk.start + chunk.num_tokens
+        self._demote_evicted(plan)
         return plan
+
+    def _demote_evicted(self, plan: StepPlan) -> None:
+        """Cached device pages this plan evicted go down to host memory (the L2 tier) instead of being lost: a
+        copy before the step's kernels write them (swap_out), where the host tier has room."""
+        pool, host_pool = self.kv.pool, self.kv.host_pool
+        if host_pool is None or not pool.keep_evicted:
+            return
+        for page, content_hash, owner in pool.take_evicted():
+            host_page = host_pool.store(content_hash, owner)
+            if host_page is not None:
+                plan.swap_out.append((page, host_page))
 
     def _start_plan(self) -> None:
         self._budget = self.config.max_num_batched_tokens
@@ -192,7 +204,8 @@ class Scheduler:
             self.kv.grow(request, request.num_computed_tokens + num_new)
         else:
             if not self.kv.pages_of(request_id):
-                cached = self.kv.attach_prefix(request)
+                cached, promoted = self.kv.attach_prefix(request)
+                plan.swap_in.extend(promoted)  # whatever comes next: those device pages now hold that prefix
                 request.num_computed_tokens = cached
             num_new = self._chunk_size(request)
             if not self.kv.grow(request, request.num_computed_tokens + num_new):

@@ -132,14 +132,14 @@ def test_same_prefix_attaches_the_same_pages() -> None:
     kv = make_kv(8, 4)
     pool = kv.pool
     a = make_request("a", list(range(10)))
-    assert kv.attach_prefix(a) == 0
+    assert kv.attach_prefix(a)[0] == 0
     assert kv.pages_of("a") == []
     compute_all(kv, a)
     assert kv.pages_of("a") == [0, 1, 2]
     assert_state(pool, free=5, cached=0, used=3)
 
     b = make_request("b", list(range(8)) + [100, 101, 102])
-    assert kv.attach_prefix(b) == 8
+    assert kv.attach_prefix(b)[0] == 8
     assert kv.pages_of("b") == [0, 1]
     assert [pool.refcount(p) for p in (0, 1, 2)] == [2, 2, 1]
     assert_state(pool, free=5, cached=0, used=3)
@@ -162,7 +162,7 @@ def test_commit_after_attach_continues_the_hash_chain() -> None:
     compute_all(kv, a)
     assert kv.pages_of("a") == [0, 1]
     b = make_request("b", [1, 2, 3, 4, 5, 6, 7])
-    assert kv.attach_prefix(b) == 4
+    assert kv.attach_prefix(b)[0] == 4
     assert kv.pages_of("b") == [0, 1]
     b.num_computed_tokens = 4
     assert kv.grow(b, 7)
@@ -183,21 +183,21 @@ def test_reuse_leaves_at_least_one_token_to_compute() -> None:
     assert_state(pool, free=6, cached=2, used=0)  # page 2 holds one token: not hashed, went free
 
     same = make_request("same", list(range(9)))  # 9 tokens: 2 full pages reused, 1 token computed
-    assert kv.attach_prefix(same) == 8
+    assert kv.attach_prefix(same)[0] == 8
     assert kv.pages_of("same") == [0, 1]
     assert_state(pool, free=6, cached=0, used=2)
 
     prefix = make_request("prefix", list(range(8)))  # an exact multiple: all but the last page reused
-    assert kv.attach_prefix(prefix) == 4
+    assert kv.attach_prefix(prefix)[0] == 4
     assert kv.pages_of("prefix") == [0]
     assert [pool.refcount(p) for p in (0, 1)] == [2, 1]
     assert_state(pool, free=6, cached=0, used=2)
 
     short = make_request("short", list(range(4)))  # one full page: nothing reused
-    assert kv.attach_prefix(short) == 0
+    assert kv.attach_prefix(short)[0] == 0
     assert kv.pages_of("short") == []
     single = make_request("single", [0])
-    assert kv.attach_prefix(single) == 0
+    assert kv.attach_prefix(single)[0] == 0
     assert_state(pool, free=6, cached=0, used=2)
 
 
@@ -209,7 +209,7 @@ def test_exact_multiple_prompt_recomputes_its_last_page_into_a_new_page() -> Non
     kv.free(a)
     assert_state(pool, free=2, cached=2, used=0)
     b = make_request("b", list(range(8)))
-    assert kv.attach_prefix(b) == 4
+    assert kv.attach_prefix(b)[0] == 4
     b.num_computed_tokens = 4
     assert kv.grow(b, 8)
     assert kv.pages_of("b") == [0, 2]  # a free page is taken before evicting cached page 1
@@ -223,7 +223,7 @@ def test_prefix_reuse_stops_at_the_first_differing_page() -> None:
     assert kv.pages_of("a") == [0, 1, 2, 3]
     # Page 1 differs; page 2's tokens match a's, but the chained hash covers everything before it.
     b = make_request("b", [1, 2, 9, 9, 5, 6, 7])
-    assert kv.attach_prefix(b) == 2
+    assert kv.attach_prefix(b)[0] == 2
     assert kv.pages_of("b") == [0]
     assert_state(kv.pool, free=4, cached=0, used=4)
 
@@ -244,7 +244,7 @@ def test_prefix_caching_disabled_neither_hashes_nor_reuses() -> None:
     on.free(b)
     assert_state(pool, free=4, cached=2, used=0)
     c = make_request("c", list(range(9)))
-    assert off.attach_prefix(c) == 0
+    assert off.attach_prefix(c)[0] == 0
     assert off.pages_of("c") == []
     assert (off.num_prefix_queries, off.num_prefix_hits) == (0, 0)
     assert_state(pool, free=4, cached=2, used=0)
@@ -257,7 +257,7 @@ def test_prompt_logprobs_requests_do_not_reuse_but_do_share() -> None:
     compute_all(kv, a)
     assert kv.pages_of("a") == [0, 1, 2]
     b = make_request("b", list(range(9)), prompt_logprobs=1)
-    assert kv.attach_prefix(b) == 0  # prompt logprobs need logits at every prompt position
+    assert kv.attach_prefix(b)[0] == 0  # prompt logprobs need logits at every prompt position
     assert kv.pages_of("b") == []
     assert [pool.refcount(p) for p in (0, 1)] == [1, 1]
     assert_state(pool, free=5, cached=0, used=3)
@@ -270,7 +270,7 @@ def test_prompt_logprobs_requests_do_not_reuse_but_do_share() -> None:
     compute_all(kv, b)
     assert kv.pages_of("b") == [0, 1, 2]
     c = make_request("c", list(range(9)))
-    assert kv.attach_prefix(c) == 8
+    assert kv.attach_prefix(c)[0] == 8
     assert kv.pages_of("c") == [0, 1]
     assert_state(pool, free=5, cached=0, used=3)
 
@@ -294,7 +294,7 @@ def test_free_releases_the_tail_first_so_lru_evicts_it_before_the_prefix() -> No
     assert_state(pool, free=0, cached=1, used=3)
 
     b = make_request("b", list(range(12)))
-    assert kv.attach_prefix(b) == 4
+    assert kv.attach_prefix(b)[0] == 4
     assert kv.pages_of("b") == [0]
     assert_state(pool, free=0, cached=0, used=4)
 
@@ -316,7 +316,7 @@ def test_namespaces_do_not_share_pages() -> None:
     assert chain_hashes(a.token_ids, 4, "m") != chain_hashes(a.token_ids, 4, "n")
 
     b = make_request("b", list(range(9)))
-    assert n.attach_prefix(b) == 0
+    assert n.attach_prefix(b)[0] == 0
     assert n.pages_of("b") == []
     assert_state(pool, free=3, cached=0, used=3)
     compute_all(n, b)
@@ -324,10 +324,10 @@ def test_namespaces_do_not_share_pages() -> None:
     assert_state(pool, free=0, cached=0, used=6)
 
     c = make_request("c", list(range(9)))
-    assert m.attach_prefix(c) == 8
+    assert m.attach_prefix(c)[0] == 8
     assert m.pages_of("c") == [0, 1]
     d = make_request("d", list(range(9)))
-    assert n.attach_prefix(d) == 8
+    assert n.attach_prefix(d)[0] == 8
     assert n.pages_of("d") == [3, 4]
     assert [pool.refcount(p) for p in range(6)] == [2, 2, 1, 2, 2, 1]
     assert_state(pool, free=0, cached=0, used=6)

@@ -34,9 +34,12 @@ class FakeEngine:
     each chunk's tokens into its pages, so that a lost or misplaced page shows up as wrong contents."""
 
     def __init__(self, num_pages: int, tokens_per_page: int, host_pages: int = 0,
-                 clock: Callable[[], float] | None = None, **config: float) -> None:
+                 clock: Callable[[], float] | None = None, l2: bool = False, **config: float) -> None:
+        """`l2`: the host pages are also the L2 tier (as the engine makes them with swap space): cached pages the
+        device evicts are copied down, and come back up on a prefix hit."""
         scheduler_config = SchedulerConfig(**config).with_device_defaults("cpu")
         self.pool = PagePool(num_pages, page_bytes=1)
+        self.pool.keep_evicted = l2
         self.host_pool = HostPagePool(host_pages)  # 0 pages: every preemption recomputes
         # One page-table slot per running request, as the engine sizes it.
         self.kv = KVManager(self.pool, tokens_per_page, "m", max_slots=scheduler_config.max_num_seqs,
@@ -116,22 +119,22 @@ class FakeEngine:
 
     def apply_swaps(self, plan: StepPlan) -> None:
         """The runner's page copies (all reads, then all writes); the pairs follow plan.resumed and plan.swapped."""
-        index = 0
+        resumed = 0
         for request_id in plan.resumed:
             host_pages = self.host_of.pop(request_id)
-            pairs = plan.swap_in[index:index + len(host_pages)]
-            index += len(host_pages)
+            pairs = [pair for pair in plan.swap_in if pair[0] in host_pages]
+            resumed += len(pairs)
             assert [h for h, _ in pairs] == host_pages
             # The host pages come back to the head of its table, in order.
             assert [d for _, d in pairs] == self.kv.pages_of(request_id)[:len(host_pages)]
-        assert index == len(plan.swap_in)
+        assert resumed == len(plan.swap_in) or self.pool.keep_evicted  # the rest: prefix pages brought up (L2)
         index = 0
         for request_id in plan.swapped:
             count = self.kv.num_pages_for(self.requests[request_id].num_computed_tokens)
             pairs = plan.swap_out[index:index + count]
             index += count
             self.host_of[request_id] = [h for _, h in pairs]
-        assert index == len(plan.swap_out)
+        assert index == len(plan.swap_out) or self.pool.keep_evicted  # the rest: evicted pages copied down
         # Every source is read before any destination is written, as the runner does: a plan may free a host
         # page by a swap-in and hand it to a later swap-out, or free a device page by a swap-out and hand it
         # to a later swap-in, in either order.
@@ -148,7 +151,7 @@ class FakeEngine:
         assert pool.num_free + pool.num_cached + pool.num_used == pool.num_pages
         host_pool = self.host_pool
         host_pool.check()
-        assert host_pool.num_free + host_pool.num_swapped == host_pool.num_pages
+        assert host_pool.num_free + host_pool.num_swapped + host_pool.num_cached == host_pool.num_pages
         # Each page's refcount is the number of live page tables that hold it.
         owners = [0] * pool.num_pages
         for request in self.scheduler.running.values():
@@ -674,3 +677,30 @@ def test_every_request_finishes_under_memory_pressure(host_pages: int) -> None:
     assert pool.num_used == 0
     assert pool.num_free + pool.num_cached == pool.num_pages
     assert engine.host_pool.num_swapped == 0 and engine.kv.num_swapped_requests == 0
+
+
+# -- the host tier (L2) ------------------------------------------------------------------------------------
+def test_a_prefix_evicted_from_the_device_comes_back_from_host_memory():
+    """Four device pages of 2 tokens: a's 6-token prompt is cached when it ends, b and c evict it (copied down
+    to host pages instead of lost), and d with a's prompt gets it back from there: 4 tokens reused, its pages'
+    contents right (check_contents), only its last tokens computed."""
+    engine = FakeEngine(4, 2, host_pages=4, l2=True)
+    prompt = [1, 2, 3, 4, 5, 6]
+    engine.add(make_request("a", prompt, max_tokens=1))
+    while engine.running or engine.waiting:
+        engine.step()
+    assert engine.pool.num_cached == 3  # 3 full pages of a's tokens
+    engine.add(make_request("b", [20, 21, 22, 23, 24], max_tokens=1), make_request("c", [30, 31, 32], max_tokens=1))
+    plans = []
+    while engine.running or engine.waiting:
+        plans.append(engine.step())
+    assert engine.host_pool.num_cached >= 2 and sum(len(p.swap_out) for p in plans) == engine.host_pool.num_cached
+    d = make_request("d", prompt + [7], max_tokens=1)
+    engine.add(d)
+    plan = engine.step()
+    hits = len(plan.swap_in)
+    assert hits >= 2 and d.num_cached_tokens == 6
+    assert [c.start for c in plan.chunks] == [6]  # only the new token computed
+    assert engine.kv.num_prefix_hits_host == 2 * hits
+    while engine.running or engine.waiting:
+        engine.step()

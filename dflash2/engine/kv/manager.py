@@ -43,7 +43,8 @@ class KVManager:
         self._swapped: dict[str, list[int]] = {}  # request id -> host pages, in page-table order
         self._lookup_chains: dict[str, tuple[int, list[bytes]]] = {}  # request id -> (num_tokens, page hashes)
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
-        self.num_prefix_hits = 0  # of those, tokens found
+        self.num_prefix_hits = 0  # of those, tokens found (on the device or in host memory)
+        self.num_prefix_hits_host = 0  # of those, tokens brought up from host memory
 
     @property
     def num_available(self) -> int:
@@ -118,22 +119,28 @@ class KVManager:
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_page)
 
-    def lookup_prefix(self, request: Request) -> tuple[list[int], list[bytes]]:
-        """The cached pages of the request's longest hashed prefix (and their hashes), not yet acquired.
+    def lookup_prefix(self, request: Request) -> tuple[list[int], list[bytes], list[int]]:
+        """The request's longest cached prefix, not yet acquired: its pages on the device, their hashes, then the
+        pages that continue it in host memory (the L2 tier: brought up by attach_prefix).
 
         At least one token is left to compute, since the step that computes it yields the next logits.
         """
         pages: list[int] = []
         hashes: list[bytes] = []
+        host: list[int] = []
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
-            return pages, hashes
+            return pages, hashes, host
         for content_hash in self._lookup_chain(request):
-            page = self.pool.lookup(content_hash)
-            if page is None:
-                break
-            pages.append(page)
+            page = self.pool.lookup(content_hash) if not host else None
+            if page is not None:
+                pages.append(page)
+            else:
+                page = self.host_pool.lookup(content_hash) if self.host_pool is not None else None
+                if page is None:
+                    break
+                host.append(page)
             hashes.append(content_hash)
-        return pages, hashes
+        return pages, hashes, host
 
     def _lookup_chain(self, request: Request) -> list[bytes]:
         """Hashes of the full pages of the request's tokens but the last, computed once per token count: the
@@ -147,21 +154,40 @@ class KVManager:
 
     def pages_needed(self, request: Request, chunk_tokens: int) -> int:
         """Pages that admitting a request without pages, with a first chunk of `chunk_tokens` after its cached
-        prefix, takes out of `num_available` (its prefix pages now idle in the cache count too)."""
-        pages, _ = self.lookup_prefix(request)
+        prefix, takes out of `num_available` (its prefix pages now idle in the cache count too, and a page of it
+        in host memory needs a device page)."""
+        pages, _, host = self.lookup_prefix(request)
         idle = sum(1 for page in pages if self.pool.refcount(page) == 0)
-        return idle + self.num_pages_for(len(pages) * self.tokens_per_page + chunk_tokens) - len(pages)
+        covered = (len(pages) + len(host)) * self.tokens_per_page
+        return idle + self.num_pages_for(covered + chunk_tokens) - len(pages)
 
-    def attach_prefix(self, request: Request) -> int:
-        """Give a request with no pages the cached pages of its longest hashed prefix; returns tokens reused."""
+    def attach_prefix(self, request: Request) -> tuple[int, list[tuple[int, int]]]:
+        """Give a request with no pages the cached pages of its longest hashed prefix: (tokens reused, the
+        (host page, device page) copies that bring its host-memory part up; the caller puts them in the step's
+        plan, before its kernels). The host part is taken only if device pages for it are available."""
         assert request.request_id not in self._pages, "prefix lookup is for requests without pages"
-        pages, hashes = self.lookup_prefix(request)
-        for page in pages:
-            self.pool.acquire(page)
+        pages, hashes, host = self.lookup_prefix(request)
+        promoted: list[tuple[int, int]] = []
+        if host:
+            for page in pages:  # the device part first: allocating for the host part may evict idle pages
+                self.pool.acquire(page)
+            device = self.pool.allocate(len(host), self.namespace)
+            if device is None:
+                hashes = hashes[:len(pages)]
+            else:
+                for host_page, device_page, content_hash in zip(host, device, hashes[len(pages):]):
+                    self.host_pool.take(host_page)
+                    self.pool.register(device_page, content_hash)
+                    promoted.append((host_page, device_page))
+                pages = pages + device
+                self.num_prefix_hits_host += len(device) * self.tokens_per_page
+        else:
+            for page in pages:
+                self.pool.acquire(page)
         self._open(request.request_id).extend(pages)
         self._hashes[request.request_id] = hashes
         self._lookup_chains.pop(request.request_id, None)
-        return len(pages) * self.tokens_per_page
+        return len(pages) * self.tokens_per_page, promoted
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix lookup (for the hit ratio)."""

@@ -36,6 +36,9 @@ class PagePool:
         self._cached_by: Counter[str | None] = Counter()
         self._limits: dict[str, tuple[int, int | None]] = {}  # owner -> (floor, ceiling) in pages
         self.num_evictions = 0
+        # with a host tier: evicted cached pages, (page, hash, owner), for the scheduler to copy down (take_evicted)
+        self.keep_evicted = False
+        self._evicted: list[tuple[int, bytes, str | None]] = []
 
     # -- counts ---------------------------------------------------------------------------------
     @property
@@ -177,9 +180,17 @@ class PagePool:
         assert sum(self._used_by.values()) == self.num_used and sum(self._cached_by.values()) == self.num_cached
         assert all(self._owner[p] is None for p in self._free)
 
+    def take_evicted(self) -> list[tuple[int, bytes, str | None]]:
+        """The cached pages evicted since the last call (keep_evicted): their bytes are still there until the
+        step that reuses them runs, so the caller can copy them down first."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
     def _evict_oldest(self) -> int:
         page, _ = self._cached.popitem(last=False)
         self._cached_by[self._owner[page]] -= 1
+        if self.keep_evicted:
+            self._evicted.append((page, self._hash_of[page], self._owner[page]))
         self._unhash(page)
         self.num_evictions += 1
         return page
