@@ -121,10 +121,11 @@ class Scheduler:
         pool, host_pool = self.kv.pool, self.kv.host_pool
         if host_pool is None or not pool.keep_evicted:
             return
-        for page, content_hash, owner in pool.take_evicted():
-            host_page = host_pool.store(content_hash, owner)
-            if host_page is not None:
-                plan.swap_out.append((page, host_page))
+        evicted = pool.take_evicted()
+        if evicted:
+            host_pages = host_pool.store([(content_hash, owner) for _, content_hash, owner in evicted])
+            plan.swap_out.extend((page, host_page) for (page, _, _), host_page in zip(evicted, host_pages)
+                                 if host_page is not None)
 
     def _start_plan(self) -> None:
         self._budget = self.config.max_num_batched_tokens

@@ -50,20 +50,26 @@ class HostPagePool:
     def lookup(self, content_hash: bytes) -> int | None:
         return self._page_of_hash.get(content_hash)
 
-    def store(self, content_hash: bytes, owner: str | None) -> int | None:
-        """A host page for a page the device evicts (the caller copies its bytes), cached by its hash; None if
-        it is here already or every host page holds a swapped request's KV."""
-        if content_hash in self._page_of_hash:
-            self._cached.move_to_end(self._page_of_hash[content_hash])
-            return None
-        pages = self.allocate(1)
-        if pages is None:
-            return None
-        page = pages[0]
-        self._hash_of[page], self._owner[page] = content_hash, owner
-        self._page_of_hash[content_hash] = page
-        self._cached[page] = None
-        return page
+    def store(self, evicted: list[tuple[bytes, str | None]]) -> list[int | None]:
+        """Host pages for pages the device evicts, (hash, owner) each (the caller copies their bytes), cached by
+        their hashes; None for one that is here already or when every host page holds swapped KV. Taken in one
+        allocation, so they come in few runs of consecutive pages (one copy per run)."""
+        new = []
+        for content_hash, owner in evicted:
+            page = self._page_of_hash.get(content_hash)
+            if page is not None:
+                self._cached.move_to_end(page)
+            elif content_hash not in (h for h, _ in new):
+                new.append((content_hash, owner))
+        count = min(len(new), self._num_free + len(self._cached))
+        pages = self.allocate(count) if count else []
+        stored: dict[bytes, int] = {}
+        for page, (content_hash, owner) in zip(pages, new):
+            self._hash_of[page], self._owner[page] = content_hash, owner
+            self._page_of_hash[content_hash] = page
+            self._cached[page] = None
+            stored[content_hash] = page
+        return [stored.get(content_hash) for content_hash, _ in evicted]
 
     def take(self, page: int) -> None:
         """A cached page goes up to the device (a prefix hit): it is free here from now on (the copy reads it
