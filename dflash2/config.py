@@ -152,9 +152,13 @@ class CacheConfig:
     # fp32, fp8, int8, int4 (engine/kv/layout.py)
     kv_layout: str = "head_major"  # order inside a page: head_major or token_major (for measuring)
     enable_prefix_caching: bool = True
-    swap_space_bytes: int = 0  # pinned host memory for the KV of paused requests
+    swap_space_bytes: int = 0  # host memory (pinned on a GPU) for paused requests' KV and the L2 tier
+    l3_cache_path: str | None = None  # a directory for the disk (L3) tier; None: no disk tier
+    l3_cache_size_bytes: int | None = None  # None: L3_DEFAULT_FREE_SHARE of the free space there
+    l3_flush_timeout_s: float = 10.0  # closing writes the pages on the device and in host memory down, this long
 
     CPU_DEFAULT_KV_BYTES = 1 << 30
+    L3_DEFAULT_FREE_SHARE = 0.5
 
     def __post_init__(self) -> None:
         from dflash2.engine.kv.layout import kv_dtype_name
@@ -163,6 +167,11 @@ class CacheConfig:
             kv_dtype_name(self.kv_cache_dtype)  # ValueError naming the supported dtypes
         if self.kv_layout not in ("head_major", "token_major"):
             raise ValueError(f"kv_layout must be head_major or token_major, got {self.kv_layout!r}")
+        if self.l3_cache_path is not None and not self.swap_space_bytes:
+            raise ValueError("the disk (L3) KV cache reads and writes through host memory: give swap space too "
+                             "(--swap-space, in GiB)")
+        if self.l3_cache_size_bytes is not None and self.l3_cache_size_bytes <= 0:
+            raise ValueError(f"the L3 cache size must be > 0, got {self.l3_cache_size_bytes} bytes")
 
 
 @dataclass(frozen=True)

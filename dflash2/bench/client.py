@@ -38,6 +38,7 @@ class RequestResult:
     output_tokens: int = 0
     started_at: float = 0.0  # time.perf_counter() when sending began (on Linux: the host-wide monotonic clock)
     request_id: str | None = None  # the "id" of the response's chunks
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server sends it
 
     @property
     def tpot_s(self) -> float | None:
@@ -128,6 +129,7 @@ class _Events:
         if usage:
             result.prompt_tokens = usage.get("prompt_tokens", 0)
             result.output_tokens = usage.get("completion_tokens", 0)
+            result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         return True
 
     def finish(self) -> None:

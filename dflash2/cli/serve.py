@@ -1,18 +1,20 @@
 """`dflash2 serve` (also `dflash2-server`): the OpenAI-compatible HTTP server on one model, or several on one KV
 pool (`--model NAME=PATH` repeated, or `--models-config FILE`).
 
-A flag for a feature that is not built yet (tensor parallelism, Ray, the L3 disk cache) is an error at
+A flag for a feature that is not built yet (tensor parallelism, Ray) is an error at
 startup that names the flag, never a silent no-op.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from typing import Any
 
 from dflash2.cli.args import add_engine_flags, add_flag, engine_kwargs
 from dflash2.engine.served_model import ModelSpec
+from dflash2.units import parse_bytes
 from dflash2.server.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_QUEUE_LEN,
                                    DEFAULT_MAX_REQUEST_BYTES, ServerConfig)
 
@@ -90,8 +92,12 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--pipeline-parallel-size", "--pp", type=int, default=1)
     add_flag(parser, "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
     add_flag(parser, "--ray-address", default=None)
-    add_flag(parser, "--enable-l3-cache", action="store_true", help="spill KV pages to disk (not built)")
-    add_flag(parser, "--l3-cache-path", default=None)
+    add_flag(parser, "--enable-l3-cache", action="store_true",
+             help="the disk (L3) tier of the KV cache: pages leaving host memory are kept in files under "
+                  "--l3-cache-path (needs --swap-space), found again by a restarted server")
+    add_flag(parser, "--l3-cache-path", default=None, help="an existing, writable directory for the L3 files")
+    add_flag(parser, "--l3-cache-size", default=None,
+             help="the L3 files' size at most, e.g. 64GiB (default: half the free space there, logged)")
     parser.set_defaults(log_level="info")
 
 
@@ -105,14 +111,39 @@ def check_unbuilt(args: argparse.Namespace) -> None:
         (args.distributed_executor_backend == "ray", "--distributed-executor-backend ray",
          "the Ray executor is not built yet"),
         (args.ray_address is not None, "--ray-address", "the Ray executor is not built yet"),
-        (args.enable_l3_cache, "--enable-l3-cache", "the disk (L3) KV cache is not built yet"),
-        (args.l3_cache_path is not None, "--l3-cache-path", "the disk (L3) KV cache is not built yet"),
     ]
     for failed, flag, why in not_built:
         if failed:
             raise ValueError(f"{flag}: {why}")
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+
+
+def l3_cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The disk tier's engine options; ValueError naming the flag for a missing or unusable directory."""
+    if not args.enable_l3_cache:
+        for given, flag in ((args.l3_cache_path, "--l3-cache-path"), (args.l3_cache_size, "--l3-cache-size")):
+            if given is not None:
+                raise ValueError(f"{flag} is for the disk (L3) cache: give --enable-l3-cache too")
+        return {}
+    path = args.l3_cache_path
+    if path is None:
+        raise ValueError("--enable-l3-cache needs --l3-cache-path DIR (a directory for its files)")
+    if not os.path.isdir(path):
+        raise ValueError(f"--l3-cache-path {path}: no such directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--l3-cache-path {path}: the directory is not writable")
+    if not args.swap_space:
+        raise ValueError("--enable-l3-cache reads and writes through host memory: give --swap-space (GiB) too")
+    size = None
+    if args.l3_cache_size is not None:
+        try:
+            size = parse_bytes(args.l3_cache_size)
+        except ValueError as e:
+            raise ValueError(f"--l3-cache-size {args.l3_cache_size}: {e}") from None
+        if not size or size <= 0:
+            raise ValueError(f"--l3-cache-size must be > 0, got {args.l3_cache_size}")
+    return {"l3_cache_path": path, "l3_cache_size": size}
 
 
 def model_specs(args: argparse.Namespace) -> list[ModelSpec] | None:
@@ -182,6 +213,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space:g}")
     if args.swap_space:
         kwargs["swap_space"] = args.swap_space
+    kwargs.update(l3_cache_kwargs(args))
     if args.preemption_threshold < 1:
         raise ValueError(f"--preemption-threshold must be >= 1, got {args.preemption_threshold}")
     if args.priority_aging_seconds is not None and not args.priority_aging_seconds > 0:

@@ -33,6 +33,8 @@ import dataclasses
 import gc
 import itertools
 import logging
+import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,8 +44,10 @@ import torch
 
 from dflash2.config import CacheConfig, DeviceDefaults, ModelArchConfig, SchedulerConfig
 from dflash2.engine.detokenizer import IncrementalDetokenizer
-from dflash2.engine.kv.layout import KVLayout, resolve_kv_dtype
+from dflash2.engine.kv.disk_store import DiskStore
+from dflash2.engine.kv.disk_tier import DiskTier, fingerprint
 from dflash2.engine.kv.host_pool import HostPagePool
+from dflash2.engine.kv.layout import KVLayout, resolve_kv_dtype
 from dflash2.engine.kv.manager import KVManager
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.engine.plan import StepPlan
@@ -114,6 +118,9 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+PREFILL_RATE_MIN_TOKENS = 256  # steps with fewer prompt tokens tell little about the prefill rate
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -125,6 +132,8 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._in_flight: tuple[ServedModel, StepPlan, PendingStep] | None = None
         self.trace: StepTrace | None = None
+        self.disk_tier: DiskTier | None = None
+        self._last_result_time: float | None = None  # when the latest step's results were in (prefill rate)
         self._admissions = itertools.count()  # shared by the models' schedulers (cross-model victim order)
         loaded = []
         try:
@@ -144,6 +153,7 @@ class Engine:
         self.host_pool = HostPagePool(num_host_pages) if num_host_pages else None
         # the host pages are also the L2 tier: cached pages the device evicts are copied down, not dropped
         self.pool.keep_evicted = self.host_pool is not None and cache.enable_prefix_caching
+        self.disk_tier = self._disk_tier() if self.pool.keep_evicted and cache.l3_cache_path else None
         try:
             for prepared in loaded:
                 self._serve(prepared)
@@ -206,6 +216,9 @@ class Engine:
         self.pool.set_limits(name, int(spec.min_pool_share * self.pool.num_pages), ceiling)
         kv = KVManager(self.pool, layout.tokens_per_page, name, self.config.cache.enable_prefix_caching,
                        max_slots=scheduler_config.max_num_seqs, host_pool=self.host_pool)
+        if self.disk_tier is not None:
+            kv.disk = self.disk_tier
+            self.disk_tier.add_model(name, _fingerprint(prepared))
         scheduler = Scheduler(scheduler_config, kv, admissions=self._admissions)
         runner = ModelRunner(model, layout, self.pool.num_pages, prepared.options, storage=self.storage)
         eos_token_ids = set(model.arch.eos_token_ids)
@@ -225,6 +238,18 @@ class Engine:
                     layout.tokens_per_page, self.pool.num_pages, self.pool.num_pages * layout.tokens_per_page,
                     max_model_len)
         return served
+
+    def _disk_tier(self) -> DiskTier:
+        cache = self.config.cache
+        size = cache.l3_cache_size_bytes
+        if size is None:
+            if not os.path.isdir(cache.l3_cache_path):
+                raise ValueError(f"the L3 cache directory {cache.l3_cache_path} does not exist")
+            size = int(shutil.disk_usage(cache.l3_cache_path).free * CacheConfig.L3_DEFAULT_FREE_SHARE)
+            logger.info("L3 cache size: %.1f GiB (%d%% of the free space in %s)", size / (1 << 30),
+                        int(CacheConfig.L3_DEFAULT_FREE_SHARE * 100), cache.l3_cache_path)
+        store = DiskStore(cache.l3_cache_path, size, cache.page_bytes)
+        return DiskTier(store, self.host_pool, self.storage.host_pages, self.storage.copies_done)
 
     def _link_peers(self) -> None:
         for served in self.models.values():
@@ -382,6 +407,10 @@ class Engine:
         for request_id in list(self.requests):
             self.abort(request_id)
         self._in_flight = None
+        if self.disk_tier is not None:
+            self._persist_tiers()
+            self.disk_tier.close()
+            self.disk_tier = None
         for served in self.models.values():
             served.runner.close()
             served.model = served.runner = None
@@ -396,6 +425,24 @@ class Engine:
             if clear_workspaces is not None:  # cuBLAS's per-stream workspaces (the engine's streams are gone)
                 clear_workspaces()  # (only here: a captured graph of a model still loaded may use them)
         _release_device_memory()
+
+    def _persist_tiers(self) -> None:
+        """Write the prefix cache's pages on the device and in host memory down to disk, so that a new server
+        starts warm (at most l3_cache_flush_timeout_s; what is left then is lost)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.disk_tier.poll()
+        pages = self.pool.cached_pages() + self.host_pool.cached_pages()
+        timeout = self.config.cache.l3_flush_timeout_s
+        done = self.disk_tier.persist([(self._page_bytes_on_host(where, page), content_hash, owner)
+                                       for where, page, content_hash, owner in pages], timeout)
+        logger.info("L3 cache: %d pages written down at shutdown%s", len(pages),
+                    "" if done else f" (not all within {timeout:g} s)")
+
+    def _page_bytes_on_host(self, where: str, page: int) -> torch.Tensor:
+        if where == "host":
+            return self.storage.host_pages[page]
+        return self.storage.device_pages[page].cpu()
 
     def __enter__(self) -> "Engine":
         return self
@@ -416,8 +463,12 @@ class Engine:
         self.last_plan_seconds = self.last_launch_seconds = self.last_finish_seconds = 0.0
         outputs: list[RequestOutput] = []
         started = time.perf_counter()
+        if self.disk_tier is not None:
+            self.disk_tier.poll()  # pages read from or written to disk since the last step
         served, plan = self._plan_next()
         self.last_plan_seconds = time.perf_counter() - started
+        if not plan and self.disk_tier is not None and self.disk_tier.num_loading and self._in_flight is None:
+            time.sleep(0.0005)  # only requests waiting for disk reads: do not spin the host meanwhile
         if plan and self._in_flight is not None and self._needs_token_values(plan):
             outputs += self._finish_in_flight()  # penalties read the real tokens, not placeholders
         launched = None
@@ -482,6 +533,8 @@ class Engine:
             trace = self.trace.begin(plan, top, first_token_top, self.last_plan_seconds)
         launch_started = time.perf_counter()
         pending = served.runner.launch(plan, self.requests)
+        if plan.write_through:  # after the launch queued the copies down that fill these host pages
+            self.disk_tier.write_through(plan.write_through)
         self.last_launch_seconds = time.perf_counter() - launch_started
         if trace is not None:
             self.trace.launched(trace, self.last_launch_seconds)
@@ -547,12 +600,26 @@ class Engine:
         served, plan, pending = self._in_flight
         self._in_flight = None
         result = served.runner.collect(pending)
+        if self.disk_tier is not None:
+            self._measure_prefill(plan)
         outputs = self._commit(served, plan, result, pending.placeholders if placeholders else None)
         elapsed = time.perf_counter() - started
         self.last_finish_seconds += elapsed
         if pending.trace is not None:
             self.trace.finished(pending.trace, elapsed)
         return outputs
+
+    def _measure_prefill(self, plan: StepPlan) -> None:
+        """The prefill rate the disk tier weighs a read against: prompt tokens a second of steps that are mostly
+        prefill (a step's time: from the previous step's results to its own, the device busy in between)."""
+        now = time.perf_counter()
+        last, self._last_result_time = self._last_result_time, now
+        tokens = sum(chunk.num_tokens for chunk in plan.chunks if not chunk.is_decode)
+        if last is None or tokens < PREFILL_RATE_MIN_TOKENS or now <= last:
+            return
+        rate = tokens / (now - last)
+        known = self.disk_tier.prefill_tokens_per_s
+        self.disk_tier.prefill_tokens_per_s = rate if known is None else 0.8 * known + 0.2 * rate
 
     def _commit(self, served: ServedModel, plan: StepPlan, result: StepResult,
                 placeholders: list[int] | None) -> list[RequestOutput]:
@@ -764,6 +831,15 @@ def _decode_entries(tokenizer: Any, entries: dict) -> None:
 def _no_room_for(model: str | None) -> ValueError:
     return ValueError(f"not enough device memory to load {model!r} beside the models loaded; unload one or start "
                       f"with a smaller --gpu-memory-utilization / --kv-cache-memory")
+
+
+def _fingerprint(prepared: PreparedModel) -> str:
+    """The L3 files' fingerprint of a model: its name, weights (path, size and time of the file or directory),
+    formats and KV layout."""
+    spec, path = prepared.spec, prepared.spec.model
+    stat = os.stat(path) if path is not None and os.path.exists(path) else None
+    return fingerprint(prepared.name, path, stat and (stat.st_size, stat.st_mtime_ns), spec.load_format, spec.dtype,
+                       spec.quantization, prepared.model.dtype, prepared.layout)
 
 
 def _release_device_memory() -> None:

@@ -75,6 +75,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        if self.kv.disk is not None:
+            self.kv.disk.forget_fetch(request.request_id)
         self._admitted.pop(request.request_id, None)
         self._arrival.pop(request.request_id, None)
         request.status = status
@@ -117,15 +119,29 @@ class Scheduler:
 
     def _demote_evicted(self, plan: StepPlan) -> None:
         """Cached device pages this plan evicted go down to host memory (the L2 tier) instead of being lost: a
-        copy before the step's kernels write them (swap_out), where the host tier has room."""
+        copy before the step's kernels write them (swap_out), where the host tier has room; with a disk tier,
+        each page copied down is written through to disk (plan.write_through).
+
+        When the device pool runs short of free pages, its least recently used cached pages go down ahead of
+        need, a batch at a time, so that the copies come in few, larger swaps instead of a few pages every step
+        (a swap costs ~0.2 ms of host time whatever its size: W3 on the H100)."""
         pool, host_pool = self.kv.pool, self.kv.host_pool
         if host_pool is None or not pool.keep_evicted:
             return
         evicted = pool.take_evicted()
-        if evicted:
-            host_pages = host_pool.store([(content_hash, owner) for _, content_hash, owner in evicted])
-            plan.swap_out.extend((page, host_page) for (page, _, _), host_page in zip(evicted, host_pages)
-                                 if host_page is not None)
+        batch = max(1, min(64, pool.num_pages // 32))
+        if pool.num_free < batch and pool.num_cached:
+            room = host_pool.num_free + host_pool.num_evictable
+            evicted += pool.evict(min(2 * batch - pool.num_free, room))
+        if not evicted:
+            return
+        host_pages = host_pool.store([(content_hash, owner) for _, content_hash, owner in evicted])
+        write_through = self.kv.disk is not None
+        for (page, content_hash, owner), host_page in zip(evicted, host_pages):
+            if host_page is not None:
+                plan.swap_out.append((page, host_page))
+                if write_through:
+                    plan.write_through.append((host_page, content_hash, owner))
 
     def _start_plan(self) -> None:
         self._budget = self.config.max_num_batched_tokens
@@ -184,11 +200,25 @@ class Scheduler:
                 return  # the running prefill goes first; the line goes on after it
             if request.request_id in self._preempted_now or self._cap_blocks(request):
                 break
+            if self._reading_from_disk(request):
+                continue  # its pages come up from disk meanwhile; the line goes on
             if self._try_admit(request, plan):
                 continue
             if not self._preempt_for(request, plan) or not self._try_admit(request, plan):
                 break  # the most urgent waiting request does not fit: nobody behind it jumps the line
         self._admission_closed = True
+
+    def _reading_from_disk(self, request: Request) -> bool:
+        """Whether a waiting request's prefix goes on into disk pages (L3) that are being read up to host memory
+        (it waits for them, at most until its fetch's deadline), starting those reads when loading them is
+        expected to be faster than computing their tokens."""
+        disk, kv = self.kv.disk, self.kv
+        if disk is None or kv.pages_of(request.request_id) or kv.is_swapped(request.request_id):
+            return False
+        hit = kv.lookup_prefix(request, with_disk=True)
+        if not hit.disk or not disk.worth_loading(len(hit.disk), len(hit.disk) * kv.tokens_per_page):
+            return False
+        return disk.fetch(request.request_id, kv.namespace, hit.disk, self._now)
 
     def _try_admit(self, request: Request, plan: StepPlan) -> bool:
         if self._budget == 0 or len(self.running) >= self.config.max_num_seqs:

@@ -7,6 +7,8 @@ byte pages whatever model they belong to. The swap copies run on one copy stream
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dflash2.engine.transfer import to_device
@@ -24,6 +26,12 @@ class PoolStorage:
                                       pin_memory=device.type == "cuda")
         # the swap copies between host and device pages run on their own stream (swap)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copies_done(self) -> Callable[[], None] | None:
+        """A wait for the copies queued so far on the copy stream (None on the CPU: they are done)."""
+        if self.copy_stream is None:
+            return None
+        return self.copy_stream.record_event().synchronize
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy paused requests' pages to host pages and resumed ones back, queued before the step's

@@ -38,9 +38,12 @@ class LLM:
                  max_outranked_prefill_tokens: int | None = 64,
                  cuda_graph_max_prefill_tokens: int = 2048, stream_interval: int = 1,
                  models: dict[str, str | None] | Sequence[ModelSpec | dict] | None = None,
-                 max_model_skip_steps: int = 8) -> None:
+                 max_model_skip_steps: int = 8, l3_cache_path: str | None = None,
+                 l3_cache_size: int | str | None = None) -> None:
         """`swap_space`: pinned host memory for paused requests' KV, in GiB as a number (vLLM's unit) or a
-        size string such as "512MiB". `max_num_seqs`, `max_num_batched_tokens`, `prefill_chunk_size`: None
+        size string such as "512MiB"; it is also the host tier (L2) of the prefix cache. `l3_cache_path`: a
+        directory for the disk tier (L3; needs swap space), `l3_cache_size` bounding it (bytes or "64GiB"; None:
+        half the free space there). `max_num_seqs`, `max_num_batched_tokens`, `prefill_chunk_size`: None
         chooses them by device (config.DeviceDefaults). `models`: several models on one pool instead of
         `model` (see the module docstring); the other arguments are every model's defaults."""
         config = EngineConfig(
@@ -53,7 +56,8 @@ class LLM:
                               kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
                               gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching,
-                              swap_space_bytes=_swap_bytes(swap_space)),
+                              swap_space_bytes=_swap_bytes(swap_space), l3_cache_path=l3_cache_path,
+                              l3_cache_size_bytes=parse_bytes(l3_cache_size)),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       prefill_chunk_size=prefill_chunk_size, max_model_len=max_model_len,
                                       preemption_threshold=preemption_threshold,

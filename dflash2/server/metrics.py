@@ -32,10 +32,12 @@ _SCHEDULER_BUCKETS_US = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 250
 
 
 # Per model (labelled with the model's name when several are served): requests, tokens, latencies, its KV.
-PER_MODEL = ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_hit_ratio",
-             "prompt_tokens", "generation_tokens", "num_preemptions", "num_swap_outs", "swapped_bytes",
+PER_MODEL = ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "prompt_tokens", "generation_tokens", "num_preemptions", "num_swap_outs", "swapped_bytes",
              "prefix_cache_queries", "prefix_cache_hits", "time_to_first_token", "inter_token_latency",
              "e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time")
+
+
+TIERS = ("device", "host", "disk")  # the prefix cache's tiers: the `tier` label
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,27 @@ class ServerMetrics:
         self.kv_cache_model_pages = family(Gauge, "dflash2_kv_cache_model_pages",
                                            "KV pages of one model of the pool: used (owned by its requests) or "
                                            "cached (its prefix cache)", ("state",))
-        per_model("kv_cache_hit_ratio", Gauge, "dflash2_kv_cache_hit_ratio",
-                  "Prompt tokens served from the prefix cache / prompt tokens (cumulative)")
+        self._kv_cache_hit_ratio = family(Gauge, "dflash2_kv_cache_hit_ratio",
+                                          "Prompt tokens served from one tier of the prefix cache / prompt tokens "
+                                          "(cumulative; the tiers add up to the whole hit ratio)", ("tier",))
+        self._kv_cache_tier_hits = family(Counter, "dflash2_kv_cache_tier_hit_tokens",
+                                          "Prompt tokens served from one tier of the prefix cache", ("tier",))
+        tier_pages = "KV bytes {} one tier: host (pages copied down to / up from host memory), disk (files)"
+        self._kv_tier_bytes_written = family(Counter, "dflash2_kv_tier_bytes_written", tier_pages.format("into"),
+                                             ("tier",))
+        self._kv_tier_bytes_read = family(Counter, "dflash2_kv_tier_bytes_read", tier_pages.format("out of"),
+                                          ("tier",))
+        self._kv_tier_evictions = family(Counter, "dflash2_kv_tier_evictions",
+                                         "Cached pages dropped from one tier for room (device, host, disk)",
+                                         ("tier",))
+        self.l3_cache_hit_ratio = gauge("dflash2_l3_cache_hit_ratio",
+                                        "Prompt tokens read from the disk tier / prompt tokens (cumulative)")
+        self.l3_cache_avg_latency_us = gauge("dflash2_l3_cache_avg_latency_us",
+                                             "Mean time to read and check one page file of the disk tier")
+        self.l3_cache_corrupt_files = counter("dflash2_l3_cache_corrupt_files",
+                                              "Disk tier files that failed their check (removed, read as misses)")
+        self.l3_cache_writes_disabled = gauge("dflash2_l3_cache_writes_disabled",
+                                              "1 once an I/O error turned the disk tier's writing off")
         self.cache_eviction_rate = gauge("dflash2_cache_eviction_rate",
                                          "Cached pages evicted per second over the last stats interval")
         self.engine_torch_threads = gauge("dflash2_engine_torch_threads",
@@ -156,7 +177,8 @@ class ServerMetrics:
         metrics = self._models.get(name)
         if metrics is None:
             metrics = self._models[name] = ModelMetrics(name, self._families, self._request_success,
-                                                        self._ttft_by_priority, self.kv_cache_model_pages)
+                                                        self._ttft_by_priority, self.kv_cache_model_pages,
+                                                        self._kv_cache_hit_ratio, self._kv_cache_tier_hits)
         return metrics
 
     def drop_model_gauges(self, name: str) -> None:
@@ -167,7 +189,18 @@ class ServerMetrics:
                 family.remove(name)
         for state in ("used", "cached"):
             self.kv_cache_model_pages.remove(name, state)
+        for tier in TIERS:
+            self._kv_cache_hit_ratio.remove(name, tier)
         self._models.pop(name, None)  # made again (with its gauges) if a model of that name comes back
+
+    def tier_written(self, tier: str) -> Counter:
+        return self._kv_tier_bytes_written.labels(self.model_name, tier)
+
+    def tier_read(self, tier: str) -> Counter:
+        return self._kv_tier_bytes_read.labels(self.model_name, tier)
+
+    def tier_evictions(self, tier: str) -> Counter:
+        return self._kv_tier_evictions.labels(self.model_name, tier)
 
     def set_gpu(self, reading: GpuReading) -> None:
         """One GPU's gauges; a value the reading lacks (no NVML) keeps no sample."""
@@ -188,12 +221,14 @@ class ModelMetrics:
     """One model's children of the per-model families (attributes named as in PER_MODEL)."""
 
     def __init__(self, name: str, families: dict[str, Any], request_success: Counter, ttft_by_priority: Histogram,
-                 kv_pages: Gauge) -> None:
+                 kv_pages: Gauge, hit_ratio: Gauge, tier_hits: Counter) -> None:
         self.name = name
         for attribute in PER_MODEL:
             setattr(self, attribute, families[attribute].labels(name))
         self.kv_pages_used = kv_pages.labels(name, "used")
         self.kv_pages_cached = kv_pages.labels(name, "cached")
+        self.kv_cache_hit_ratio = {tier: hit_ratio.labels(name, tier) for tier in TIERS}
+        self.kv_cache_tier_hits = {tier: tier_hits.labels(name, tier) for tier in TIERS}
         self._request_success = request_success
         self._ttft_by_priority = ttft_by_priority
         for reason in ("stop", "length", "abort"):

@@ -77,6 +77,7 @@ class RequestObserver:
         self._labels: set[str] = set()  # the models whose gauges are set
         self._kv_usage: collections.deque[tuple[float, float]] = collections.deque()  # (when, used fraction)
         self._seen_evictions = 0
+        self._seen_tiers: dict[tuple[str, str], int] = {}
         self.gpu_sampler = GpuSampler(engine, metrics) if _is_cuda(engine) else None
         metrics.gc_pauses.install()
         self._gauge_tick = (time.monotonic(), 0)  # (when, evictions then)
@@ -202,6 +203,7 @@ class RequestObserver:
         metrics.kv_cache_usage_perc.set(pool.num_used / pool.num_pages)
         _inc_by_delta(metrics.cache_evictions, pool.num_evictions - self._seen_evictions)
         self._seen_evictions = pool.num_evictions
+        self._update_tiers()
         labels = set()
         for name, served in engine.models.items():
             label = self.label(name)
@@ -212,6 +214,35 @@ class RequestObserver:
                 metrics.drop_model_gauges(gone)
             self._seen = {key: seen for key, seen in self._seen.items() if key[0] in engine.models}
         self._labels = labels
+
+    def _update_tiers(self) -> None:
+        """The tiers' pool-wide counters (bytes each way, evictions) and the disk tier's gauges."""
+        engine, metrics = self.engine, self.metrics
+        page_bytes = engine.pool.page_bytes
+        counts = {("evictions", "device"): engine.pool.num_evictions}
+        if engine.host_pool is not None:
+            host = engine.host_pool
+            counts.update({("evictions", "host"): host.num_evictions, ("written", "host"): host.num_stored * page_bytes,
+                           ("read", "host"): host.num_touched * page_bytes})
+        disk = engine.disk_tier
+        if disk is not None:
+            store = disk.store
+            counts.update({("evictions", "disk"): store.num_evictions, ("written", "disk"): store.bytes_written,
+                           ("read", "disk"): store.bytes_read, ("corrupt", "disk"): store.num_corrupt})
+            metrics.l3_cache_writes_disabled.set(int(store.writes_disabled))
+            if store.avg_read_latency_s is not None:
+                metrics.l3_cache_avg_latency_us.set(store.avg_read_latency_s * 1e6)
+            queries = sum(served.kv.num_prefix_queries for served in engine.models.values())
+            if queries:
+                metrics.l3_cache_hit_ratio.set(
+                    sum(served.kv.num_prefix_hits_disk for served in engine.models.values()) / queries)
+        for key, count in counts.items():
+            kind, tier = key
+            target = {"evictions": metrics.tier_evictions, "written": metrics.tier_written,
+                      "read": metrics.tier_read}.get(kind)
+            counter = target(tier) if target is not None else metrics.l3_cache_corrupt_files
+            _inc_by_delta(counter, count - self._seen_tiers.get(key, 0))
+            self._seen_tiers[key] = count
 
     def _update_model(self, served: Any, m: Any) -> None:
         """One model's gauges, and its counters by what the engine counted since the last update."""
@@ -228,8 +259,14 @@ class RequestObserver:
         for attribute, count in counts.items():
             _inc_by_delta(getattr(m, attribute), count - seen.get(attribute, 0))
             seen[attribute] = count
-        if kv.num_prefix_queries:
-            m.kv_cache_hit_ratio.set(kv.num_prefix_hits / kv.num_prefix_queries)
+        below = kv.num_prefix_hits_host + kv.num_prefix_hits_disk
+        tier_hits = {"device": kv.num_prefix_hits - below, "host": kv.num_prefix_hits_host,
+                     "disk": kv.num_prefix_hits_disk}
+        for tier, hits in tier_hits.items():
+            _inc_by_delta(m.kv_cache_tier_hits[tier], hits - seen.get(tier, 0))
+            seen[tier] = hits
+            if kv.num_prefix_queries:
+                m.kv_cache_hit_ratio[tier].set(hits / kv.num_prefix_queries)
 
     def _log_stats(self, now: float) -> None:
         when, prompt, generation = self._stats_tick

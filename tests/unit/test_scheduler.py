@@ -684,7 +684,7 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_host_memory():
     """Four device pages of 2 tokens: a's 6-token prompt is cached when it ends, b and c evict it (copied down
     to host pages instead of lost), and d with a's prompt gets it back from there: 4 tokens reused, its pages'
     contents right (check_contents), only its last tokens computed."""
-    engine = FakeEngine(4, 2, host_pages=4, l2=True)
+    engine = FakeEngine(4, 2, host_pages=8, l2=True)
     prompt = [1, 2, 3, 4, 5, 6]
     engine.add(make_request("a", prompt, max_tokens=1))
     while engine.running or engine.waiting:
@@ -694,7 +694,7 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_host_memory():
     plans = []
     while engine.running or engine.waiting:
         plans.append(engine.step())
-    assert engine.host_pool.num_cached >= 2 and sum(len(p.swap_out) for p in plans) == engine.host_pool.num_cached
+    assert engine.host_pool.num_cached >= 2 and sum(len(p.swap_out) for p in plans) >= engine.host_pool.num_cached
     d = make_request("d", prompt + [7], max_tokens=1)
     engine.add(d)
     plan = engine.step()

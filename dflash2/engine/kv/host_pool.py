@@ -1,12 +1,15 @@
-"""HostPagePool: bookkeeping for the pinned host pages (the L2 tier): swapped-out requests' KV, and pages
-evicted from the device's prefix cache.
+"""HostPagePool: bookkeeping for the pinned host pages (the L2 tier): swapped-out requests' KV, and pages of the
+device's prefix cache copied down.
 
-Every host page is in exactly one state: `num_free + num_swapped + num_cached == num_pages`.
+Every host page is in exactly one state: `num_free + num_swapped + num_cached + num_loading == num_pages`.
 
     free     -> handed out first
     swapped  a paused request's page (allocate / release): always wins a page over a cached one
-    cached   a page the device's prefix cache evicted (store), by its content hash; LRU: evicted (forgotten) when
-             a swap or a newer cached page needs room; taken back up to the device on a prefix hit (take)
+    cached   a full page of the prefix cache, by its content hash (store); LRU: evicted (forgotten) when a swap or
+             a newer page needs room. A prefix hit copies it up and keeps it (touch): the tier is inclusive, so a
+             page evicted from the device again costs no copy. A cached page being written to disk (L3) is pinned:
+             never evicted until the write is done
+    loading  a page being read from disk (L3) into host memory (reserve), cached when the read is in (fill)
 
 Host pages are the same size in bytes as device pages (PoolStorage holds the bytes), so a copy is one
 page-sized block either way.
@@ -27,12 +30,16 @@ class HostPagePool:
         self._starts: list[int] = [0] if num_pages else []  # free runs, sorted: first page ids ...
         self._lengths: list[int] = [num_pages] if num_pages else []  # ... and their lengths
         self._num_free = num_pages
-        self._taken = [False] * num_pages  # not free: swapped or cached
+        self._taken = [False] * num_pages  # not free: swapped, cached or loading
         self._hash_of: list[bytes | None] = [None] * num_pages
         self._owner: list[str | None] = [None] * num_pages
         self._page_of_hash: dict[bytes, int] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first is evicted first
+        self._pinned: set[int] = set()  # cached pages being written to disk
+        self._loading: set[int] = set()
         self.num_evictions = 0  # cached pages dropped for room
+        self.num_stored = 0  # pages cached by store (copied down from the device)
+        self.num_touched = 0  # cached pages copied up by a prefix hit
 
     @property
     def num_free(self) -> int:
@@ -43,63 +50,114 @@ class HostPagePool:
         return len(self._cached)
 
     @property
+    def num_loading(self) -> int:
+        return len(self._loading)
+
+    @property
     def num_swapped(self) -> int:
-        return self.num_pages - self._num_free - len(self._cached)
+        return self.num_pages - self._num_free - len(self._cached) - len(self._loading)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._cached) - len(self._pinned)
 
     # -- the cached (L2) pages ------------------------------------------------------------------------
     def lookup(self, content_hash: bytes) -> int | None:
         return self._page_of_hash.get(content_hash)
 
-    def store(self, evicted: list[tuple[bytes, str | None]]) -> list[int | None]:
-        """Host pages for pages the device evicts, (hash, owner) each (the caller copies their bytes), cached by
-        their hashes; None for one that is here already or when every host page holds swapped KV. Taken in one
-        allocation, so they come in few runs of consecutive pages (one copy per run)."""
-        new = []
-        for content_hash, owner in evicted:
+    def owner_of(self, page: int) -> str | None:
+        return self._owner[page]
+
+    def store(self, pages: list[tuple[bytes, str | None]]) -> list[int | None]:
+        """Host pages for device pages going down, (hash, owner) each (the caller copies their bytes), cached by
+        their hashes; None for one that is here already (made most recent: no copy needed) or when no host page
+        is free or evictable. Taken in one allocation, so they come in few runs of consecutive pages."""
+        new: dict[bytes, str | None] = {}
+        for content_hash, owner in pages:
             page = self._page_of_hash.get(content_hash)
             if page is not None:
                 self._cached.move_to_end(page)
-            elif content_hash not in (h for h, _ in new):
-                new.append((content_hash, owner))
-        count = min(len(new), self._num_free + len(self._cached))
-        pages = self.allocate(count) if count else []
+            else:
+                new.setdefault(content_hash, owner)
+        count = min(len(new), self._num_free + self.num_evictable)
+        taken = self.allocate(count) if count else []
         stored: dict[bytes, int] = {}
-        for page, (content_hash, owner) in zip(pages, new):
-            self._hash_of[page], self._owner[page] = content_hash, owner
-            self._page_of_hash[content_hash] = page
-            self._cached[page] = None
+        for page, (content_hash, owner) in zip(taken, new.items()):
+            self._cache(page, content_hash, owner)
             stored[content_hash] = page
-        return [stored.get(content_hash) for content_hash, _ in evicted]
+        self.num_stored += len(taken)
+        return [stored.pop(content_hash, None) for content_hash, _ in pages]
 
-    def take(self, page: int) -> None:
-        """A cached page goes up to the device (a prefix hit): it is free here from now on (the copy reads it
-        before any later write: the swap copies are in order)."""
-        del self._cached[page]
-        self._forget_hash(page)
+    def cached_pages(self) -> list[tuple[str, int, bytes, str | None]]:
+        """("host", page, hash, owner) of every cached page, least recently used first."""
+        return [("host", page, self._hash_of[page], self._owner[page]) for page in self._cached]
+
+    def touch(self, page: int) -> None:
+        """A prefix hit copied the page up: it stays here too, as the most recently used."""
+        self._cached.move_to_end(page)
+        self.num_touched += 1
+
+    def pin(self, page: int) -> None:
+        self._pinned.add(page)
+
+    def unpin(self, page: int) -> None:
+        self._pinned.discard(page)
+
+    def reserve(self, num_pages: int) -> list[int] | None:
+        """Pages to read disk pages into (loading until fill or release)."""
+        pages = self.allocate(num_pages)
+        if pages is not None:
+            self._loading.update(pages)
+        return pages
+
+    def fill(self, page: int, content_hash: bytes, owner: str | None) -> None:
+        """A loading page's read is in: it is cached under its hash (freed if that hash is here already)."""
+        self._loading.remove(page)
+        if content_hash in self._page_of_hash:
+            self.release([page])
+        else:
+            self._cache(page, content_hash, owner)
+
+    def unload(self, page: int) -> None:
+        """A loading page's read failed: free again."""
+        self._loading.remove(page)
         self.release([page])
 
     def forget(self, owner: str) -> None:
-        """A model leaves: its cached pages become free."""
-        for page in [p for p in self._cached if self._owner[p] == owner]:
-            self.take(page)
+        """A model leaves: its cached pages become free (a pinned one when its write is done: unpin)."""
+        for page in [p for p in self._cached if self._owner[p] == owner and p not in self._pinned]:
+            self._drop(page)
 
-    def _forget_hash(self, page: int) -> None:
+    def _cache(self, page: int, content_hash: bytes, owner: str | None) -> None:
+        self._hash_of[page], self._owner[page] = content_hash, owner
+        self._page_of_hash[content_hash] = page
+        self._cached[page] = None
+
+    def _drop(self, page: int) -> None:
+        del self._cached[page]
         del self._page_of_hash[self._hash_of[page]]
         self._hash_of[page] = self._owner[page] = None
-
-    def _evict_oldest(self) -> None:
-        page, _ = self._cached.popitem(last=False)
-        self._forget_hash(page)
         self.release([page])
-        self.num_evictions += 1
+
+    def _evict(self, count: int) -> None:
+        """Drop the `count` least recently used cached pages that are not pinned."""
+        victims = []
+        for page in self._cached:
+            if len(victims) == count:
+                break
+            if page not in self._pinned:
+                victims.append(page)
+        for page in victims:
+            self._drop(page)
+        self.num_evictions += len(victims)
 
     # -- swapped pages --------------------------------------------------------------------------------
     def allocate(self, num_pages: int) -> list[int] | None:
-        """Pages for a swap (or one cached page): free ones, then the least recently cached ones evicted."""
-        if num_pages > self._num_free + len(self._cached):
+        """Pages for a swap (or for caching): free ones, then the least recently used cached ones evicted."""
+        if num_pages > self._num_free + self.num_evictable:
             return None
-        while num_pages > self._num_free:
-            self._evict_oldest()
+        if num_pages > self._num_free:
+            self._evict(num_pages - self._num_free)
         pages: list[int] = []
         fits = next((i for i, length in enumerate(self._lengths) if length >= num_pages), None)
         while len(pages) < num_pages:
@@ -143,11 +201,14 @@ class HostPagePool:
             self._lengths.insert(index, 1)
 
     def check(self) -> None:
-        """Every page is free, swapped or cached, exactly one; the free runs are sorted, apart and hold each free
-        page once; a cached page has its hash."""
+        """Every page is free, swapped, cached or loading, exactly one; the free runs are sorted, apart and hold
+        each free page once; a cached page has its hash; only cached pages are pinned."""
         free = [page for start, length in zip(self._starts, self._lengths) for page in range(start, start + length)]
         assert free == sorted(set(free)) and not any(self._taken[page] for page in free)
         assert all(self._starts[i] + self._lengths[i] < self._starts[i + 1] for i in range(len(self._starts) - 1))
-        assert len(free) == self._num_free and sum(self._taken) == self.num_swapped + self.num_cached
+        assert len(free) == self._num_free
+        assert sum(self._taken) == self.num_swapped + self.num_cached + self.num_loading
+        assert self._pinned <= set(self._cached) and not self._loading & set(self._cached)
+        assert all(self._taken[p] for p in self._loading)
         assert all(self._taken[p] and self._page_of_hash[self._hash_of[p]] == p for p in self._cached)
         assert len(self._page_of_hash) == len(self._cached)

@@ -17,10 +17,31 @@ device pages for them when it resumes. While swapped, a request holds host pages
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
 from dflash2.engine.kv.host_pool import HostPagePool
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.engine.kv.prefix_hash import chain_hashes, page_hash
 from dflash2.request import Request
+
+if TYPE_CHECKING:
+    from dflash2.engine.kv.disk_tier import DiskTier
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """A request's cached prefix across the tiers, in order: device pages, then host pages, then disk pages."""
+
+    pages: list[int]  # device pages
+    hashes: list[bytes]  # the device and host pages' content hashes
+    host: list[int]  # host pages
+    disk: list[bytes]  # content hashes of pages on disk
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages) + len(self.host) + len(self.disk)
 
 
 class KVManager:
@@ -45,6 +66,8 @@ class KVManager:
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found (on the device or in host memory)
         self.num_prefix_hits_host = 0  # of those, tokens brought up from host memory
+        self.num_prefix_hits_disk = 0  # of those, tokens read from disk (through host memory)
+        self.disk: DiskTier | None = None  # the L3 tier, when there is one
 
     @property
     def num_available(self) -> int:
@@ -119,28 +142,34 @@ class KVManager:
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_page)
 
-    def lookup_prefix(self, request: Request) -> tuple[list[int], list[bytes], list[int]]:
-        """The request's longest cached prefix, not yet acquired: its pages on the device, their hashes, then the
-        pages that continue it in host memory (the L2 tier: brought up by attach_prefix).
+    def lookup_prefix(self, request: Request, with_disk: bool = False) -> PrefixHit:
+        """The request's longest cached prefix, not yet acquired: its pages on the device, then the pages that
+        continue it in host memory (L2: brought up by attach_prefix), then (`with_disk`) the hashes that continue
+        it on disk (L3: read up to host memory first, by the disk tier's fetch).
 
         At least one token is left to compute, since the step that computes it yields the next logits.
         """
-        pages: list[int] = []
-        hashes: list[bytes] = []
-        host: list[int] = []
+        hit = PrefixHit([], [], [], [])
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
-            return pages, hashes, host
+            return hit
         for content_hash in self._lookup_chain(request):
-            page = self.pool.lookup(content_hash) if not host else None
-            if page is not None:
-                pages.append(page)
-            else:
-                page = self.host_pool.lookup(content_hash) if self.host_pool is not None else None
-                if page is None:
-                    break
-                host.append(page)
-            hashes.append(content_hash)
-        return pages, hashes, host
+            if not hit.host and not hit.disk:
+                page = self.pool.lookup(content_hash)
+                if page is not None:
+                    hit.pages.append(page)
+                    hit.hashes.append(content_hash)
+                    continue
+            if not hit.disk and self.host_pool is not None:
+                page = self.host_pool.lookup(content_hash)
+                if page is not None:
+                    hit.host.append(page)
+                    hit.hashes.append(content_hash)
+                    continue
+            if with_disk and self.disk is not None and self.disk.contains(self.namespace, content_hash):
+                hit.disk.append(content_hash)
+                continue
+            break
+        return hit
 
     def _lookup_chain(self, request: Request) -> list[bytes]:
         """Hashes of the full pages of the request's tokens but the last, computed once per token count: the
@@ -156,17 +185,18 @@ class KVManager:
         """Pages that admitting a request without pages, with a first chunk of `chunk_tokens` after its cached
         prefix, takes out of `num_available` (its prefix pages now idle in the cache count too, and a page of it
         in host memory needs a device page)."""
-        pages, _, host = self.lookup_prefix(request)
-        idle = sum(1 for page in pages if self.pool.refcount(page) == 0)
-        covered = (len(pages) + len(host)) * self.tokens_per_page
-        return idle + self.num_pages_for(covered + chunk_tokens) - len(pages)
+        hit = self.lookup_prefix(request)
+        idle = sum(1 for page in hit.pages if self.pool.refcount(page) == 0)
+        covered = (len(hit.pages) + len(hit.host)) * self.tokens_per_page
+        return idle + self.num_pages_for(covered + chunk_tokens) - len(hit.pages)
 
     def attach_prefix(self, request: Request) -> tuple[int, list[tuple[int, int]]]:
         """Give a request with no pages the cached pages of its longest hashed prefix: (tokens reused, the
         (host page, device page) copies that bring its host-memory part up; the caller puts them in the step's
         plan, before its kernels). The host part is taken only if device pages for it are available."""
         assert request.request_id not in self._pages, "prefix lookup is for requests without pages"
-        pages, hashes, host = self.lookup_prefix(request)
+        hit = self.lookup_prefix(request)
+        pages, hashes, host = hit.pages, hit.hashes, hit.host
         promoted: list[tuple[int, int]] = []
         if host:
             for page in pages:  # the device part first: allocating for the host part may evict idle pages
@@ -175,12 +205,17 @@ class KVManager:
             if device is None:
                 hashes = hashes[:len(pages)]
             else:
+                from_disk = self.disk.from_disk if self.disk is not None else set()
                 for host_page, device_page, content_hash in zip(host, device, hashes[len(pages):]):
-                    self.host_pool.take(host_page)
+                    self.host_pool.touch(host_page)  # it stays in host memory too
                     self.pool.register(device_page, content_hash)
                     promoted.append((host_page, device_page))
+                    if content_hash in from_disk:
+                        from_disk.discard(content_hash)
+                        self.num_prefix_hits_disk += self.tokens_per_page
+                    else:
+                        self.num_prefix_hits_host += self.tokens_per_page
                 pages = pages + device
-                self.num_prefix_hits_host += len(device) * self.tokens_per_page
         else:
             for page in pages:
                 self.pool.acquire(page)

@@ -180,16 +180,30 @@ class PagePool:
         assert sum(self._used_by.values()) == self.num_used and sum(self._cached_by.values()) == self.num_cached
         assert all(self._owner[p] is None for p in self._free)
 
+    def evict(self, num_pages: int) -> list[tuple[int, bytes, str | None]]:
+        """Evict up to `num_pages` of the least recently used cached pages now (they become free), ahead of need:
+        (page, hash, owner) each, their bytes intact until a later step writes them."""
+        evicted = []
+        for _ in range(min(num_pages, len(self._cached))):
+            oldest = next(iter(self._cached))
+            evicted.append((oldest, self._hash_of[oldest], self._owner[oldest]))
+            self._free.append(self._evict_oldest(keep=False))
+        return evicted
+
+    def cached_pages(self) -> list[tuple[str, int, bytes, str | None]]:
+        """("device", page, hash, owner) of every cached page, least recently used first."""
+        return [("device", page, self._hash_of[page], self._owner[page]) for page in self._cached]
+
     def take_evicted(self) -> list[tuple[int, bytes, str | None]]:
         """The cached pages evicted since the last call (keep_evicted): their bytes are still there until the
         step that reuses them runs, so the caller can copy them down first."""
         evicted, self._evicted = self._evicted, []
         return evicted
 
-    def _evict_oldest(self) -> int:
+    def _evict_oldest(self, keep: bool = True) -> int:
         page, _ = self._cached.popitem(last=False)
         self._cached_by[self._owner[page]] -= 1
-        if self.keep_evicted:
+        if keep and self.keep_evicted:
             self._evicted.append((page, self._hash_of[page], self._owner[page]))
         self._unhash(page)
         self.num_evictions += 1
