@@ -8,7 +8,8 @@
 
 The workload is `workloads.py multi-turn` (conversations that come back: a turn's prompt is the whole history so
 far plus a new user message). Its rows are sent in their order to the streamed /generate (prompt token ids, EOS
-ignored, greedy) with at most --concurrency in flight; a row waits for its conversation's previous turn to end
+ignored, greedy) with at most --concurrency in flight (12: the in-flight conversations fit the 8 GiB pool; at 32 it
+thrashes, and swaps evict the host tier); a row waits for its conversation's previous turn to end
 (and the rows behind it wait with it, so every setting sees the same order). The device pool (--kv-cache-memory)
 holds a fraction of the conversations, so without tiers a conversation's history is mostly evicted by the time it
 comes back.
@@ -86,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cut each conversation's first tokens (the system prompt) so its first turn has at most "
                         "this many; later turns lose the same tokens, so they still extend the earlier ones")
     p.add_argument("--max-output-tokens", type=int, default=None, help="cap every row's max_tokens")
-    p.add_argument("--concurrency", type=int, default=32, help="requests in flight at most")
+    p.add_argument("--concurrency", type=int, default=12, help="requests in flight at most")
     p.add_argument("--model", default=GPU_DEFAULTS["model"])
     p.add_argument("--load-format", default=GPU_DEFAULTS["load_format"])
     p.add_argument("--dtype", default=GPU_DEFAULTS["dtype"])

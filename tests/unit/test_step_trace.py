@@ -18,7 +18,8 @@ def test_step_trace_records_every_step_of_a_preempting_run(tiny_llama, tmp_path,
     path = tmp_path / "steps.jsonl"
     monkeypatch.setenv(ENV, str(path))
     llm = LLM(tiny_llama, page_bytes=PAGE_BYTES, kv_cache_memory=16 * PAGE_BYTES, max_num_batched_tokens=64,
-              max_model_len=60, max_num_seqs=4, swap_space=f"{64 * PAGE_BYTES}B", overlap=overlap)
+              max_model_len=60, max_num_seqs=4, swap_space=f"{64 * PAGE_BYTES}B", overlap=overlap,
+              enable_prefix_caching=False)  # swaps only: no prefix-cache pages copied down to host memory
     engine = llm.engine
     low, high = prompts(4, seed=21), prompts(3, seed=22)
     params = SamplingParams(max_tokens=14, min_tokens=14, temperature=0)

@@ -85,9 +85,10 @@ class DiskTier:
     # -- up ------------------------------------------------------------------------------------------
     def worth_loading(self, num_pages: int, num_tokens: int) -> bool:
         """Whether reading `num_pages` pages is expected to be faster than computing their `num_tokens` tokens."""
-        if self.prefill_tokens_per_s is None:
-            return True  # nothing measured yet: a read is taken to pay
-        return num_pages * self._read_s() < num_tokens / self.prefill_tokens_per_s
+        latency = self.store.avg_read_latency_s
+        if self.prefill_tokens_per_s is None or latency is None:
+            return True  # nothing measured yet: read (the reads measure themselves)
+        return num_pages * latency < num_tokens / self.prefill_tokens_per_s
 
     def _read_s(self) -> float:
         latency = self.store.avg_read_latency_s
