@@ -533,8 +533,8 @@ class Engine:
             trace = self.trace.begin(plan, top, first_token_top, self.last_plan_seconds)
         launch_started = time.perf_counter()
         pending = served.runner.launch(plan, self.requests)
-        if plan.write_through:  # after the launch queued the copies down that fill these host pages
-            self.disk_tier.write_through(plan.write_through)
+        if self.disk_tier is not None:  # after the launch queued its copies down to host pages
+            self.disk_tier.write_ahead()
         self.last_launch_seconds = time.perf_counter() - launch_started
         if trace is not None:
             self.trace.launched(trace, self.last_launch_seconds)

@@ -42,8 +42,6 @@ class StepPlan:
     # Page copies the runner makes before the step's kernels: out first, then in.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device page, host page)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host page, device page)
-    # host pages copied down by swap_out to write through to disk (L3) once the copies are queued
-    write_through: list[tuple[int, bytes, str | None]] = field(default_factory=list)  # (host page, hash, owner)
 
     @property
     def num_tokens(self) -> int:

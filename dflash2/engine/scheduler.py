@@ -119,8 +119,7 @@ class Scheduler:
 
     def _demote_evicted(self, plan: StepPlan) -> None:
         """Cached device pages this plan evicted go down to host memory (the L2 tier) instead of being lost: a
-        copy before the step's kernels write them (swap_out), where the host tier has room; with a disk tier,
-        each page copied down is written through to disk (plan.write_through).
+        copy before the step's kernels write them (swap_out), where the host tier has room.
 
         When the device pool runs short of free pages, its least recently used cached pages go down ahead of
         need, a batch at a time, so that the copies come in few, larger swaps instead of a few pages every step
@@ -136,12 +135,8 @@ class Scheduler:
         if not evicted:
             return
         host_pages = host_pool.store([(content_hash, owner) for _, content_hash, owner in evicted])
-        write_through = self.kv.disk is not None
-        for (page, content_hash, owner), host_page in zip(evicted, host_pages):
-            if host_page is not None:
-                plan.swap_out.append((page, host_page))
-                if write_through:
-                    plan.write_through.append((host_page, content_hash, owner))
+        plan.swap_out.extend((page, host_page) for (page, _, _), host_page in zip(evicted, host_pages)
+                             if host_page is not None)
 
     def _start_plan(self) -> None:
         self._budget = self.config.max_num_batched_tokens

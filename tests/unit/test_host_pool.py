@@ -51,3 +51,26 @@ def test_random_churn_keeps_the_books_and_every_page_once():
     for pages in held:
         pool.release(pages)
     assert pool.allocate(200) == list(range(200))  # everything back in one run
+
+
+def test_cached_pages_are_taken_and_evicted_in_ring_order():
+    """A store's pages are consecutive; once the pool is full, the oldest cached pages (just ahead of the cursor)
+    make room, next to each other, skipping swapped and pinned pages; pages_ahead names the next to leave."""
+    pool = HostPagePool(8)
+    assert pool.store([(b"a", "m"), (b"b", "m"), (b"c", "m")]) == [0, 1, 2]
+    swapped = pool.allocate(2)  # a paused request's pages: first fit among the free runs
+    assert swapped == [3, 4]
+    assert pool.store([(b"d", "m"), (b"b", "m")]) == [5, None]  # b is here already: no copy
+    assert pool.pages_ahead(4) == [(0, b"a", "m"), (1, b"b", "m")]  # the cursor is at 6: 6 and 7 are free
+    pool.pin(1)  # being written to disk
+    assert pool.store([(b"e", "m"), (b"f", "m"), (b"g", "m")]) == [6, 7, 0]  # 0 (a, the oldest) evicted
+    assert pool.lookup(b"a") is None and pool.lookup(b"b") == 1 and pool.num_evictions == 1
+    assert pool.pages_ahead(3) == [(2, b"c", "m")]  # 1 pinned, 3 and 4 swapped
+    assert pool.pages_ahead(3) == []  # each page once per lap
+    assert pool.store([(b"h", "m")]) == [2]  # past the pinned page: c goes
+    assert pool.num_evictions == 2
+    pool.unpin(1)
+    pool.mark_on_disk(5)
+    pool.release(swapped)
+    pool.check()
+    assert (pool.num_free, pool.num_cached, pool.num_swapped) == (2, 6, 0)

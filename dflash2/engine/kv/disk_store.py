@@ -57,8 +57,8 @@ class DiskStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[Key, None] = OrderedDict()  # pages on disk, LRU first
         self._writing: dict[Key, Future] = {}
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="dflash2-l3-write")
-        self._reader = ThreadPoolExecutor(2, thread_name_prefix="dflash2-l3-read")
+        self._writer = ThreadPoolExecutor(2, thread_name_prefix="dflash2-l3-write")
+        self._reader = ThreadPoolExecutor(4, thread_name_prefix="dflash2-l3-read")
         self.writes_disabled = False
         self.num_corrupt = 0
         self.num_writes_skipped = 0  # pages not written: the write queue was full

@@ -1,8 +1,10 @@
 """DiskTier: the L3 tier between host pages and the DiskStore's files, for every model of one pool.
 
-    down: a page copied down to host memory (L2) is written through to disk at once, in the background: its
-          host page is pinned (never evicted) until the write is in, and the writer waits for the device copy
-          that fills it first. So a page leaving host memory is on disk already (or writing was off or full).
+    down: the host pages next to leave host memory (L2: within WRITE_AHEAD_PAGES ahead of its ring cursor) are
+          written to disk in the background, each pinned (never evicted) until its write is in; the writers wait
+          for the device copies queued so far first. So a page leaving host memory is on disk already (unless
+          writing was off, or behind by more than the queue holds), and each page is written once, when it is
+          about to leave, not each time it comes down.
     up:   a waiting request whose prefix goes on past host memory into files starts a fetch: host pages are
           reserved (loading) and the files are read into them by reader threads, checked; the scheduler admits
           the request once its reads are in (poll: the pages are then cached in host memory and come up like any
@@ -24,11 +26,11 @@ import torch
 from dflash2.engine.kv.disk_store import DiskStore
 from dflash2.engine.kv.host_pool import HostPagePool
 
-# Until a read has been timed: a page's read is taken to be this fast (NVMe-like), and a fetch waits at least
-# MIN_DEADLINE_S, else DEADLINE_FACTOR times its expected time.
-DEFAULT_READ_S = 0.002
+# A fetch waits at least MIN_DEADLINE_S, else DEADLINE_FACTOR times its expected time.
 MIN_DEADLINE_S = 0.05
 DEADLINE_FACTOR = 4.0
+DEFAULT_READ_S = 0.002  # a page's read, for a deadline until reads have been timed
+WRITE_AHEAD_PAGES = 256  # host pages ahead of the ring cursor written down (the write queue holds as many)
 
 
 def fingerprint(*parts: object) -> str:
@@ -69,18 +71,25 @@ class DiskTier:
         return content_hash in self._loading or self.store.contains(self._fingerprints[owner], content_hash)
 
     # -- down ----------------------------------------------------------------------------------------
-    def write_through(self, pages: list[tuple[int, bytes, str | None]]) -> None:
-        """Write host pages just copied down, (host page, hash, owner) each, to disk (call once their copies
-        are queued)."""
-        if not pages or self.store.writes_disabled:
+    def write_ahead(self) -> None:
+        """Start writing the host pages about to leave host memory (call after a step's copies are queued)."""
+        if self.store.writes_disabled:
+            return
+        pages = self.host_pool.pages_ahead(WRITE_AHEAD_PAGES)
+        if not pages:
             return
         ready = self._copy_done()
         for page, content_hash, owner in pages:
-            payload = self.host_pages[page].numpy()
-            future = self.store.put(self._fingerprints[owner], content_hash, payload, ready)
+            model = self._fingerprints.get(owner)
+            if model is None:
+                continue  # its model was unloaded
+            if self.store.contains(model, content_hash):
+                self.host_pool.mark_on_disk(page)
+                continue
+            future = self.store.put(model, content_hash, self.host_pages[page].numpy(), ready)
             if future is not None:
                 self.host_pool.pin(page)
-                future.add_done_callback(lambda _, page=page: self._done.put(("written", page, None)))
+                future.add_done_callback(lambda f, page=page: self._done.put(("written", page, _succeeded(f))))
 
     # -- up ------------------------------------------------------------------------------------------
     def worth_loading(self, num_pages: int, num_tokens: int) -> bool:
@@ -99,9 +108,11 @@ class DiskTier:
         its deadline has not passed (the request waits), False once they are in or given up on."""
         current = self._fetches.get(request_id)
         if current is None:
+            room = self.host_pool.num_free + self.host_pool.num_evictable
+            hashes = hashes[:len([h for h in hashes if h in self._loading]) + room]  # the prefix that fits
             todo = [h for h in hashes if h not in self._loading]
             pages = self.host_pool.reserve(len(todo)) if todo else []
-            if pages is None:
+            if pages is None or not hashes:
                 return False  # no host page free or evictable: compute instead
             for content_hash, page in zip(todo, pages):
                 self._loading[content_hash] = page
@@ -128,6 +139,8 @@ class DiskTier:
                 return
             if kind == "written":
                 self.host_pool.unpin(page)
+                if detail:
+                    self.host_pool.mark_on_disk(page)
                 continue
             content_hash, owner, ok = detail
             del self._loading[content_hash]

@@ -5,10 +5,10 @@ Every host page is in exactly one state: `num_free + num_swapped + num_cached + 
 
     free     -> handed out first
     swapped  a paused request's page (allocate / release): always wins a page over a cached one
-    cached   a full page of the prefix cache, by its content hash (store); LRU: evicted (forgotten) when a swap or
-             a newer page needs room. A prefix hit copies it up and keeps it (touch): the tier is inclusive, so a
-             page evicted from the device again costs no copy. A cached page being written to disk (L3) is pinned:
-             never evicted until the write is done
+    cached   a full page of the prefix cache, by its content hash (store); evicted (forgotten) in ring order when
+             a swap or a newer page needs room. A prefix hit copies it up and keeps it (touch): the tier is
+             inclusive, so a page evicted from the device again costs no copy. A cached page being written to disk
+             (L3) is pinned: never evicted until the write is done
     loading  a page being read from disk (L3) into host memory (reserve), cached when the read is in (fill)
 
 Host pages are the same size in bytes as device pages (PoolStorage holds the bytes), so a copy is one
@@ -17,6 +17,13 @@ page-sized block either way.
 Free pages are kept as runs of consecutive ids, and a request's pages come from the first run long enough
 (else from the lowest runs): the runner copies each run of consecutive host pages with one call, and under
 W3 a swap of ~40 pages had come to ~10 runs from a last-in-first-out free list (~25 us of host time a run).
+
+Room for cached pages is made in ring order: a cursor walks the pages, taking free ones and evicting the cached
+ones it meets (skipping swapped, loading and pinned ones), so the pages of one store are consecutive (one copy)
+and the oldest cached pages are the ones just ahead of the cursor. With a disk tier those are written down ahead
+of the cursor (pages_ahead), so a page leaving host memory is on disk already: each page is written at most once,
+when it is about to leave, not every time it comes down. (An LRU over host pages had scattered each batch over
+many runs: ~0.5 ms of copy calls a swap, W3 on the H100.)
 """
 from __future__ import annotations
 
@@ -37,6 +44,9 @@ class HostPagePool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU order: first is evicted first
         self._pinned: set[int] = set()  # cached pages being written to disk
         self._loading: set[int] = set()
+        self._on_disk = [False] * num_pages  # a cached page known to be in the disk tier too
+        self._position = 0  # pages the cursor has passed, in all (the cursor: _position % num_pages)
+        self._scanned = 0  # ring positions pages_ahead has looked at, up to here
         self.num_evictions = 0  # cached pages dropped for room
         self.num_stored = 0  # pages cached by store (copied down from the device)
         self.num_touched = 0  # cached pages copied up by a prefix hit
@@ -79,8 +89,7 @@ class HostPagePool:
                 self._cached.move_to_end(page)
             else:
                 new.setdefault(content_hash, owner)
-        count = min(len(new), self._num_free + self.num_evictable)
-        taken = self.allocate(count) if count else []
+        taken = self._take_at_cursor(min(len(new), self._num_free + self.num_evictable))
         stored: dict[bytes, int] = {}
         for page, (content_hash, owner) in zip(taken, new.items()):
             self._cache(page, content_hash, owner)
@@ -91,6 +100,52 @@ class HostPagePool:
     def cached_pages(self) -> list[tuple[str, int, bytes, str | None]]:
         """("host", page, hash, owner) of every cached page, least recently used first."""
         return [("host", page, self._hash_of[page], self._owner[page]) for page in self._cached]
+
+    def _take_at_cursor(self, count: int) -> list[int]:
+        """`count` pages from the cursor on: free ones taken, cached ones evicted and taken (one lap at most)."""
+        pages: list[int] = []
+        for _ in range(self.num_pages if count else 0):
+            page = self._position % self.num_pages
+            self._position += 1
+            if page in self._cached and page not in self._pinned:
+                self._drop(page)
+                self.num_evictions += 1
+            if not self._taken[page]:
+                self._take_free(page)
+                pages.append(page)
+                if len(pages) == count:
+                    break
+        return pages
+
+    def _take_free(self, page: int) -> None:
+        """Take one given free page out of its run."""
+        index = bisect.bisect(self._starts, page) - 1
+        start, length = self._starts[index], self._lengths[index]
+        del self._starts[index], self._lengths[index]
+        if page + 1 < start + length:
+            self._starts.insert(index, page + 1)
+            self._lengths.insert(index, start + length - page - 1)
+        if page > start:
+            self._starts.insert(index, start)
+            self._lengths.insert(index, page - start)
+        self._taken[page] = True
+        self._num_free -= 1
+
+    def pages_ahead(self, window: int) -> list[tuple[int, bytes, str | None]]:
+        """(page, hash, owner) of the cached pages within `window` ring positions ahead of the cursor that are
+        neither pinned nor known to be on disk, each reported once per lap: the next to leave host memory."""
+        end = self._position + min(window, self.num_pages)
+        found = []
+        for position in range(max(self._scanned, self._position), end):
+            page = position % self.num_pages
+            if page in self._cached and page not in self._pinned and not self._on_disk[page]:
+                found.append((page, self._hash_of[page], self._owner[page]))
+        self._scanned = max(self._scanned, end)
+        return found
+
+    def mark_on_disk(self, page: int) -> None:
+        if page in self._cached:
+            self._on_disk[page] = True
 
     def touch(self, page: int) -> None:
         """A prefix hit copied the page up: it stays here too, as the most recently used."""
@@ -117,6 +172,7 @@ class HostPagePool:
             self.release([page])
         else:
             self._cache(page, content_hash, owner)
+            self._on_disk[page] = True
 
     def unload(self, page: int) -> None:
         """A loading page's read failed: free again."""
@@ -137,23 +193,26 @@ class HostPagePool:
         del self._cached[page]
         del self._page_of_hash[self._hash_of[page]]
         self._hash_of[page] = self._owner[page] = None
+        self._on_disk[page] = False
         self.release([page])
 
     def _evict(self, count: int) -> None:
-        """Drop the `count` least recently used cached pages that are not pinned."""
-        victims = []
-        for page in self._cached:
-            if len(victims) == count:
+        """Drop `count` cached pages that are not pinned, in ring order from the cursor (the oldest first, and
+        next to each other: the room they leave comes in few runs)."""
+        evicted = 0
+        for _ in range(self.num_pages):
+            if evicted == count:
                 break
-            if page not in self._pinned:
-                victims.append(page)
-        for page in victims:
-            self._drop(page)
-        self.num_evictions += len(victims)
+            page = self._position % self.num_pages
+            self._position += 1
+            if page in self._cached and page not in self._pinned:
+                self._drop(page)
+                evicted += 1
+        self.num_evictions += evicted
 
     # -- swapped pages --------------------------------------------------------------------------------
     def allocate(self, num_pages: int) -> list[int] | None:
-        """Pages for a swap (or for caching): free ones, then the least recently used cached ones evicted."""
+        """Pages for a swap (or for reading from disk): free ones, then cached ones evicted from the cursor on."""
         if num_pages > self._num_free + self.num_evictable:
             return None
         if num_pages > self._num_free:
@@ -210,5 +269,6 @@ class HostPagePool:
         assert sum(self._taken) == self.num_swapped + self.num_cached + self.num_loading
         assert self._pinned <= set(self._cached) and not self._loading & set(self._cached)
         assert all(self._taken[p] for p in self._loading)
+        assert all(p in self._cached for p, on in enumerate(self._on_disk) if on)
         assert all(self._taken[p] and self._page_of_hash[self._hash_of[p]] == p for p in self._cached)
         assert len(self._page_of_hash) == len(self._cached)
