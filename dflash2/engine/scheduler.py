@@ -351,6 +351,7 @@ class Scheduler:
             self.num_swap_outs += 1
             self.swapped_bytes += len(pairs) * self.kv.pool.page_bytes
         else:
+            self._spill_for(request)
             self.kv.free(request)
             request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -358,6 +359,23 @@ class Scheduler:
         self.waiting.add(request, self._arrival[request_id])  # its original place in line
         plan.preempted.append(request_id)
         self.num_preemptions += 1
+
+    def _spill_for(self, request: Request) -> None:
+        """Host memory had no room for a paused request's pages: with a disk tier, the swapped requests furthest
+        back in line hand their full pages to the prefix cache, written to disk (L3) and then evictable, until
+        they cover this request's pages. This one is dropped now (its full pages stay in the device's prefix
+        cache); the pages coming down from the device find room in host memory once those writes are in."""
+        kv = self.kv
+        if kv.disk is None or kv.disk.store.writes_disabled or kv.host_pool is None:
+            return
+        needed = kv.num_pages_for(request.num_computed_tokens)
+        swapped = [r for r in self.waiting.ordered() if kv.is_swapped(r.request_id) and not r.wants_prompt_logprobs]
+        for victim in reversed(swapped):
+            if needed <= 0:
+                break
+            pages = kv.spill(victim)
+            kv.disk.write_spilled(pages)
+            needed -= len(pages)
 
     def _schedule(self, request: Request, num_new: int, plan: StepPlan) -> None:
         self._add(self._chunk(request, num_new), plan)

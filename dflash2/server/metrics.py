@@ -32,7 +32,7 @@ _SCHEDULER_BUCKETS_US = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 250
 
 
 # Per model (labelled with the model's name when several are served): requests, tokens, latencies, its KV.
-PER_MODEL = ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "prompt_tokens", "generation_tokens", "num_preemptions", "num_swap_outs", "swapped_bytes",
+PER_MODEL = ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "prompt_tokens", "generation_tokens", "num_preemptions", "num_swap_outs", "num_spills", "swapped_bytes",
              "prefix_cache_queries", "prefix_cache_hits", "time_to_first_token", "inter_token_latency",
              "e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time")
 
@@ -126,6 +126,8 @@ class ServerMetrics:
         per_model("generation_tokens", Counter, "dflash2_generation_tokens", "Generated tokens")
         per_model("num_preemptions", Counter, "dflash2_num_preemptions", "Requests preempted")
         per_model("num_swap_outs", Counter, "dflash2_num_swap_outs", "Preempted requests whose KV went to host memory")
+        per_model("num_spills", Counter, "dflash2_num_spills",
+                  "Swapped requests spilled to the disk tier when host memory was full of swapped pages")
         per_model("swapped_bytes", Counter, "dflash2_swapped_bytes", "Bytes of KV copied to host memory by preemption")
         per_model("num_requests_swapped", Gauge, "dflash2_num_requests_swapped",
                   "Paused requests whose KV is in host memory now")

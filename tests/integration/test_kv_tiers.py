@@ -138,3 +138,41 @@ def test_the_disk_tier_needs_host_memory_and_an_existing_directory(tmp_path):
         LLM(**OPTIONS, l3_cache_path=str(tmp_path))
     with pytest.raises(ValueError, match="does not exist"):
         LLM(**OPTIONS, swap_space="1MiB", l3_cache_path=str(tmp_path / "missing"))
+
+
+def _paused_run(options: dict) -> tuple[list[list[int]], dict[str, int]]:
+    """Two long requests run; two urgent ones arrive one after the other, each pausing one of them; every
+    request's tokens, in arrival order, and the counts of swaps, spills and host and disk hits."""
+    with LLM(**options) as llm:
+        engine = llm.engine
+        _checked_steps(engine)
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        low = [engine.add_request(FIRST + " " + text, params) for text in OTHERS[:2]]
+        for _ in range(6):
+            engine.step()
+        urgent = []
+        for text in OTHERS[2:]:
+            urgent.append(engine.add_request(text, params, priority=10))
+            for _ in range(2):
+                engine.step()
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.pool.num_used == 0 and engine.host_pool.num_swapped == 0
+        kv = engine.kv
+        counts = dict(swaps=engine.scheduler.num_swap_outs, spills=kv.num_spills, host=kv.num_prefix_hits_host,
+                      disk=kv.num_prefix_hits_disk)
+        return [request.output_token_ids for request in low + urgent], counts
+
+
+def test_a_paused_request_spills_to_disk_when_host_memory_is_full_of_paused_ones(tmp_path):
+    """Host memory holds one paused request's pages: the second pause finds it full, so the first paused
+    request's full pages go to the prefix cache and down to disk (spilled), and it comes back through a prefix hit
+    instead of computing its tokens again; the tokens are those of a run where both pauses swap."""
+    options = dict(OPTIONS, kv_cache_memory="6MiB", max_model_len=120)
+    swapped, counts = _paused_run(dict(options, swap_space="16MiB"))
+    assert counts == dict(swaps=2, spills=0, host=0, disk=0)
+    with LLM(**options) as llm:
+        pages = llm.engine.kv.num_pages_for(len(llm.tokenizer.encode(FIRST + " " + OTHERS[0])) + 10)
+    spilled, counts = _paused_run(dict(options, swap_space=f"{pages}MiB", l3_cache_path=str(tmp_path)))
+    assert counts["swaps"] == 1 and counts["spills"] == 1 and counts["host"] + counts["disk"] > 0
+    assert spilled == swapped

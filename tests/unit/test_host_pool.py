@@ -74,3 +74,20 @@ def test_cached_pages_are_taken_and_evicted_in_ring_order():
     pool.release(swapped)
     pool.check()
     assert (pool.num_free, pool.num_cached, pool.num_swapped) == (2, 6, 0)
+
+
+def test_a_spilled_request_keeps_its_pages_as_cached_ones_pinned_until_written():
+    """keep: a swapped page becomes a cached page under its hash, pinned (not evicted until its write is in); a
+    hash cached here already frees the page instead."""
+    pool = HostPagePool(4)
+    assert pool.store([(b"a", "m")]) == [0]
+    swapped = pool.allocate(3)
+    assert swapped == [1, 2, 3]
+    assert [pool.keep(page, h, "m") for page, h in zip(swapped[:2], (b"x", b"a"))] == [True, False]
+    assert pool.lookup(b"x") == 1 and pool.lookup(b"a") == 0 and pool.hash_of(1) == b"x"
+    assert (pool.num_free, pool.num_cached, pool.num_swapped, pool.num_evictable) == (1, 2, 1, 1)
+    assert pool.allocate(2) == [0, 2]  # the free page and a (evicted); x is pinned
+    assert pool.lookup(b"x") == 1 and pool.allocate(1) is None
+    pool.unpin(1)  # written
+    assert pool.allocate(1) == [1] and pool.lookup(b"x") is None
+    pool.check()

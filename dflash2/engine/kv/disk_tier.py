@@ -4,7 +4,8 @@
           written to disk in the background, each pinned (never evicted) until its write is in; the writers wait
           for the device copies queued so far first. So a page leaving host memory is on disk already (unless
           writing was off, or behind by more than the queue holds), and each page is written once, when it is
-          about to leave, not each time it comes down.
+          about to leave, not each time it comes down. A paused request spilled when host memory is full of
+          swapped pages (KVManager.spill) has its pages written with the next write_ahead, pinned until then.
     up:   a waiting request whose prefix goes on past host memory into files starts a fetch: host pages are
           reserved (loading) and the files are read into them by reader threads, checked; the scheduler admits
           the request once its reads are in (poll: the pages are then cached in host memory and come up like any
@@ -57,6 +58,7 @@ class DiskTier:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._loading: dict[bytes, int] = {}  # content hash -> host page it is read into
         self._fetches: dict[str, Fetch] = {}  # request id -> its fetch
+        self._spilled: list[int] = []  # pinned host pages of spilled requests, written with the next write_ahead
         self.from_disk: set[bytes] = set()  # hashes read from disk, not yet brought up to the device
         self.prefill_tokens_per_s: float | None = None  # measured by the engine
 
@@ -71,25 +73,37 @@ class DiskTier:
         return content_hash in self._loading or self.store.contains(self._fingerprints[owner], content_hash)
 
     # -- down ----------------------------------------------------------------------------------------
+    def write_spilled(self, pages: list[int]) -> None:
+        """Write these pinned cached host pages (a spilled paused request's) with the next write_ahead: after the
+        launch that queues the copies down into them."""
+        self._spilled.extend(pages)
+
     def write_ahead(self) -> None:
-        """Start writing the host pages about to leave host memory (call after a step's copies are queued)."""
+        """Start writing the spilled pages and the host pages about to leave host memory (call after a step's
+        copies are queued)."""
+        spilled, self._spilled = self._spilled, []
         if self.store.writes_disabled:
+            for page in spilled:
+                self.host_pool.unpin(page)
             return
-        pages = self.host_pool.pages_ahead(WRITE_AHEAD_PAGES)
+        pages = [(page, self.host_pool.hash_of(page), self.host_pool.owner_of(page)) for page in spilled]
+        pages += self.host_pool.pages_ahead(WRITE_AHEAD_PAGES)
         if not pages:
             return
         ready = self._copy_done()
         for page, content_hash, owner in pages:
             model = self._fingerprints.get(owner)
-            if model is None:
-                continue  # its model was unloaded
-            if self.store.contains(model, content_hash):
+            if model is not None and self.store.contains(model, content_hash):
+                self.host_pool.unpin(page)
                 self.host_pool.mark_on_disk(page)
                 continue
-            future = self.store.put(model, content_hash, self.host_pages[page].numpy(), ready)
-            if future is not None:
-                self.host_pool.pin(page)
-                future.add_done_callback(lambda f, page=page: self._done.put(("written", page, _succeeded(f))))
+            future = None if model is None else self.store.put(model, content_hash, self.host_pages[page].numpy(),
+                                                                ready)
+            if future is None:  # its model was unloaded, or the write queue is full
+                self.host_pool.unpin(page)
+                continue
+            self.host_pool.pin(page)
+            future.add_done_callback(lambda f, page=page: self._done.put(("written", page, _succeeded(f))))
 
     # -- up ------------------------------------------------------------------------------------------
     def worth_loading(self, num_pages: int, num_tokens: int) -> bool:

@@ -4,7 +4,8 @@ device's prefix cache copied down.
 Every host page is in exactly one state: `num_free + num_swapped + num_cached + num_loading == num_pages`.
 
     free     -> handed out first
-    swapped  a paused request's page (allocate / release): always wins a page over a cached one
+    swapped  a paused request's page (allocate / release): always wins a page over a cached one. A paused
+             request spilled to disk (L3) turns its full pages into cached ones (keep), written down first
     cached   a full page of the prefix cache, by its content hash (store); evicted (forgotten) in ring order when
              a swap or a newer page needs room. A prefix hit copies it up and keeps it (touch): the tier is
              inclusive, so a page evicted from the device again costs no copy. A cached page being written to disk
@@ -78,6 +79,9 @@ class HostPagePool:
     def owner_of(self, page: int) -> str | None:
         return self._owner[page]
 
+    def hash_of(self, page: int) -> bytes | None:
+        return self._hash_of[page]
+
     def store(self, pages: list[tuple[bytes, str | None]]) -> list[int | None]:
         """Host pages for device pages going down, (hash, owner) each (the caller copies their bytes), cached by
         their hashes; None for one that is here already (made most recent: no copy needed) or when no host page
@@ -146,6 +150,16 @@ class HostPagePool:
     def mark_on_disk(self, page: int) -> None:
         if page in self._cached:
             self._on_disk[page] = True
+
+    def keep(self, page: int, content_hash: bytes, owner: str | None) -> bool:
+        """A swapped page becomes a cached one under its content hash, pinned (a paused request spilled to disk:
+        its pages stay here until written); False, and the page freed, when that hash is cached here already."""
+        if content_hash in self._page_of_hash:
+            self.release([page])
+            return False
+        self._cache(page, content_hash, owner)
+        self._pinned.add(page)
+        return True
 
     def touch(self, page: int) -> None:
         """A prefix hit copied the page up: it stays here too, as the most recently used."""

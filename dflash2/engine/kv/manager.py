@@ -13,7 +13,9 @@ in place instead of receiving the whole table every step.
 
 Swapping (priority preemption): `swap_out` moves a request's computed pages to host pages (the caller
 copies the bytes before the step's kernels run), releasing its device pages and slot; `swap_in` takes new
-device pages for them when it resumes. While swapped, a request holds host pages only.
+device pages for them when it resumes. While swapped, a request holds host pages only. When host memory is full
+of swapped pages and a disk tier (L3) is there, `spill` hands a swapped request's full pages to the prefix cache,
+to be written down: it resumes through a prefix hit on host memory or disk instead of a swap-in.
 """
 from __future__ import annotations
 
@@ -62,11 +64,13 @@ class KVManager:
         self._num_synced: dict[str, int] = {}  # pages already handed to the runner
         self.host_pool = host_pool
         self._swapped: dict[str, list[int]] = {}  # request id -> host pages, in page-table order
+        self._swapped_hashes: dict[str, list[bytes]] = {}  # request id -> its full swapped pages' hashes
         self._lookup_chains: dict[str, tuple[int, list[bytes]]] = {}  # request id -> (num_tokens, page hashes)
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found (on the device or in host memory)
         self.num_prefix_hits_host = 0  # of those, tokens brought up from host memory
         self.num_prefix_hits_disk = 0  # of those, tokens read from disk (through host memory)
+        self.num_spills = 0  # swapped requests spilled to disk (their pages handed to the prefix cache)
         self.disk: DiskTier | None = None  # the L3 tier, when there is one
 
     @property
@@ -113,9 +117,24 @@ class KVManager:
         if host is None:
             return None
         device = self._pages[request.request_id][:count]
+        hashes = self._hashes.get(request.request_id, [])[:count]
         self.free(request)
         self._swapped[request.request_id] = host
+        self._swapped_hashes[request.request_id] = hashes
         return list(zip(device, host))
+
+    def spill(self, request: Request) -> list[int]:
+        """Turn a swapped request's full host pages into cached pages of the prefix cache, pinned until the disk
+        tier has written them (L3); its other pages are freed. The request holds no pages after: it computes
+        from its prompt again, and its prefix comes back as a host or disk hit. Returns the pages to write."""
+        host = self._swapped.pop(request.request_id)
+        hashes = self._swapped_hashes.pop(request.request_id)
+        kept = [page for page, content_hash in zip(host, hashes)
+                if self.host_pool.keep(page, content_hash, self.namespace)]
+        self.host_pool.release(host[len(hashes):])
+        request.num_computed_tokens = 0
+        self.num_spills += 1
+        return kept
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """New device pages for a swapped request: [(host page, device page)], or None (not enough)."""
@@ -125,6 +144,7 @@ class KVManager:
             return None
         self._open(request.request_id).extend(device)
         del self._swapped[request.request_id]
+        self._swapped_hashes.pop(request.request_id, None)
         self.host_pool.release(host)
         return list(zip(host, device))
 
@@ -263,6 +283,7 @@ class KVManager:
     def free(self, request: Request) -> None:
         """Drop the request's pages; the tail goes first so that LRU eviction takes it before the prefix."""
         host = self._swapped.pop(request.request_id, None)
+        self._swapped_hashes.pop(request.request_id, None)
         if host is not None:
             self.host_pool.release(host)
         pages = self._pages.pop(request.request_id, [])
