@@ -15,7 +15,12 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
 )
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -36,7 +41,14 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """The numbers that define one decoder-only Llama-family network."""
+    """The numbers that define one decoder-only Llama-family network, dense or mixture-of-experts.
+
+    A mixture-of-experts network (num_experts > 0) replaces the MLP of its sparse layers (`is_sparse_layer`) by
+    a router over num_experts experts of moe_intermediate_size, num_experts_per_tok of them per token: softmax
+    over all experts in float32, top-k, renormalized when norm_topk_prob; the weights kept in float32
+    (router_weights_float: Mixtral) or cast to the model dtype (the others), as the reference computes them.
+    Qwen2-MoE adds a shared expert (shared_expert_intermediate_size) scaled by sigmoid(shared_expert_gate(x)).
+    """
 
     architecture: str
     vocab_size: int
@@ -52,6 +64,16 @@ class ModelArchConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on per-head q and k
+    qk_norm_whole: bool = False  # OLMoE: RMSNorm on the whole q and k projections (all heads at once)
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
+    num_experts: int = 0  # 0: a dense network
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_weights_float: bool = False
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -68,6 +90,17 @@ class ModelArchConfig:
             )
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts "
+                             f"({self.num_experts})")
+        if (self.architecture in MOE_ARCHITECTURES) != (self.num_experts > 0):
+            raise ValueError(f"{self.architecture} with num_experts {self.num_experts}: a mixture-of-experts "
+                             f"architecture has experts and a dense one none")
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % max(1, self.decoder_sparse_step) == 0)
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> "ModelArchConfig":
@@ -79,6 +112,10 @@ class ModelArchConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        qkv_bias = cfg.get("qkv_bias", cfg.get("attention_bias"))
+        if qkv_bias is None:  # Qwen2 and Qwen2-MoE checkpoints do not say: their q/k/v have biases
+            qkv_bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         return ModelArchConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -92,8 +129,20 @@ class ModelArchConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope=_rope_from_hf(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(qkv_bias),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm_whole=arch == "OlmoeForCausalLM",
+            clip_qkv=cfg.get("clip_qkv"),
+            num_experts=num_experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if num_experts else 0,
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if num_experts
+            else 0,
+            norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
+            router_weights_float=arch == "MixtralForCausalLM",
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+            if arch == "Qwen2MoeForCausalLM" else 0,
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             sliding_window=sliding if arch != "Qwen3ForCausalLM" or cfg.get("use_sliding_window") else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -113,6 +162,10 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 

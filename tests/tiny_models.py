@@ -6,7 +6,8 @@ import random
 
 import torch
 
-ARCHS = ("llama", "llama3-rope", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "llama3-rope", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def hf_config(arch: str):
@@ -27,6 +28,20 @@ def hf_config(arch: str):
         return tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    # Mixtures of experts: 8 experts, 2 or 3 a token; every router rule the families have (renormalized or not,
+    # weights kept in float32 or not), a shared expert, a dense layer among sparse ones, clipped qkv
+    moe = dict(common, num_experts_per_tok=2, intermediate_size=32)
+    if arch == "mixtral":
+        return tf.MixtralConfig(**moe, num_local_experts=8, sliding_window=None)
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**moe, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                 norm_topk_prob=False, tie_word_embeddings=True)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**dict(moe, num_experts_per_tok=3, intermediate_size=48), num_experts=8,
+                                 moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0],
+                                 tie_word_embeddings=False)
+    if arch == "olmoe":
+        return tf.OlmoeConfig(**moe, num_experts=8, norm_topk_prob=False, clip_qkv=1.5)
     raise ValueError(arch)
 
 
@@ -42,6 +57,8 @@ def build_tiny_model(arch: str, directory: str, seed: int = 0):
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.2 * torch.randn_like(param))
+            elif name.endswith(("gate.weight", "experts.gate_up_proj", "experts.down_proj")):  # the router and
+                param.copy_(0.3 * torch.randn_like(param))  # experts: spread, so top-k choices differ by token
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, max_shard_size="200KB")  # several shards
     return model.eval()

@@ -1,4 +1,6 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM.
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM, and the mixtures of
+experts built on it: Mixtral, Qwen2-MoE (qkv bias, a shared expert), Qwen3-MoE (q/k norm), OLMoE (q/k norm over
+all heads, clipped qkv); their sparse layers' MLP is models/moe.py's SparseMoeBlock.
 
 The network runs on a flat batch of tokens from many requests; attention reads and writes the paged KV
 cache through a backend chosen at load time. q/k/v and gate/up are fused into one matmul each.
@@ -18,6 +20,7 @@ from dflash2.layers.linear import make_linear
 from dflash2.layers.norm import RMSNorm
 from dflash2.layers.quant_linear import QuantLinear
 from dflash2.layers.rotary import RotaryEmbedding, rotate
+from dflash2.models.moe import SparseMoeBlock
 from dflash2.quantization.config import QuantConfig
 from dflash2.quantization.formats import WeightFormat
 
@@ -54,8 +57,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = make_linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
                                     _format(quant, "qkv", arch.hidden_size, layer_index), bias=arch.attention_bias)
         self.o_proj = make_linear(self.q_size, arch.hidden_size, _format(quant, "o_proj", self.q_size, layer_index))
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.qk_norm_whole = arch.qk_norm_whole  # over all heads at once (OLMoE), else per head (Qwen3)
+        q_dim, k_dim = (self.q_size, self.kv_size) if arch.qk_norm_whole else (self.head_dim, self.head_dim)
+        has_norm = arch.qk_norm or arch.qk_norm_whole
+        self.q_norm = RMSNorm(q_dim, arch.rms_norm_eps) if has_norm else None
+        self.k_norm = RMSNorm(k_dim, arch.rms_norm_eps) if has_norm else None
+        self.clip_qkv = arch.clip_qkv
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext, norm: RMSNorm | None = None,
@@ -73,12 +80,16 @@ class LlamaAttention(nn.Module):
         cache = ctx.kv_caches[self.layer_index]
         backend = ctx.attention_backend
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_whole:  # OLMoE: normed, then clipped
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         fused = q.is_cuda and getattr(backend, "fuses_rotary", False)  # rotary applied while writing the cache
         qk_norm = None
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             if fused:  # Qwen3's q/k norms in the same launch
                 qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             elif q.is_cuda and self.head_dim & (self.head_dim - 1) == 0:
@@ -95,7 +106,7 @@ class LlamaAttention(nn.Module):
         rows = ctx.step_values.get("rotary")  # cos/sin rows: the same for every layer
         if rows is None:
             rows = ctx.step_values["rotary"] = rotary.rows(ctx.positions, q.dtype)
-        if self.q_norm is None:  # q and k side by side in qkv's rows: one rotation for both
+        if self.q_norm is None and self.clip_qkv is None:  # q and k side by side in qkv's rows: one rotation
             heads = self.num_heads + self.num_kv_heads
             qk = rotate(qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim), rows)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
@@ -113,10 +124,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_index: int, quant: QuantConfig | None = None) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_index: int, quant: QuantConfig | None = None,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        hidden, inter = arch.hidden_size, arch.intermediate_size
+        self.intermediate_size = intermediate_size or arch.intermediate_size
+        hidden, inter = arch.hidden_size, self.intermediate_size
         self.gate_up_proj = make_linear(hidden, 2 * inter, _format(quant, "ffn", hidden, layer_index))
         self.down_proj = make_linear(inter, hidden, _format(quant, "ffn", inter, layer_index))
         if isinstance(self.gate_up_proj, QuantLinear):
@@ -139,11 +151,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = LlamaAttention(arch, layer_index, quant)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, layer_index, quant)
+        if arch.is_sparse_layer(layer_index):
+            shared = arch.shared_expert_intermediate_size
+            self.mlp = SparseMoeBlock(arch, layer_index, LlamaMLP(arch, layer_index, quant, shared) if shared else None)
+        else:
+            self.mlp = LlamaMLP(arch, layer_index, quant)
 
     def fuses_norms(self, rows: int) -> bool:
         """Whether this layer's four GEMVs take its norms and residual adds for `rows` tokens: qkv and gate_up
         norm their input, o_proj and down add their output into the residual stream (QuantLinear.fuses_norm)."""
+        if not isinstance(self.mlp, LlamaMLP):
+            return False
         linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         return (all(isinstance(linear, QuantLinear) and linear.fuses_norm(rows) for linear in linears)
                 and self.mlp.gate_up_proj.fuses_silu_out)
@@ -215,20 +233,22 @@ class LlamaForCausalLM(nn.Module):
         tensors copied as they are) or a Hugging Face name, whose rows go into the fused float layers.
         """
         targets = self.state_dict(keep_vars=True)
-        rows_filled = dict.fromkeys(targets, 0)
+        filled = dict.fromkeys(targets, 0)  # elements
         for name, tensor in weights:
             located = (name, None) if name in targets else self._locate(name)
             if located is None:
                 continue
-            target, rows = located
+            target, part = located
             if target not in targets:
                 raise ValueError(f"weight {name}: this model has no {target} (a float weight for a quantized "
                                  f"layer? convert the checkpoint with `dflash2 convert`)")
-            dest = targets[target].data if rows is None else targets[target].data[rows[0]:rows[1]]
+            dest = targets[target].data
+            if part is not None:  # (first row, end row), or (expert, first row, end row) of stacked experts
+                dest = dest[part[0]:part[1]] if len(part) == 2 else dest[part[0]][part[1]:part[2]]
             _check_tensor(name, dest, tensor)
             dest.copy_(tensor)
-            rows_filled[target] += dest.shape[0] if dest.dim() else 1
-        missing = [n for n, t in targets.items() if rows_filled[n] != (t.shape[0] if t.dim() else 1)]
+            filled[target] += dest.numel()
+        missing = [n for n, t in targets.items() if filled[n] != t.numel()]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
 
@@ -268,10 +288,47 @@ class LlamaForCausalLM(nn.Module):
             "input_layernorm.weight": ("input_layernorm.weight", None),
             "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
         }
-        if rest not in fused:
-            return None
-        name, rows = fused[rest]
-        return prefix + name, rows
+        if rest in fused:
+            name, rows = fused[rest]
+            return prefix + name, rows
+        return _locate_moe(rest, prefix, a)
+
+
+def _locate_moe(rest: str, prefix: str, arch: ModelArchConfig) -> tuple[str, tuple[int, ...] | None] | None:
+    """A mixture-of-experts tensor of one layer (its name after `model.layers.N.`): the router, one expert's
+    projection (into the stacked experts: (expert, rows)), the stacked experts as transformers 5 holds them, or
+    Qwen2-MoE's shared expert and its gate."""
+    if not arch.num_experts:
+        return None
+    inter, shared = arch.moe_intermediate_size, arch.shared_expert_intermediate_size
+    block, _, rest = rest.partition(".")  # Mixtral: block_sparse_moe.*, the others: mlp.*
+    if block not in ("mlp", "block_sparse_moe"):
+        return None
+    if rest == "gate.weight":
+        return prefix + "mlp.gate.weight", None
+    if rest in ("experts.gate_up_proj", "experts.down_proj"):
+        return prefix + "mlp." + rest, None
+    if rest == "shared_expert_gate.weight":
+        return prefix + "mlp.shared_expert_gate.weight", None
+    shared_parts = {"gate_proj": ("gate_up_proj", (0, shared)), "up_proj": ("gate_up_proj", (shared, 2 * shared)),
+                    "down_proj": ("down_proj", None)}
+    if rest.startswith("shared_expert.") and rest.endswith(".weight"):
+        projection = rest[len("shared_expert."):-len(".weight")]
+        if projection in shared_parts:
+            name, rows = shared_parts[projection]
+            return f"{prefix}mlp.shared_expert.{name}.weight", rows
+        return None
+    if not rest.startswith("experts.") or not rest.endswith(".weight"):
+        return None
+    index, _, projection = rest[len("experts."):-len(".weight")].partition(".")
+    expert_parts = {"gate_proj": ("gate_up_proj", (0, inter)), "w1": ("gate_up_proj", (0, inter)),
+                    "up_proj": ("gate_up_proj", (inter, 2 * inter)), "w3": ("gate_up_proj", (inter, 2 * inter)),
+                    "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
+    if not index.isdigit() or projection not in expert_parts:
+        return None
+    name, rows = expert_parts[projection]
+    expert = int(index)
+    return f"{prefix}mlp.experts.{name}", (expert, *(rows or (0, inter if name == "gate_up_proj" else arch.hidden_size)))
 
 
 def _check_tensor(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:

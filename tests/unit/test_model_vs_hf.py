@@ -9,7 +9,7 @@ import torch
 
 from dflash2 import LLM, SamplingParams
 from tests.engine_runs import run_with_urgent_arrivals
-from tests.tiny_models import ARCHS, build_tiny_model, hf_greedy, hf_logprobs, random_prompts
+from tests.tiny_models import ARCHS, MOE_ARCHS, build_tiny_model, hf_greedy, hf_logprobs, random_prompts
 
 PAGE_BYTES = 2048  # 2 layers * 2 (K,V) * 2 kv heads * 16 dims * 4 bytes = 512 bytes/token -> 4 tokens a page
 
@@ -100,9 +100,18 @@ def test_architecture_specific_weights_are_used(tiny):
     llm = make_llm(directory, arch)
     layer = llm.engine.model.module.layers[0].self_attn
     hf_layer = hf_model.model.layers[0].self_attn
-    assert (layer.qkv_bias is not None) == (arch == "qwen2")
-    assert (layer.q_norm is not None) == (arch == "qwen3")
+    assert (layer.qkv_bias is not None) == (arch in ("qwen2", "qwen2_moe"))
+    assert (layer.q_norm is not None) == (arch in ("qwen3", "qwen3_moe", "olmoe"))
     assert torch.equal(layer.qkv_weight[: hf_layer.q_proj.weight.shape[0]], hf_layer.q_proj.weight)
+    if arch in MOE_ARCHS:  # the experts stacked as transformers 5 holds them; each layer sparse or dense as there
+        for ours, theirs in zip(llm.engine.model.module.layers, hf_model.model.layers):
+            hf_mlp = getattr(theirs, "block_sparse_moe", None) or theirs.mlp
+            assert hasattr(ours.mlp, "experts") == hasattr(hf_mlp, "experts")
+            if hasattr(hf_mlp, "experts"):
+                assert torch.equal(ours.mlp.experts.gate_up_proj, hf_mlp.experts.gate_up_proj)
+                assert torch.equal(ours.mlp.experts.down_proj, hf_mlp.experts.down_proj)
+                assert torch.equal(ours.mlp.gate.weight, hf_mlp.gate.weight)
+        assert (arch == "qwen3_moe") == (not hasattr(llm.engine.model.module.layers[0].mlp, "experts"))
 
 
 def test_overlapped_steps_give_the_same_tokens(tiny):

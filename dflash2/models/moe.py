@@ -1,0 +1,99 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks num_experts_per_tok experts
+per token; each expert is a SwiGLU MLP; their outputs are summed, weighted by the router.
+
+    router:   softmax(x W_router^T) over all experts, in float32 -> top-k -> renormalized (norm_topk_prob)
+              -> float32 kept (Mixtral) or cast to the model dtype (the others), as the reference does
+    experts:  gate_up [E, 2I, H] (gate rows first, then up), down [E, H, I]: the Hugging Face layout, stacked
+    shared:   Qwen2-MoE adds a shared expert, scaled by sigmoid(x W_shared_gate^T)
+
+The CPU path groups the tokens by expert (one sort), so each selected expert's weights are read once per step in
+one matmul over its tokens; on CUDA the experts run in one fused Triton kernel pair (kernels/triton/fused_moe.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash2.config import ModelArchConfig
+
+
+class Router(nn.Module):
+    """The router's gate: a float weight [num_experts, hidden] (kept in 16 bits when the experts are quantized)."""
+
+    def __init__(self, num_experts: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_index: int, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.top_k = arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
+        self.router_weights_float = arch.router_weights_float
+        hidden, inter, experts = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
+        self.gate = Router(experts, hidden)
+        self.experts = Experts(experts, hidden, inter)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Router(1, hidden) if shared_expert is not None else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) for x [T, hidden]."""
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.router_weights_float:
+            weights = weights.to(x.dtype)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
+        return out
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from dflash2.kernels.triton.fused_moe import fused_moe
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return experts_by_group(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+
+def experts_by_group(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], computed expert by expert
+    (ascending, each over all its tokens at once) and added into a zero output in x's dtype, as the reference
+    does: x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], weights and ids [T, k]."""
+    num_tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    flat_weights = weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        rows = order[start:start + count]
+        start += count
+        tokens = rows // k
+        gate, up = F.linear(x[tokens], w_gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_down[expert]) * flat_weights[rows, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
