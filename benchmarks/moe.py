@@ -117,6 +117,7 @@ def main() -> None:
 
         model = tempfile.mkdtemp(prefix="w6_smoke_")
         build_tiny_model("qwen3_moe", model)
+        args.dtype = "float32"
         options.update(dtype="float32", max_model_len=512)
         args.prompt_len, args.new_tokens, args.repeats = 16, 8, 1
         args.concurrency, args.conc_prompt, args.conc_output = 3, 32, 8
