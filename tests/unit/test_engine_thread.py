@@ -24,7 +24,8 @@ class FakeEngine:
     def __init__(self, fail_step: bool = False) -> None:
         self.pool = PagePool(8, 1024)
         self.kv = SimpleNamespace(tokens_per_page=4, num_prefix_queries=0, num_prefix_hits=0, num_swapped_requests=0,
-                                  num_used=0, num_cached=0, num_prefix_hits_host=0, num_prefix_hits_disk=0)
+                                  num_used=0, num_cached=0, num_prefix_hits_host=0, num_prefix_hits_disk=0,
+                                  num_spills=0)
         self.host_pool = self.disk_tier = None  # no KV tiers below the device
         self.scheduler = SimpleNamespace(running={}, waiting=[], num_preemptions=0, num_swap_outs=0, swapped_bytes=0)
         self.device = SimpleNamespace(type="cpu")
@@ -94,6 +95,7 @@ def start(engine: FakeEngine, loop: asyncio.AbstractEventLoop,
     thread = EngineThread(lambda: engine, observer, max_queue_len, max_held_requests)
     thread.start(loop, load_errors.append)
     assert thread.loaded.wait(10)
+    assert thread.load_error is None, thread.load_error  # never wait on an engine that did not start
     return thread, load_errors
 
 
