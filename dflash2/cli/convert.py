@@ -9,7 +9,7 @@ from typing import Any
 from dflash2.cli.args import add_flag
 
 GROUP_FLAGS = {"embed": "--embed-quant", "qkv": "--qkv-quant", "o_proj": "--o-proj-quant", "ffn": "--ffn-quant",
-               "lm_head": "--lm-head-quant"}
+               "lm_head": "--lm-head-quant", "experts": "--expert-quant"}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -28,9 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="bits for every weight group unless set below: int8, int6, int4, bf16 (or 8, 6, 4, 16)")
     for group, flag in GROUP_FLAGS.items():
         add_flag(parser, flag, dest=f"{group}_quant", default=None, help=f"bits for {group}: 16, 8, 6 or 4"
-                 + (" (default: --embed-quant's, else --dtype's)" if group == "lm_head" else ""))
+                 + {"lm_head": " (default: --embed-quant's, else --dtype's)",
+                    "experts": " (a mixture-of-experts layer's experts; default: --ffn-quant's; the router stays "
+                               "16-bit)"}.get(group, ""))
     add_flag(parser, "--layer-quant", action="append", default=[],
-             help="per-layer override LAYERS:GROUP=BITS[,GROUP=BITS] for qkv/o_proj/ffn, e.g. 0-1:ffn=8 (repeatable)")
+             help="per-layer override LAYERS:GROUP=BITS[,GROUP=BITS] for qkv/o_proj/ffn/experts, e.g. 0-1:ffn=8 "
+                  "(repeatable)")
     add_flag(parser, "--group-size", type=int, default=None,
              help="int4/int6 group size: 32, 64, 128 or 256 (default 128, or the largest of 128/64/32 dividing the row)")
     add_flag(parser, "--kv-quant", default=None, help="KV cache dtype recorded for serving: auto, bf16, fp16, fp8, int8, int4")

@@ -21,12 +21,20 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def _fill_quantized(model: nn.Module, seed: int) -> None:
+    from dflash2.layers.quant_experts import QuantExperts
     from dflash2.layers.quant_linear import QuantLinear
     from dflash2.quantization.quantize import quantize
 
-    for index, layer in enumerate(m for m in model.modules() if isinstance(m, QuantLinear)):
+    layers = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))]
+    for index, layer in enumerate(layers):
         device = next(iter(layer.buffers())).device
         generator = torch.Generator(device=device).manual_seed(seed + 1 + index)
-        weight = torch.empty(layer.out_features, layer.in_features, device=device).normal_(0.0, 0.02,
-                                                                                          generator=generator)
-        layer.set_packed(quantize(weight, layer.fmt))
+
+        def random_weight() -> torch.Tensor:
+            return torch.empty(layer.out_features, layer.in_features, device=device).normal_(0.0, 0.02,
+                                                                                             generator=generator)
+        if isinstance(layer, QuantExperts):
+            for expert in range(layer.num_experts):
+                layer.set_expert(expert, quantize(random_weight(), layer.fmt))
+        else:
+            layer.set_packed(quantize(random_weight(), layer.fmt))

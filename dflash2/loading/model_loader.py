@@ -88,11 +88,12 @@ def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, de
 def prepare_quantized(module: nn.Module, backend_name: str, dtype: torch.dtype, device: torch.device) -> None:
     """Give every quantized layer its runtime form from the chosen quantized-matmul backend."""
     from dflash2.kernels.dispatch import quant_matmul_backend
+    from dflash2.layers.quant_experts import QuantExperts
     from dflash2.layers.quant_linear import QuantLinear
 
     backend = quant_matmul_backend(backend_name, device.type)
     for layer in module.modules():
-        if isinstance(layer, QuantLinear):
+        if isinstance(layer, (QuantLinear, QuantExperts)):
             layer.prepare(backend, dtype)
 
 

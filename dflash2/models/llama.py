@@ -153,7 +153,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if arch.is_sparse_layer(layer_index):
             shared = arch.shared_expert_intermediate_size
-            self.mlp = SparseMoeBlock(arch, layer_index, LlamaMLP(arch, layer_index, quant, shared) if shared else None)
+            formats = (_format(quant, "experts", arch.hidden_size, layer_index),
+                       _format(quant, "experts", arch.moe_intermediate_size, layer_index))
+            self.mlp = SparseMoeBlock(arch, layer_index, LlamaMLP(arch, layer_index, quant, shared) if shared else None,
+                                      formats)
         else:
             self.mlp = LlamaMLP(arch, layer_index, quant)
 

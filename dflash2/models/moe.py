@@ -8,14 +8,22 @@ per token; each expert is a SwiGLU MLP; their outputs are summed, weighted by th
 
 The CPU path groups the tokens by expert (one sort), so each selected expert's weights are read once per step in
 one matmul over its tokens; on CUDA the experts run in one fused Triton kernel pair (kernels/triton/fused_moe.py).
+Quantized experts (QuantConfig's `experts` group) are stacked packed tensors (layers/quant_experts.py) that the
+kernel reads as they are; on the CPU each selected expert runs on the dense layers' quantized kernels. The router
+stays in 16 bits.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash2.config import ModelArchConfig
+from dflash2.layers.quant_experts import QuantExperts
+from dflash2.quantization.formats import WeightFormat
 
 
 class Router(nn.Module):
@@ -27,7 +35,8 @@ class Router(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_index: int, shared_expert: nn.Module | None = None) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_index: int, shared_expert: nn.Module | None = None,
+                 formats: tuple[WeightFormat | None, WeightFormat | None] = (None, None)) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.top_k = arch.num_experts_per_tok
@@ -35,7 +44,7 @@ class SparseMoeBlock(nn.Module):
         self.router_weights_float = arch.router_weights_float
         hidden, inter, experts = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
         self.gate = Router(experts, hidden)
-        self.experts = Experts(experts, hidden, inter)
+        self.experts = Experts(experts, hidden, inter, *formats)
         self.shared_expert = shared_expert
         self.shared_expert_gate = Router(1, hidden) if shared_expert is not None else None
 
@@ -60,30 +69,56 @@ class SparseMoeBlock(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    """gate_up_proj [E, 2I, H] and down_proj [E, H, I]: float parameters, or QuantExperts where a format of 8, 6
+    or 4 bits is given (the same for both projections' bit width; the group size fits each row)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 gate_up_format: WeightFormat | None = None, down_format: WeightFormat | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.bits = 16 if gate_up_format is None else gate_up_format.bits
+        if self.bits == 16:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                             requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+                                          requires_grad=False)
+        else:
+            self.gate_up_proj = QuantExperts(num_experts, 2 * intermediate_size, hidden_size, gate_up_format)
+            self.down_proj = QuantExperts(num_experts, hidden_size, intermediate_size, down_format)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from dflash2.kernels.triton.fused_moe import fused_moe
 
-            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
-        return experts_by_group(x, self.gate_up_proj, self.down_proj, weights, ids)
+            if self.bits == 16:
+                return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+            gate_up, down = self.gate_up_proj, self.down_proj
+            return fused_moe(x, gate_up.qweight, down.qweight, weights, ids, bits=self.bits,
+                             group_size=gate_up.fmt.group_size, down_group_size=down.fmt.group_size,
+                             **gate_up.kernel_arguments("gate_up"), **down.kernel_arguments("down"))
+        if self.bits == 16:
+            return experts_by_group(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return experts_by_group(x, self._runtimes(self.gate_up_proj), self._runtimes(self.down_proj), weights, ids)
+
+    @staticmethod
+    def _runtimes(projection: QuantExperts) -> list:
+        if projection.runtimes is None:  # not prepared (a test's module): the reference backend's forms
+            from dflash2.kernels.dispatch import quant_matmul_backend
+
+            projection.prepare(quant_matmul_backend("torch"), torch.float32)
+        return projection.runtimes
 
 
-def experts_by_group(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-                     ids: torch.Tensor) -> torch.Tensor:
+def experts_by_group(x: torch.Tensor, w_gate_up: torch.Tensor | Sequence[Any], w_down: torch.Tensor | Sequence[Any],
+                     weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], computed expert by expert
     (ascending, each over all its tokens at once) and added into a zero output in x's dtype, as the reference
-    does: x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], weights and ids [T, k]."""
+    does: x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I] (or, for quantized experts, a runtime weight per
+    expert with `.matmul`), weights and ids [T, k]."""
     num_tokens, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=len(w_gate_up)).tolist()
     flat_weights = weights.reshape(-1)
     out = torch.zeros_like(x)
     start = 0
@@ -93,7 +128,13 @@ def experts_by_group(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
         rows = order[start:start + count]
         start += count
         tokens = rows // k
-        gate, up = F.linear(x[tokens], w_gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w_down[expert]) * flat_weights[rows, None]
+        gate, up = _project(w_gate_up, expert, x[tokens]).chunk(2, dim=-1)
+        y = _project(w_down, expert, F.silu(gate) * up) * flat_weights[rows, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
+
+
+def _project(weight: torch.Tensor | Sequence[Any], expert: int, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight[expert])
+    return weight[expert].matmul(x)

@@ -4,10 +4,13 @@ Stored as the `quantization` section of a converted model's config.json:
 
     "quantization": {"format": "dflash2", "version": 1,
                      "embed_quant": 8, "qkv_quant": 4, "o_proj_quant": 8, "ffn_quant": 6, "lm_head_quant": 8,
-                     "group_size": null, "layers": {"0": {"ffn": 8}},
+                     "experts_quant": 4, "group_size": null, "layers": {"0": {"ffn": 8}},
                      "kv_quant": "int8", "kv_cache_dtype": "int8",
                      "calibration": {"method": "activation-weighted clipping", "dataset": "x.jsonl", "samples": 64},
                      "source": "/path/to/unquantized", "formats": {...every tensor's resolved format...}}
+
+`experts` is the stacked experts of a mixture-of-experts layer (null: as `ffn`); a MoE layer's router gate is
+always kept in 16 bits, and Qwen2-MoE's shared expert is an `ffn` tensor.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from typing import Any
 from dflash2.quantization.formats import WEIGHT_BITS, WeightFormat, resolve_group_size
 
 GROUPS = ("embed", "qkv", "o_proj", "ffn", "lm_head")
-LAYER_GROUPS = ("qkv", "o_proj", "ffn")
+EXPERTS = "experts"  # the experts of a MoE layer: their own bits, or (None) ffn's
+LAYER_GROUPS = ("qkv", "o_proj", "ffn", EXPERTS)
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "int8", "int4")
 FORMAT_NAME = "dflash2"
 VERSION = 1
@@ -47,13 +51,14 @@ def parse_kv_dtype(value: Any, what: str = "KV cache dtype") -> str:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Bits for each tensor group; `layer_overrides` maps a layer index to {group: bits} for qkv/o_proj/ffn."""
+    """Bits for each tensor group; `layer_overrides` maps a layer index to {group: bits} for qkv/o_proj/ffn/experts."""
 
     embed: int = 16
     qkv: int = 16
     o_proj: int = 16
     ffn: int = 16
     lm_head: int = 16
+    experts: int | None = None  # None: as ffn (in each layer)
     group_size: int | None = None  # None: 128, or the largest of 128/64/32 dividing the row
     layer_overrides: tuple[tuple[int, tuple[tuple[str, int], ...]], ...] = ()
     kv_cache_dtype: str = "auto"
@@ -63,6 +68,8 @@ class QuantConfig:
     def __post_init__(self) -> None:
         for group in GROUPS:
             parse_bits(getattr(self, group), f"{group}")
+        if self.experts is not None:
+            parse_bits(self.experts, EXPERTS)
         for layer, overrides in self.layer_overrides:
             for group, bits in overrides:
                 if group not in LAYER_GROUPS:
@@ -73,13 +80,15 @@ class QuantConfig:
 
     # -- lookups -----------------------------------------------------------------------------------
     def bits_for(self, group: str, layer_index: int | None = None) -> int:
-        if group not in GROUPS:
-            raise ValueError(f"unknown tensor group {group!r}; groups: {', '.join(GROUPS)}")
+        if group not in GROUPS and group != EXPERTS:
+            raise ValueError(f"unknown tensor group {group!r}; groups: {', '.join(GROUPS + (EXPERTS,))}")
         for layer, overrides in self.layer_overrides:
             if layer == layer_index:
                 for name, bits in overrides:
                     if name == group:
                         return bits
+        if group == EXPERTS and self.experts is None:
+            return self.bits_for("ffn", layer_index)
         return getattr(self, group)
 
     def format_for(self, group: str, in_features: int, layer_index: int | None = None) -> WeightFormat:
@@ -91,7 +100,8 @@ class QuantConfig:
 
     def describe(self) -> str:
         """'embed 8, qkv 4, o_proj 4, ffn 4, lm_head 8 bits' (+ the int4/int6 group size, the layers that differ)."""
-        text = ", ".join(f"{group} {getattr(self, group)}" for group in GROUPS) + " bits"
+        text = ", ".join(f"{group} {getattr(self, group)}" for group in GROUPS)
+        text += (f", experts {self.experts}" if self.experts is not None else "") + " bits"
         if self.group_size is not None and any(bits in (4, 6) for bits in self.all_bits()):
             text += f" (groups of {self.group_size})"
         if self.layer_overrides:
@@ -103,12 +113,14 @@ class QuantConfig:
         return any(bits != 16 for bits in self.all_bits())
 
     def all_bits(self) -> list[int]:
-        return [getattr(self, g) for g in GROUPS] + [b for _, o in self.layer_overrides for _, b in o]
+        return ([getattr(self, g) for g in GROUPS] + ([self.experts] if self.experts is not None else [])
+                + [b for _, o in self.layer_overrides for _, b in o])
 
     # -- config.json -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"format": FORMAT_NAME, "version": VERSION}
         data.update({f"{group}_quant": getattr(self, group) for group in GROUPS})
+        data["experts_quant"] = self.experts
         data["group_size"] = self.group_size
         data["layers"] = {str(layer): dict(overrides) for layer, overrides in self.layer_overrides}
         data["kv_quant"] = self.kv_cache_dtype
@@ -123,6 +135,8 @@ class QuantConfig:
             raise ValueError(f"unsupported quantization format {data.get('format')!r}; this engine reads "
                              f"{FORMAT_NAME!r} (written by `dflash2 convert`)")
         bits = {group: parse_bits(data.get(f"{group}_quant", 16), f"{group}_quant") for group in GROUPS}
+        experts = data.get("experts_quant")
+        bits[EXPERTS] = None if experts is None else parse_bits(experts, "experts_quant")
         layers = data.get("layers") or {}
         overrides = tuple(sorted(
             (int(layer), tuple(sorted((g, parse_bits(b, f"layer {layer} {g}")) for g, b in groups.items())))
@@ -135,9 +149,14 @@ class QuantConfig:
     @staticmethod
     def build(base_bits: int = 16, group_bits: dict[str, int | None] | None = None,
               layer_overrides: dict[int, dict[str, int]] | None = None, **kwargs: Any) -> "QuantConfig":
-        """Every group at `base_bits` unless named in `group_bits`; overrides as {layer: {group: bits}}."""
-        bits = {group: base_bits for group in GROUPS}
-        bits.update({g: b for g, b in (group_bits or {}).items() if b is not None})
+        """Every group at `base_bits` unless named in `group_bits` (the experts: as ffn unless named); overrides as
+        {layer: {group: bits}}."""
+        bits: dict[str, int | None] = {group: base_bits for group in GROUPS}
+        for group, value in (group_bits or {}).items():
+            if group not in bits and group != EXPERTS:
+                raise ValueError(f"unknown tensor group {group!r}; groups: {', '.join(GROUPS + (EXPERTS,))}")
+            if value is not None:
+                bits[group] = value
         overrides = tuple(sorted((layer, tuple(sorted(groups.items())))
                                  for layer, groups in (layer_overrides or {}).items()))
         return QuantConfig(**bits, layer_overrides=overrides, **kwargs)
@@ -159,7 +178,7 @@ def parse_layer_override(spec: str) -> dict[int, dict[str, int]]:
         if "bit width" in str(e):
             raise
         raise ValueError(f"bad --layer-quant {spec!r}; expected LAYERS:GROUP=BITS[,GROUP=BITS], "
-                         f"e.g. 0-3:ffn=8,qkv=8") from None
+                         f"e.g. 0-3:ffn=8,qkv=8,experts=4") from None
     for name in groups:
         if name not in LAYER_GROUPS:
             raise ValueError(f"--layer-quant {spec!r}: {name!r} cannot be set per layer; "

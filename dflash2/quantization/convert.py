@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from dflash2.config import ModelArchConfig
 from dflash2.layers.embedding import QuantEmbedding
+from dflash2.layers.quant_experts import QuantExperts
 from dflash2.layers.quant_linear import QuantLinear
 from dflash2.loading.model_loader import LoadedModel, load_model
 from dflash2.loading.tokenizer import TOKENIZER_FILES, bundled_model_path
@@ -92,9 +93,13 @@ def _calibrate(loaded: LoadedModel, texts: list[str], options: ConvertOptions) -
 
 
 def _float_weight(module: nn.Module, name: str) -> torch.Tensor:
-    """The float weight behind one quantized layer of the skeleton (a tied head reads the embedding)."""
+    """The float weight behind one quantized layer of the skeleton (a tied head reads the embedding; stacked
+    experts their stacked parameter)."""
     if name == "lm_head" and getattr(module, "lm_head", None) is None:
         return module.embed_tokens.weight
+    parent, _, leaf = name.rpartition(".")
+    if leaf in ("gate_up_proj", "down_proj") and parent.endswith(".experts"):
+        return getattr(module.get_submodule(parent), leaf)
     return module.get_submodule(name).weight
 
 
@@ -114,10 +119,14 @@ def _quantize_all(module: nn.Module, skeleton: nn.Module, importance: dict[str, 
                   progress: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors: dict[str, torch.Tensor] = {}
     formats: dict[str, str] = {}
-    layers = [(n, m) for n, m in skeleton.named_modules() if isinstance(m, QuantLinear)]
+    layers = [(n, m) for n, m in skeleton.named_modules() if isinstance(m, (QuantLinear, QuantExperts))]
     tied = skeleton.lm_head is None
     for name, layer in tqdm(layers, desc="quantizing", unit="tensor", disable=not progress):
-        packed = quantize(_float_weight(module, name), layer.fmt, _importance(name, layer, importance, tied))
+        if isinstance(layer, QuantExperts):  # round-to-nearest, expert by expert (no per-expert statistics)
+            experts = [quantize(w, layer.fmt) for w in _float_weight(module, name)]
+            packed = {suffix: torch.stack([e[suffix] for e in experts]) for suffix in experts[0]}
+        else:
+            packed = quantize(_float_weight(module, name), layer.fmt, _importance(name, layer, importance, tied))
         tensors.update({f"{name}.{suffix}": t for suffix, t in packed.items()})
         formats[name] = layer.fmt.name
     float_state = module.state_dict()
@@ -184,7 +193,8 @@ def _hf_config(source: str, arch: ModelArchConfig) -> dict[str, Any]:
 
 def _check_same_arch(written: ModelArchConfig, loaded: ModelArchConfig, source: str) -> None:
     fields = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-              "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm")
+              "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm", "num_experts",
+              "num_experts_per_tok", "moe_intermediate_size")
     differ = [f for f in fields if getattr(written, f) != getattr(loaded, f)]
     if written.rope.theta != loaded.rope.theta or loaded.rope.freq_factors is not None:
         differ.append("rope")
