@@ -195,6 +195,7 @@ class EngineLoop:
             self._abort(request_id)
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()  # with an L3 cache, the prefix cache's pages go down to disk for the next server
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply every queued command; False once told to stop."""

@@ -54,7 +54,7 @@ from dflash2.server.observer import ObserverConfig, StreamTiming, Tracked
 
 logger = logging.getLogger("dflash2.server")
 
-_STOP_TIMEOUT_S = 10.0
+_STOP_TIMEOUT_S = 30.0  # the engine's close writes an L3 cache's pages down (l3_flush_timeout_s, 10 s)
 _HEADER = struct.Struct("!Q")  # a frame's length (both pipes)
 # While the engine process renders a /metrics scrape (on a thread of its own), the interpreter hands the GIL
 # between threads this often (CPython's default: 5 ms): the engine loop, which drops the GIL while it waits

@@ -16,6 +16,13 @@ from tests.integration.server_process import ServerProcess
 pytestmark = pytest.mark.slow
 
 
+def _stop(pid: int) -> None:
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.2)
+
+
 def test_sigusr2_hands_the_socket_to_a_new_server_without_a_failed_request():
     server = ServerProcess("--dtype", "float32", "--max-model-len", "1024", "--disable-log-stats").start()
     successor = None
@@ -51,8 +58,30 @@ def test_sigusr2_hands_the_socket_to_a_new_server_without_a_failed_request():
         assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     finally:
         if successor is not None:
-            os.kill(successor, signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and os.path.exists(f"/proc/{successor}"):
-                time.sleep(0.2)
+            _stop(successor)
+        server.cleanup()
+
+
+def test_with_an_l3_cache_the_new_server_starts_with_the_old_servers_pages(tmp_path):
+    """The old server's prefix cache goes down to the shared L3 directory as it drains; the successor, started
+    before that, finds those pages at its first lookup: the same prompt is a disk hit there, same tokens."""
+    server = ServerProcess("--dtype", "float32", "--max-model-len", "1024", "--disable-log-stats", "--swap-space",
+                           "0.01", "--enable-l3-cache", "--l3-cache-path", str(tmp_path)).start()
+    prompt = "A long shared system prompt that the next server should not compute again. " * 6
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    successor = None
+    try:
+        first = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        server.process.send_signal(signal.SIGUSR2)
+        assert server.process.wait(120) == 0
+        match = re.search(r"the new server \(pid (\d+)\) is ready", server.stderr())
+        assert match, server.stderr_tail()
+        successor = int(match.group(1))
+        assert list(tmp_path.glob("*/*.page")), "the old server wrote its cached pages down as it stopped"
+        again = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert again == first
+        assert server.metric("dflash2_kv_cache_tier_hit_tokens_total", tier="disk") > 0
+    finally:
+        if successor is not None:
+            _stop(successor)
         server.cleanup()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 
 import pytest
 
@@ -82,13 +83,24 @@ def test_a_corrupt_or_cut_file_is_a_miss_and_is_removed(tmp_path, damage):
     assert disk.num_corrupt == 1 and not path.exists() and b"h" not in disk
 
 
-def test_a_write_cut_by_a_kill_is_never_served(tmp_path):
+def test_a_write_cut_by_a_kill_is_never_served_and_a_live_writer_keeps_its_file(tmp_path):
     disk = store(tmp_path)
     disk.directory.mkdir(exist_ok=True)
-    (disk.directory / (b"h".hex() + ".page.tmp")).write_bytes(b"half a page")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (disk.directory / f"{b'h'.hex()}.page.{dead.pid}.tmp").write_bytes(b"half a page")  # its writer was killed
+    live = disk.directory / f"{b'i'.hex()}.page.{os.getppid()}.tmp"  # another server writing right now
+    live.write_bytes(b"being written")
     disk.close()
     again = store(tmp_path)
-    assert b"h" not in again and list(again.directory.iterdir()) == []
+    assert b"h" not in again and b"i" not in again and list(again.directory.iterdir()) == [live]
+
+
+def test_a_page_another_process_writes_later_is_found_by_a_store_started_before(tmp_path):
+    old, new = store(tmp_path), store(tmp_path)  # a server and the successor a restart starts beside it
+    assert b"h" not in new
+    old.put(b"h", page(7)).result()
+    assert b"h" in new and len(new.disk) == 1 and new.get(b"h").result() == page(7)
 
 
 def test_a_directory_that_cannot_be_written_is_refused_and_a_failing_write_turns_writing_off(tmp_path):

@@ -41,6 +41,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.pages: dict[str, list[int]] = {}
         self.requests = self.scheduler.running  # every request it holds runs here
+        self.closed = False
 
     @property
     def num_waiting(self) -> int:
@@ -60,6 +61,9 @@ class FakeEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running)
+
+    def close(self) -> None:
+        self.closed = True
 
     def take_failures(self) -> list[tuple[str, str]]:
         return []  # no request of this engine fails alone
@@ -117,6 +121,7 @@ def test_outputs_come_back_in_order_and_the_pages_are_freed():
         return thread, got
 
     thread, got = run(scenario)
+    assert engine.closed  # the loop closed the engine as it stopped (an L3 cache's pages go down then)
     assert [o.finished for o in got] == [False, False, True]
     assert got[-1].outputs[0].token_ids == [7, 7, 7]
     assert engine.pool.num_used == 0

@@ -5,8 +5,10 @@ with LRU eviction over every fingerprint, and found again by a new process (the 
     DIR/<fingerprint>/<hash hex>.page      header (HEADER: magic, version, fingerprint, hash, length, xxh64 of
                                            the payload) + payload (the page's bytes)
 
-A file is written to `<name>.tmp` and renamed, so a file cut by a kill mid-write is never under its final name;
-`.tmp` files are removed at startup. A read whose header or checksum does not match is a miss: the file is removed
+A file is written to `<name>.<pid>.tmp` and renamed, so a file cut by a kill mid-write is never under its final
+name; at startup the `.tmp` files of processes no longer alive are removed. Two processes may share a directory (a
+server and the successor a SIGUSR2 restart starts beside it): a page the other one writes later is found at its
+first lookup (`contains` looks on disk when the index misses) and joins this store's index. A read whose header or checksum does not match is a miss: the file is removed
 and counted (`num_corrupt`). An I/O error while writing (a full disk, a read-only directory) turns writing off with
 one log line (`writes_disabled`); reads go on.
 """
@@ -77,7 +79,8 @@ class DiskStore:
         entries = []
         for path in tqdm(paths, desc="L3 cache index", unit="file", disable=len(paths) < PROGRESS_FROM):
             if path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)
+                if not _writer_alive(path):
+                    path.unlink(missing_ok=True)
             elif path.suffix == SUFFIX:
                 try:
                     entries.append((path.stat().st_mtime, path.parent.name, bytes.fromhex(path.stem)))
@@ -90,7 +93,17 @@ class DiskStore:
             logger.info("L3 cache: %d pages found in %s", len(self._index), self.directory)
 
     def contains(self, fingerprint: str, content_hash: bytes) -> bool:
-        return (fingerprint, content_hash) in self._index  # a dict lookup: atomic under the GIL
+        """Whether the page is on disk: in the index, or a file another process sharing the directory wrote
+        since (it joins the index, most recently used; its checksum is checked when it is read)."""
+        key = (fingerprint, content_hash)
+        if key in self._index:  # a dict lookup: atomic under the GIL
+            return True
+        if not self._path(key).is_file():
+            return False
+        with self._lock:
+            self._index[key] = None
+            self._evict_to(self.capacity_bytes)
+            return key in self._index
 
     def __len__(self) -> int:
         return len(self._index)
@@ -131,7 +144,7 @@ class DiskStore:
         if ready is not None:
             ready()
         path = self._path(key)
-        temporary = path.with_name(path.name + ".tmp")
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         view = memoryview(payload).cast("B")
         header = HEADER.pack(MAGIC, VERSION, key[0].encode(), len(key[1]), key[1], view.nbytes,
                              xxhash.xxh64_intdigest(view))
@@ -223,6 +236,23 @@ class DiskStore:
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
+
+
+def _writer_alive(temporary: Path) -> bool:
+    """Whether the process that is writing this `.tmp` file (its name's pid) is still running."""
+    try:
+        pid = int(temporary.name.rsplit(".", 2)[-2])
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _remove(path: Path) -> None:
