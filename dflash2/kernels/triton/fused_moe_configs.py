@@ -61,4 +61,13 @@ def moe_config(num_experts: int, hidden: int, inter: int, bits: int, num_tokens:
     gate_up = pick(2 * inter, hidden, config)
     down = pick(hidden, inter, given_down)
     down["BLOCK_M"] = gate_up["BLOCK_M"]
-    return gate_up, down
+    return _checked(gate_up), _checked(down)
+
+
+def _checked(config: dict[str, int]) -> dict[str, int]:
+    """Tiles of powers of two from 16 (tl.dot's smallest) and positive launch settings."""
+    tiles = [config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")]
+    if any(t < 16 or t & (t - 1) for t in tiles) or min(config[k] for k in KEYS[3:]) < 1:
+        raise ValueError(f"a fused MoE config needs BLOCK_M/N/K powers of two >= 16, GROUP_M, num_warps and "
+                         f"num_stages >= 1; got {config}")
+    return config

@@ -18,7 +18,8 @@ when they fit in one chunk, as in decode):
     _count_kernel    the chunk's pairs per expert -> counts [num_chunks, BLOCK_E]
     _scatter_kernel  every expert's total and the counts of the chunks before this one -> each pair's row;
                      then every num_chunks-th block: its expert, and the sentinel on its padding rows
-The rank of a pair among the chunk's pairs of its expert is a cumulative sum of one-hot rows [SUB, BLOCK_E].
+The rank of a pair among the chunk's pairs of its expert is a cumulative sum of one-hot rows [SUB, BLOCK_E]
+(SUB pairs a step, ONE_HOT_ELEMENTS in all).
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ import triton.language as tl
 
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
-PAIRS_PER_PROGRAM = 512  # a chunk; 64 pairs a step (one-hot [64, BLOCK_E])
-SUB_PAIRS = 64
+PAIRS_PER_PROGRAM = 512  # a chunk
+ONE_HOT_ELEMENTS = 8192  # a step's one-hot [SUB, BLOCK_E]: 64 int32 registers a thread of 4 warps
 CHUNK_ROWS = 32  # rows of the counts table a step
 BLOCKS_A_STEP = 16
 
@@ -144,7 +145,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         return ExpertBlocks(pair_ids, block_experts, num_rows.zero_())
     num_chunks = triton.cdiv(num_pairs, pairs_per_program)
     block_e = triton.next_power_of_2(num_experts)
-    sub = min(SUB_PAIRS, pairs_per_program)
+    sub = min(pairs_per_program, max(16, ONE_HOT_ELEMENTS // block_e))
     counts = pair_ids  # unused with one chunk
     if num_chunks > 1:
         counts = torch.empty((num_chunks, block_e), dtype=torch.int32, device=device)
