@@ -153,8 +153,10 @@ def test_bad_arguments():
         fused_moe(x, w_gate_up, w_down, weights, ids, bits=3)
     with pytest.raises(ValueError, match="w_gate_up: bits=8"):
         fused_moe(x, w_gate_up, w_down, weights, ids, bits=8)
-    with pytest.raises(ValueError, match="zeros must be"):
+    with pytest.raises(ValueError, match="w_down: bits=4 needs scales and zeros"):
         fused_moe(x, w_gate_up, w_down, weights, ids, **{**args, "down_zeros": None})
+    with pytest.raises(ValueError, match="zeros must be"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, **{**args, "down_zeros": args["down_zeros"][:, :8]})
     with pytest.raises(ValueError, match="group size 128"):
         fused_moe(x, w_gate_up, w_down, weights, ids, **{**args, "group_size": 128})
     with pytest.raises(ValueError, match="topk_ids"):

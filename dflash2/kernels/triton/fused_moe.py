@@ -259,12 +259,15 @@ def _checked_weight(name: str, x: torch.Tensor, bits: int, w: torch.Tensor, scal
     if bits == 8:
         _check_scales(name, "scales", scales, (num_experts, n))
         return w, scales, scales, 1
-    group = group_size or (k // scales.shape[-1] if scales is not None and scales.dim() == 3 and scales.shape[-1]
-                           else 0)
+    if scales is None or zeros is None or scales.dim() != 3 or not scales.shape[-1]:
+        raise ValueError(f"{name}: bits={bits} needs scales and zeros [{num_experts}, {n}, {k} / group size]")
+    group = group_size or k // scales.shape[-1]
     if group not in ALLOWED_GROUP_SIZES or k % group:
         raise ValueError(f"{name}: group size {group} does not fit rows of {k} (one of {ALLOWED_GROUP_SIZES})")
     _check_scales(name, "scales", scales, (num_experts, n, k // group))
     _check_scales(name, "zeros", zeros, (num_experts, n, k // group))
+    if zeros.stride() != scales.stride():  # the kernels index both with the scales' strides
+        raise ValueError(f"{name}: zeros and scales must have the same strides")
     return w, scales, zeros, group
 
 
