@@ -1,0 +1,132 @@
+"""On a CUDA device: the fused MoE kernels (kernels/triton/fused_moe.py) on qwen3-30b-a3b's and mixtral-8x7b's expert
+shapes in bf16 against models/moe.experts_by_group on the float32 (dequantized) weights, the Experts module's CUDA
+path, and a CUDA graph's replays against eager calls."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+QWEN3 = (128, 8, 2048, 768)  # E, k, H, I
+MIXTRAL = (8, 2, 4096, 14336)
+
+
+def _experts(bits: int, group_size: int | None, num_experts: int, n: int, k: int, seed: int
+             ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Random [E, n, k] weights in a format: (the stacked tensors, dequantized in float32)."""
+    from dflash2.quantization.formats import WeightFormat, dequantize
+    from dflash2.quantization.quantize import quantize
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    fmt = WeightFormat(bits, group_size)
+    parts = [quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02, fmt) for _ in range(num_experts)]
+    stacked = {name: torch.stack([p[name] for p in parts]) for name in parts[0]}
+    return stacked, torch.stack([dequantize(fmt, p) for p in parts])
+
+
+def _moe_args(bits: int, group_size: int | None, num_experts: int, hidden: int, inter: int
+              ) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    gate_up, gate_up_float = _experts(bits, group_size, num_experts, 2 * inter, hidden, seed=1)
+    down, down_float = _experts(bits, group_size, num_experts, hidden, inter, seed=2)
+    if bits == 16:
+        return {"w_gate_up": gate_up["weight"], "w_down": down["weight"]}, gate_up_float, down_float
+    args = {"w_gate_up": gate_up["qweight"], "w_down": down["qweight"], "bits": bits, "group_size": group_size,
+            "gate_up_scales": gate_up["scales"], "down_scales": down["scales"]}
+    if "zeros" in gate_up:
+        args.update(gate_up_zeros=gate_up["zeros"], down_zeros=down["zeros"])
+    return args, gate_up_float, down_float
+
+
+def _routing(num_tokens: int, num_experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g, device="cuda")
+    weights, ids = torch.topk(logits.softmax(-1), top_k)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("bits, group_size", [(16, None), (8, None), (4, 128), (6, 128)])
+def test_qwen3_shapes_match_reference(bits, group_size):
+    from dflash2.kernels.triton.fused_moe import fused_moe
+    from dflash2.models.moe import experts_by_group
+
+    num_experts, top_k, hidden, inter = QWEN3
+    args, gate_up, down = _moe_args(bits, group_size, num_experts, hidden, inter)
+    w_gate_up, w_down = args.pop("w_gate_up"), args.pop("w_down")
+    for num_tokens in (1, 7, 64, 300, 2048):  # decode to prefill: BLOCK_M 16, 32 and 64 by default
+        x = torch.randn(num_tokens, hidden, generator=torch.Generator(device="cuda").manual_seed(num_tokens),
+                        device="cuda").bfloat16()
+        weights, ids = _routing(num_tokens, num_experts, top_k, seed=num_tokens)
+        expected = experts_by_group(x.float(), gate_up, down, weights, ids)
+        got = fused_moe(x, w_gate_up, w_down, weights.bfloat16(), ids.int(), **args)
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        error = _relative_error(got, expected)
+        assert error < 1e-2, (num_tokens, error)
+
+
+def test_mixtral_shape_matches_reference():
+    from dflash2.kernels.triton.fused_moe import fused_moe
+    from dflash2.models.moe import experts_by_group
+
+    num_experts, top_k, hidden, inter = MIXTRAL
+    args, gate_up, down = _moe_args(16, None, num_experts, hidden, inter)
+    for num_tokens in (1, 33, 512):
+        x = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+        weights, ids = _routing(num_tokens, num_experts, top_k, seed=num_tokens)
+        expected = experts_by_group(x.float(), gate_up, down, weights, ids)
+        error = _relative_error(fused_moe(x, args["w_gate_up"], args["w_down"], weights, ids), expected)
+        assert error < 1e-2, (num_tokens, error)
+
+
+def test_experts_module_runs_the_kernel():
+    """Experts.forward on CUDA (fused_moe) against its CPU path (experts_by_group) on the same bf16 weights."""
+    from dflash2.models.moe import Experts, experts_by_group
+
+    num_experts, top_k, hidden, inter = 16, 4, 512, 256
+    experts = Experts(num_experts, hidden, inter).cuda().bfloat16()
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.05)
+    torch.nn.init.normal_(experts.down_proj, std=0.05)
+    x = torch.randn(37, hidden, device="cuda").bfloat16()
+    weights, ids = _routing(37, num_experts, top_k, seed=3)
+    weights = weights.bfloat16()
+    expected = experts_by_group(x.float(), experts.gate_up_proj.float(), experts.down_proj.float(), weights.float(),
+                                ids)
+    assert _relative_error(experts(x, weights, ids), expected) < 1e-2
+
+
+@pytest.mark.parametrize("bits, group_size", [(16, None), (4, 128)])
+def test_cuda_graph_replay_matches_eager(bits, group_size):
+    """Captured once for 24 tokens, replayed after the router's outputs and x change in place: the same as eager
+    calls on the new inputs (the layout, the grid and the allocations do not depend on the routing)."""
+    from dflash2.kernels.triton.fused_moe import fused_moe
+
+    num_experts, top_k, hidden, inter = QWEN3
+    args, _, _ = _moe_args(bits, group_size, num_experts, hidden, inter)
+    w_gate_up, w_down = args.pop("w_gate_up"), args.pop("w_down")
+    x = torch.randn(24, hidden, device="cuda").bfloat16()
+    weights, ids = _routing(24, num_experts, top_k, seed=0)
+
+    def call() -> torch.Tensor:
+        return fused_moe(x, w_gate_up, w_down, weights, ids, **args)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in range(1, 4):
+        new_weights, new_ids = _routing(24, num_experts, top_k, seed=seed)
+        if seed == 3:  # every token on experts 0 .. k-1: two full blocks each, the other experts empty
+            new_ids = torch.arange(top_k, device="cuda").expand(24, top_k).contiguous()
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, call(), atol=0, rtol=0)
