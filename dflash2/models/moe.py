@@ -90,15 +90,20 @@ class Experts(nn.Module):
         if x.is_cuda:
             from dflash2.kernels.triton.fused_moe import fused_moe
 
-            if self.bits == 16:
-                return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
-            gate_up, down = self.gate_up_proj, self.down_proj
-            return fused_moe(x, gate_up.qweight, down.qweight, weights, ids, bits=self.bits,
-                             group_size=gate_up.fmt.group_size, down_group_size=down.fmt.group_size,
-                             **gate_up.kernel_arguments("gate_up"), **down.kernel_arguments("down"))
+            weights_in, packed = self.kernel_arguments()
+            return fused_moe(x, *weights_in, weights, ids, **packed)
         if self.bits == 16:
             return experts_by_group(x, self.gate_up_proj, self.down_proj, weights, ids)
         return experts_by_group(x, self._runtimes(self.gate_up_proj), self._runtimes(self.down_proj), weights, ids)
+
+    def kernel_arguments(self) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+        """The fused kernel's weights (gate_up, down) and keyword arguments: the packed bytes, scales and zeros
+        of quantized experts (their group sizes follow from the scales' shapes)."""
+        if self.bits == 16:
+            return (self.gate_up_proj, self.down_proj), {}
+        gate_up, down = self.gate_up_proj, self.down_proj
+        return ((gate_up.qweight, down.qweight),
+                {"bits": self.bits, **gate_up.kernel_arguments("gate_up"), **down.kernel_arguments("down")})
 
     @staticmethod
     def _runtimes(projection: QuantExperts) -> list:

@@ -248,3 +248,28 @@ def test_tune_writes_the_table(tmp_path):
     assert table[(4, 64, 64, 16, 4)]["BLOCK_N"] == 64 and table[(4, 64, 64, 4, 4)]["BLOCK_N"] == 32
     assert "# a gate_up, T 3: the call 6.0 us (default 9.5)" in path.read_text()
     assert "# b down, T 3: the call 4.0 us (default 9.5)" in path.read_text()
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_the_experts_module_hands_the_kernel_its_packed_experts(bits):
+    """Experts.kernel_arguments (what its CUDA forward passes) under the interpreter equals its CPU path."""
+    from dflash2.models.moe import Experts
+
+    num_experts, hidden, inter = 4, 64, 32
+    fmt = None if bits == 16 else WeightFormat(bits) if bits == 8 else WeightFormat(4, 32)
+    experts = Experts(num_experts, hidden, inter, fmt, fmt)
+    g = torch.Generator().manual_seed(bits)
+    for name, (rows, cols) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+        projection = getattr(experts, name)
+        floats = 0.1 * torch.randn(num_experts, rows, cols, generator=g)
+        if bits == 16:
+            projection.copy_(floats)
+        else:
+            for e in range(num_experts):
+                projection.set_expert(e, quantize(floats[e], fmt))
+    x = torch.randn(5, hidden, generator=g)
+    weights, ids = routing(5, num_experts, 2, seed=1)
+    weights_in, packed = experts.kernel_arguments()
+    got = fused_moe(x, *weights_in, weights, ids, config=WIDE, **packed)
+    expected = experts(x, weights, ids)
+    assert float((got - expected).norm() / expected.norm()) < 1e-4
