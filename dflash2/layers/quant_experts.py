@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight, RuntimeWeight
+from dflash2.layers.quant_linear import copy_packed
 from dflash2.quantization.formats import WeightFormat, dequantize
 
 
@@ -41,13 +42,7 @@ class QuantExperts(nn.Module):
 
     def set_expert(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
         """Copy one expert's packed tensors in (quantize()'s output for an [N, K] weight)."""
-        for name in self.tensor_names:
-            dest = getattr(self, name)[index]
-            src = tensors[name]
-            if src.shape != dest.shape or src.dtype != dest.dtype:
-                raise ValueError(f"{self.fmt.name} expert {index} {name}: expected {tuple(dest.shape)} {dest.dtype}, "
-                                 f"got {tuple(src.shape)} {src.dtype}")
-            dest.copy_(src)
+        copy_packed(self.expert(index).tensors, tensors, f"{self.fmt.name} expert {index}")
         self.runtimes = None
 
     def prepare(self, backend: Any, dtype: torch.dtype) -> None:

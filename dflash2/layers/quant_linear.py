@@ -17,6 +17,16 @@ from dflash2.kernels.torch_ref.quant_matmul import PackedWeight, RuntimeWeight
 from dflash2.quantization.formats import WeightFormat, dequantize
 
 
+def copy_packed(dests: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], what: str) -> None:
+    """Copy a format's packed tensors into their buffers; shapes and dtypes must match exactly."""
+    for name, dest in dests.items():
+        src = tensors[name]
+        if src.shape != dest.shape or src.dtype != dest.dtype:
+            raise ValueError(f"{what} {name}: expected {tuple(dest.shape)} {dest.dtype}, got {tuple(src.shape)} "
+                             f"{src.dtype}")
+        dest.copy_(src)
+
+
 class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, fmt: WeightFormat, bias: bool = False) -> None:
         super().__init__()
@@ -37,13 +47,7 @@ class QuantLinear(nn.Module):
 
     def set_packed(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy a format's tensors in (shapes and dtypes must match exactly)."""
-        for name in self.tensor_names:
-            dest = getattr(self, name)
-            src = tensors[name]
-            if src.shape != dest.shape or src.dtype != dest.dtype:
-                raise ValueError(f"{self.fmt.name} {name}: expected {tuple(dest.shape)} {dest.dtype}, "
-                                 f"got {tuple(src.shape)} {src.dtype}")
-            dest.copy_(src)
+        copy_packed({name: getattr(self, name) for name in self.tensor_names}, tensors, self.fmt.name)
         self.runtime = None
 
     def prepare(self, backend: Any, dtype: torch.dtype) -> None:
