@@ -45,12 +45,16 @@ def hf_config(arch: str):
     raise ValueError(arch)
 
 
-def build_tiny_model(arch: str, directory: str, seed: int = 0):
-    """Save a random model of this family to `directory`; returns the transformers model (float32, eval)."""
+def build_tiny_model(arch: str, directory: str, seed: int = 0, **overrides):
+    """Save a random model of this family to `directory`; returns the transformers model (float32, eval).
+    `overrides` replace fields of the family's config."""
     from transformers import AutoModelForCausalLM
 
+    config = hf_config(arch)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():  # random norm weights and biases too, so a wrong mapping cannot hide behind ones/zeros
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
