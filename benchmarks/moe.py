@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--conc-prompt", type=int, default=2048)
     parser.add_argument("--conc-output", type=int, default=1024)
     parser.add_argument("--skip", choices=("batch1", "concurrent"), action="append", default=[])
+    parser.add_argument("--quantization", default=None, help="int8 / int6 / int4: every weight (experts too) of the "
+                        "dummy model at that width (embeddings 16-bit)")
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny random Qwen3-MoE on the CPU, short runs")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
@@ -125,11 +127,15 @@ def main() -> None:
         model = args.model
         options["load_format"] = "dummy"
     started = time.perf_counter()
-    llm = LLM(model, **options)
+    if args.quantization:
+        llm = LLM(models=[{"name": "w6", "model": model, "load_format": options.pop("load_format", "auto"),
+                           "quantization": args.quantization}], **options)
+    else:
+        llm = LLM(model, **options)
     load_s = time.perf_counter() - started
     vocab = llm.engine.model.arch.vocab_size
     result = {"workload": "w6", "engine": "dflash2", "model": args.model if not args.cpu_smoke else "tiny qwen3_moe",
-              "dtype": options["dtype"], "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "dtype": options["dtype"], "quantization": args.quantization, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "load_s": round(load_s, 1), "anchor": ANCHOR}
     if "batch1" not in args.skip:
         result["batch1"] = batch_one(llm, args, vocab)
