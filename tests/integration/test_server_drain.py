@@ -25,7 +25,7 @@ def _stream(url: str, max_tokens: int, started: threading.Event, events: list) -
 
 @pytest.mark.parametrize("mode", [(), ("--single-process",)], ids=["engine-process", "single-process"])
 def test_sigterm_lets_streams_in_flight_finish_refuses_new_ones_and_exits_zero(mode):
-    server = ServerProcess("--dtype", "float32", "--max-model-len", "4096", "--shutdown-timeout", "2",
+    server = ServerProcess("--dtype", "float32", "--max-model-len", "4096", "--shutdown-timeout", "8",
                            "--disable-log-stats", *mode).start()
     try:
         streams = {}

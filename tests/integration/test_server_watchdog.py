@@ -13,9 +13,9 @@ from tests.integration.server_process import STARTUP_TIMEOUT_S, console_script
 
 
 def test_a_stalled_step_turns_health_red_ends_its_requests_and_the_server_recovers():
-    server = ServerProcess("--dtype", "float32", "--step-timeout", "1", "--disable-log-stats",
+    server = ServerProcess("--dtype", "float32", "--step-timeout", "3", "--disable-log-stats",
                            command=console_script("dflash2-server", "serve"),
-                           env={"DFLASH2_INJECT_STEP_STALL": "5:3"}).start(STARTUP_TIMEOUT_S)
+                           env={"DFLASH2_INJECT_STEP_STALL": "12:3"}).start(STARTUP_TIMEOUT_S)
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 40, "stream": True, "ignore_eos": True}
         events = []
@@ -29,9 +29,9 @@ def test_a_stalled_step_turns_health_red_ends_its_requests_and_the_server_recove
         while health.status_code == 200 and time.monotonic() < deadline:  # the stream ended within the stall
             health = httpx.get(server.url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "unhealthy"
-        assert "has not finished in 1 s (--step-timeout)" in health.json()["reason"]
+        assert "has not finished in 3 s (--step-timeout)" in health.json()["reason"]
         deadline = time.monotonic() + 30
-        while health.status_code != 200 and time.monotonic() < deadline:  # the step comes back after 5 s
+        while health.status_code != 200 and time.monotonic() < deadline:  # the step comes back after 12 s
             time.sleep(0.2)
             health = httpx.get(server.url + "/health")
         assert health.json() == {"status": "ok"}
