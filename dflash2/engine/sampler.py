@@ -8,6 +8,8 @@ Per row, in this order:
         |
     min_tokens: mask EOS ids and stop_token_ids while the output is still too short
         |
+    logit_bias: each listed token's bias added
+        |
     greedy row (temperature < 1e-5) -> argmax (ties -> lowest id)
     random row -> / temperature -> top_k -> top_p -> min_p -> exponential race
 
@@ -77,9 +79,9 @@ class Sampler:
         argmax of every row of `logits`, if already computed (a step graph's): returned as it is when every
         row is greedy and no penalty or min_tokens changes the logits."""
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if logits.dtype != torch.float32 and (random_rows or any(row.params.has_penalty for row in rows)):
-            logits = logits.float()  # exact; temperature, top-p and penalties then compute in float32
-        processed = apply_min_tokens(apply_penalties(logits, rows), rows)
+        if logits.dtype != torch.float32 and (random_rows or any(row.params.edits_logits for row in rows)):
+            logits = logits.float()  # exact; temperature, top-p, penalties and biases then compute in float32
+        processed = apply_logit_bias(apply_min_tokens(apply_penalties(logits, rows), rows), rows)
         if not random_rows:
             return greedy if greedy is not None and processed is logits else greedy_argmax(processed)
         return self._sample_mixed(processed, rows, random_rows)
@@ -202,6 +204,29 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     rows_dev = to_device(row_index, torch.long, logits.device)
     tokens_dev = to_device(token_index, torch.long, logits.device)
     result[rows_dev, tokens_dev] = float("-inf")
+    return result
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Add each row's logit_bias to its tokens' logits (-100 all but bans a token, as in OpenAI's API).
+
+    Returns `logits` itself when no row has a bias, else a new tensor.
+    """
+    row_index: list[int] = []
+    token_index: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if bias:
+            row_index.extend([i] * len(bias))
+            token_index.extend(bias)
+            values.extend(bias.values())
+    if not row_index:
+        return logits
+    result = logits.clone()
+    rows_dev = to_device(row_index, torch.long, logits.device)
+    tokens_dev = to_device(token_index, torch.long, logits.device)
+    result.index_put_((rows_dev, tokens_dev), to_device(values, logits.dtype, logits.device), accumulate=True)
     return result
 
 

@@ -41,10 +41,11 @@ def error_body(message: str, error_type: str, code: int | str | None, param: str
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def usage(finals: list[RequestOutput]) -> dict[str, Any]:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
+def usage(finals: list[RequestOutput], samples_per_prompt: int = 1) -> dict[str, Any]:
+    """Token counts of a response: each prompt once (not once a sample), every sample's tokens (best_of's too)."""
+    prompt = sum(len(o.prompt_token_ids) for o in finals[::samples_per_prompt])
     completion = sum(len(o.outputs[0].token_ids) for o in finals)
-    cached = sum(o.num_cached_tokens for o in finals)
+    cached = sum(o.num_cached_tokens for o in finals[::samples_per_prompt])
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -176,8 +177,9 @@ class _CompletionFormat:
     def opening(self) -> list[dict[str, Any]]:
         if self.echo is None:
             return []
-        return [self.header([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
-                for i, text in enumerate(self.echo)]
+        n = self.generation.n
+        return [self.header([{"index": i, "text": self.echo[i // n], "logprobs": None, "finish_reason": None}])
+                for i in range(len(self.generation.request_ids))]
 
     def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
         index = self.generation.index_of[output.request_id]
@@ -191,9 +193,9 @@ class _CompletionFormat:
 
     def whole(self, finals: list[RequestOutput]) -> dict[str, Any]:
         choices = []
-        for index, output in enumerate(finals):
+        for index, output in enumerate(self.generation.choices(finals)):
             completion = output.outputs[0]
-            prefix = self.echo[index] if self.echo else ""
+            prefix = self.echo[index // self.generation.n] if self.echo else ""
             if self.echo and self.num_logprobs is not None:  # OpenAI: the echoed prompt's tokens come first
                 self._text_offset[index] = 0
                 echoed = self._logprobs(index, output.prompt_logprobs, output.prompt_token_ids, True)
@@ -206,7 +208,7 @@ class _CompletionFormat:
             if self.with_prompt_logprobs:
                 choice["prompt_logprobs"] = logprobs_json(self.handle, output.prompt_logprobs)
             choices.append(choice)
-        return {**self.header(choices), "usage": usage(finals)}
+        return {**self.header(choices), "usage": usage(finals, self.generation.samples_per_prompt)}
 
     def _logprobs(self, index: int, entries: list[dict | None] | None, token_ids: list[int],
                   whole_prompt: bool = False) -> dict[str, Any] | None:
@@ -288,8 +290,9 @@ class _ChatFormat(_CompletionFormat):
         choices = [{"index": index, "message": {"role": "assistant", "content": output.outputs[0].text},
                     "logprobs": self._chat_logprobs(output.outputs[0].logprobs, output.outputs[0].token_ids),
                     "finish_reason": output.outputs[0].finish_reason, "stop_reason": output.outputs[0].stop_reason}
-                   for index, output in enumerate(finals)]
-        response = {**self.header(choices), "object": "chat.completion", "usage": usage(finals)}
+                   for index, output in enumerate(self.generation.choices(finals))]
+        response = {**self.header(choices), "object": "chat.completion",
+                    "usage": usage(finals, self.generation.samples_per_prompt)}
         if self.with_prompt_logprobs:  # vLLM: the response's, not a choice's
             response["prompt_logprobs"] = logprobs_json(self.handle, finals[0].prompt_logprobs)
         return response
@@ -342,7 +345,8 @@ async def stream_events(state: ServerState, generation: Generation, formatter: A
                     generation.mark_first_sent(time.monotonic())  # the first token the client can see
                 yield text
         if include_usage:
-            yield sse({**formatter.header([]), "usage": usage(finals)})
+            finals.sort(key=lambda output: generation.index_of[output.request_id])
+            yield sse({**formatter.header([]), "usage": usage(finals, generation.samples_per_prompt)})
         state.engine.count("streaming_success")
     except StreamTimeout as e:
         state.engine.count("streaming_timeout")

@@ -4,8 +4,7 @@ Field names follow OpenAI, plus vLLM's extra fields and our `priority`. Every fi
 here, and each is honoured or refused:
 - honoured: mapped onto SamplingParams or the prompt (prompt_logprobs, echo, add_special_tokens, ...);
 - accepted because it asks for nothing that changes the answer (user, metadata, prompt_cache_key, ...);
-- refused with a 400 naming it when it asks for what this server lacks (tools, guided decoding, beam search,
-  logit_bias, n > 1, ...; UNSUPPORTED): a client written for OpenAI or vLLM never gets a silent wrong answer.
+- refused with a 400 naming it when it asks for what this server lacks (beam search, audio, ...; UNSUPPORTED): a client written for OpenAI or vLLM never gets a silent wrong answer.
 A field of neither API passes, and the server log names it once.
 
 Types are strict (a string is not a number), except that an integer field takes an integral float (2.0), as
@@ -21,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from dflash2.sampling_params import MAX_PRIORITY, SamplingParams, check_against_vocab
-from dflash2.server.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from dflash2.server.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from dflash2.server.unsupported import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, RESERVED_TEMPLATE_KWARGS, UNSUPPORTED
 
 logger = logging.getLogger("dflash2.server")
@@ -57,6 +56,7 @@ class RequestLimits:
     vocab_size: int
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    max_n: int = DEFAULT_MAX_N  # n and best_of at most
 
 
 class _Body(BaseModel):
@@ -107,9 +107,9 @@ class _SamplingFields(_Body):
     add_special_tokens: bool | None = None  # None: the endpoint's default
     request_id: str | None = Field(None, max_length=256)  # the response's id (after its prefix)
     priority: Int = Field(0, ge=0, le=MAX_PRIORITY)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
+    best_of: Int | None = None
     # refused unless absent or harmless (UNSUPPORTED)
-    logit_bias: Any = None
-    best_of: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     allowed_token_ids: Any = None
@@ -136,6 +136,9 @@ class _SamplingFields(_Body):
         super().check()
         if self.stream and self.prompt_logprobs is not None:
             raise BadRequest("prompt_logprobs is only returned by requests that do not stream", param="prompt_logprobs")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise BadRequest("best_of > n is only answered to requests that do not stream (the best are known at "
+                             "the end)", param="best_of")
 
     def logprob_fields(self) -> dict[str, int | None]:
         """The fields asking for top logprobs, as the client named them."""
@@ -153,6 +156,11 @@ class _SamplingFields(_Body):
             if value is not None and not 0 <= value <= most:
                 raise BadRequest(f"{name} must be in [0, {most}] (the server's --max-logprobs), got {value}",
                                  param=name)
+        for name in ("n", "best_of"):
+            value = getattr(self, name)
+            if value is not None and value > limits.max_n:
+                raise BadRequest(f"{name} must be at most {limits.max_n} (the server's --max-n), got {value}",
+                                 param=name)
         optional = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                                       ("top_k", self.top_k), ("min_p", self.min_p),
                                       ("repetition_penalty", self.repetition_penalty)) if v is not None}
@@ -163,11 +171,25 @@ class _SamplingFields(_Body):
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-                prompt_logprobs=self.num_prompt_logprobs, **optional)
+                prompt_logprobs=self.num_prompt_logprobs, best_of=self.best_of, logit_bias=self.token_biases(),
+                **optional)
             check_against_vocab(params, limits.vocab_size, limits.max_logprobs)
         except ValueError as e:
             raise BadRequest(str(e), param=str(e).split(" ", 1)[0]) from None
         return params
+
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids (OpenAI sends them as strings)."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, value in self.logit_bias.items():
+            try:
+                biases[int(key)] = value
+            except ValueError:
+                raise BadRequest(f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias") from None
+        return biases
 
 
 class CompletionRequest(_SamplingFields):
@@ -308,6 +330,10 @@ class GenerateRequest(_SamplingFields):
         super().check()
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise BadRequest("give exactly one of prompt and prompt_token_ids", param="prompt")
+        for name in ("n", "best_of"):
+            if (getattr(self, name) or 1) != 1:
+                raise BadRequest(f"/generate returns one sample: {name} must be 1 (use /v1/completions for more)",
+                                 param=name)
 
     def logprob_fields(self) -> dict[str, int | None]:
         return {"logprobs": self.logprobs, **super().logprob_fields()}

@@ -110,7 +110,8 @@ class ModelHandle:
 
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(self.info.vocab_size, self.config.max_logprobs, self.config.max_prompts_per_request)
+        return RequestLimits(self.info.vocab_size, self.config.max_logprobs, self.config.max_prompts_per_request,
+                             self.config.max_n)
 
     @property
     def tokenizer(self) -> Any:

@@ -25,8 +25,6 @@ def _one_of(*fine: Any) -> Callable[[Any], bool]:
 
 _GUIDED = "structured output (guided decoding) is not supported yet"
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (_absent, "logit_bias is not supported"),
-    "best_of": (_one_of(1), "best_of must be 1"),
     "use_beam_search": (_false, "beam search is not supported"),
     "length_penalty": (_one_of(1), "length_penalty (beam search) is not supported"),
     "allowed_token_ids": (_absent, "allowed_token_ids is not supported"),

@@ -32,7 +32,16 @@ def test_completion_defaults_and_extras():
     ({"prompt": "x", "priority": 65536}, "priority"),
     ({"prompt": "x", "priority": -1}, "priority"),
     ({"prompt": "x", "stream": "true"}, "stream"),
-    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "best_of": 2, "n": 3}, "best_of must be in \\[n, "),
+    ({"prompt": "x", "n": 17}, "n must be at most 16"),
+    ({"prompt": "x", "best_of": 17}, "best_of must be at most 16"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "best_of > n"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias values must be in \\[-100, 100\\]"),
+    ({"prompt": "x", "logit_bias": {"5": -100.5}}, "logit_bias values"),
+    ({"prompt": "x", "logit_bias": {"1000": 1}}, "logit_bias keys must be token ids in \\[0, 1000\\)"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias keys must be token ids"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias keys must be token ids, got 'a'"),
+    ({"prompt": "x", "logit_bias": {"1": "2"}}, "logit_bias"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
     ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
@@ -58,6 +67,17 @@ def test_chat_max_completion_tokens_logprobs_and_content_parts():
                                            "response_format": {"type": "json_object"}})
 
 
+def test_n_best_of_and_logit_bias_reach_the_sampling_params():
+    body = parse_body(CompletionRequest, {"prompt": "x", "n": 2, "best_of": 4, "logit_bias": {"7": -100, "9": 2.5}})
+    params = body.sampling_params(body.max_tokens, body.logprobs, LIMITS)
+    assert (params.n, params.best_of, params.logit_bias) == (2, 4, {7: -100, 9: 2.5})
+    body = parse_body(ChatCompletionRequest, {"messages": CHAT, "n": 3, "stream": True})
+    assert body.sampling_params(body.requested_max_tokens, body.num_logprobs, LIMITS).n == 3
+    for field in ("n", "best_of"):
+        with pytest.raises(BadRequest, match=f"/generate returns one sample: {field} must be 1"):
+            parse_body(GenerateRequest, {"prompt": "x", field: 2})
+
+
 def test_generate_needs_exactly_one_prompt_form():
     assert parse_body(GenerateRequest, {"prompt_token_ids": [1, 2]}).prompt_token_ids == [1, 2]
     for data in ({}, {"prompt": "a", "prompt_token_ids": [1]}):
@@ -71,7 +91,7 @@ def test_generate_needs_exactly_one_prompt_form():
 @pytest.mark.parametrize("field, value", [
     ("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
     ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"choice": ["a"]}), ("use_beam_search", True),
-    ("logit_bias", {"1": 5}), ("best_of", 2), ("length_penalty", 0.5), ("allowed_token_ids", [1]),
+    ("length_penalty", 0.5), ("allowed_token_ids", [1]),
     ("bad_words", ["x"]), ("logits_processors", ["f"]), ("response_format", {"type": "json_object"}),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("cache_salt", "s"),
     ("vllm_xargs", {"a": 1}), ("suffix", "end"), ("prompt_embeds", "AAAA"),
@@ -88,7 +108,7 @@ def test_completion_fields_not_honoured_are_400_naming_them(field, value):
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {"search_context_size": "low"}), ("reasoning_effort", "high"), ("verbosity", "low"),
     ("store", True), ("service_tier", "flex"), ("echo", True), ("documents", [{"text": "d"}]),
-    ("chat_template", "{{ messages }}"), ("guided_choice", ["a"]), ("use_beam_search", True), ("n", 2),
+    ("chat_template", "{{ messages }}"), ("guided_choice", ["a"]), ("use_beam_search", True),
 ])
 def test_chat_fields_not_honoured_are_400_naming_them(field, value):
     with pytest.raises(BadRequest) as error:
