@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dflash2.structured_outputs import StructuredOutputsParams
+
 MAX_PRIORITY = 65535
 MAX_INT32 = 2**31 - 1  # the largest token count, top_k, logprobs or token id a request may name
 MAX_SAMPLES = 1024  # n and best_of at most (the server's --max-n bounds them further)
@@ -39,6 +41,9 @@ class SamplingParams:
     # the n with the highest cumulative logprob kept (None: n)
     best_of: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    # the output must match a JSON schema, a regex, a choice or a grammar (a dict of StructuredOutputsParams'
+    # fields is taken too)
+    structured_outputs: StructuredOutputsParams | None = None
     # "every_step": Engine.step() returns an output for this request as it makes tokens (streaming: every step,
     # or every EngineConfig.stream_interval tokens);
     # "final_only": only when it finishes (LLM.generate; vLLM's RequestOutputKind.FINAL_ONLY)
@@ -52,6 +57,8 @@ class SamplingParams:
             self.stop_strings = list(self.stop or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -60,6 +67,10 @@ class SamplingParams:
         _check(self.best_of is None or (_int(self.best_of) and self.n <= self.best_of <= MAX_SAMPLES),
                f"best_of must be in [n, {MAX_SAMPLES}] (n is {self.n}), got {self.best_of}")
         self._check_logit_bias()
+        if self.structured_outputs is not None:  # (its schema or grammar is parsed when the request is added)
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams),
+                   "structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.kind  # noqa: B018 - exactly one kind, else ValueError
         _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(_int(self.top_k) and 0 <= self.top_k <= MAX_INT32,

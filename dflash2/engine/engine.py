@@ -52,6 +52,7 @@ from dflash2.engine.kv.manager import KVManager
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.engine.plan import StepPlan
 from dflash2.engine.graphs import graph_batch_sizes, mixed_graph_shapes
+from dflash2.engine.guided import GrammarCompilers
 from dflash2.engine.held_requests import HeldRequests, prompt_computed
 from dflash2.engine.memory import gpu_pool_bytes, profile_model_memory
 from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepResult
@@ -132,6 +133,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held = HeldRequests()  # taken, not yet scheduled (held_requests.py)
+        self._grammars = GrammarCompilers()  # structured output (guided.py)
         self._in_flight: tuple[ServedModel, StepPlan, PendingStep] | None = None
         self.trace: StepTrace | None = None
         self.disk_tier: DiskTier | None = None
@@ -302,6 +304,7 @@ class Engine:
         if self._in_flight is not None and self._in_flight[0] is served:
             self._finish_in_flight()  # its outputs are for nobody now
         del self.models[name]
+        self._grammars.forget(name)
         self._link_peers()
         served.runner.close()
         self.pool.forget(name)
@@ -390,6 +393,10 @@ class Engine:
         if self.config.low_priority_values_first:
             priority = MAX_PRIORITY - priority
         request = Request(request_id, token_ids, params, priority=priority, prompt=prompt_text, model=served.name)
+        if params.structured_outputs is not None:
+            request.guided = self._grammars.state_for(served.name, served.tokenizer, served.model.arch.vocab_size,
+                                                      served.eos_token_ids, params.structured_outputs,
+                                                      request.token_ids)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.device)
         self.requests[request_id] = request

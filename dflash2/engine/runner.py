@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash2.engine.graphs import StepGraphs
+from dflash2.engine.guided import TokenMask, TokenMasks
 from dflash2.engine.kv.layout import KVLayout
 from dflash2.engine.plan import ScheduledChunk, StepPlan
 from dflash2.engine.storage import PoolStorage
@@ -110,6 +111,8 @@ class ModelRunner:
         # launch gap on the main stream
         self.token_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._sampled = torch.cuda.Event() if self.token_stream is not None else None  # recorded each step
+        self._last_copy: torch.cuda.Event | None = None  # the latest step's token copy to tokens_host
+        self.token_masks: TokenMasks | None = None  # structured output's mask buffers, made on first use
         self.eos_token_ids: tuple[int, ...] = model.arch.eos_token_ids
         self.graphs: StepGraphs | None = None
         # set while collect() waits for the device (the GIL is free then): the engine process's metrics
@@ -269,10 +272,11 @@ class ModelRunner:
             return PendingStep(sample_ids, [], None, None)
         rows = [self.sampling_row(requests[c.request_id]) for c in chunks]
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
+        token_mask = self._token_mask(rows) if any(r.guided is not None for r in rows) else None
         # the graph's greedy buffer is rewritten by its next replay: not for a logprob job read at collect
         failed: dict[str, str] = {}
         try:
-            token_ids = self.sampler.sample_device(logits, rows, None if wants_logprobs else greedy)
+            token_ids = self.sampler.sample_device(logits, rows, None if wants_logprobs else greedy, token_mask)
         except Exception:  # noqa: BLE001 - find the row that raised; its neighbours keep their tokens
             token_ids, failed = self._sample_each(logits, rows, sample_ids)
         base = self.future_base
@@ -291,7 +295,26 @@ class ModelRunner:
             self.token_stream.wait_event(self._sampled)
             tokens_host.copy_(self.future_tokens[base:base + len(chunks)], non_blocking=True)
             done.record()
+        self._last_copy = done
         return PendingStep(sample_ids, placeholders, tokens_host, done, logprob_job, failed=failed)
+
+    def _token_mask(self, rows: list[SamplingRow]) -> TokenMask:
+        """The masks of the rows with structured output (engine/guided.py): built on the host while this step's
+        forward runs, copied to the device without waiting."""
+        if self.token_masks is None:
+            self.token_masks = TokenMasks(self.options.max_slots, self.model.arch.vocab_size, self.device)
+        return self.token_masks.prepare(rows, self._known_token)
+
+    def _known_token(self, token_id: int) -> int:
+        """A token of a request's history: a placeholder -(slot + 1) is read from the previous step's host copy
+        (waiting for that copy, which ends as this step's forward starts)."""
+        if token_id >= 0:
+            return token_id
+        if self.tokens_host is None:
+            return int(self.future_tokens[-token_id - 1])
+        with self.waiting_for_device():
+            self._last_copy.synchronize()
+        return int(self.tokens_host[-token_id - 1])
 
     def _sample_each(self, logits: torch.Tensor, rows: list[SamplingRow],
                      sample_ids: list[str]) -> tuple[torch.Tensor, dict[str, str]]:
@@ -315,7 +338,7 @@ class ModelRunner:
         if needs_history or request.sampling_row is None:
             row = SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
                               output_token_ids=request.output_token_ids if needs_history else (),
-                              generator=request.generator, eos_token_ids=self.eos_token_ids)
+                              generator=request.generator, eos_token_ids=self.eos_token_ids, guided=request.guided)
             if needs_history:
                 return row
             request.sampling_row = row

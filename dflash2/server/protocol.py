@@ -20,7 +20,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from dflash2.sampling_params import MAX_PRIORITY, SamplingParams, check_against_vocab
+from dflash2.structured_outputs import StructuredOutputsParams
+from dflash2.server.bad_request import BadRequest
 from dflash2.server.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from dflash2.server.structured_fields import structured_outputs_of
 from dflash2.server.unsupported import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, RESERVED_TEMPLATE_KWARGS, UNSUPPORTED
 
 logger = logging.getLogger("dflash2.server")
@@ -36,17 +39,6 @@ def _integral(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
-
-
-class BadRequest(ValueError):
-    """A client error, answered as 400 (or status_code) with an OpenAI-style error body."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status_code: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-        self.status_code = status_code
 
 
 @dataclass(frozen=True)
@@ -109,20 +101,21 @@ class _SamplingFields(_Body):
     priority: Int = Field(0, ge=0, le=MAX_PRIORITY)
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
     best_of: Int | None = None
+    # structured output (structured_fields.py)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # refused unless absent or harmless (UNSUPPORTED)
     use_beam_search: Any = None
     length_penalty: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
-    response_format: Any = None
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
@@ -149,8 +142,10 @@ class _SamplingFields(_Body):
         """Top logprobs asked for each prompt token."""
         return self.prompt_logprobs
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, limits: RequestLimits) -> SamplingParams:
-        """SamplingParams for this body; BadRequest naming the first bad value."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """SamplingParams for this body; BadRequest naming the first bad value. `structured_outputs`: the
+        handler's own (a tool call it must force), in place of the body's."""
         most = min(limits.max_logprobs, limits.vocab_size)
         for name, value in self.logprob_fields().items():
             if value is not None and not 0 <= value <= most:
@@ -161,6 +156,10 @@ class _SamplingFields(_Body):
             if value is not None and value > limits.max_n:
                 raise BadRequest(f"{name} must be at most {limits.max_n} (the server's --max-n), got {value}",
                                  param=name)
+        structured = structured_outputs_of(self)
+        if structured is not None and structured_outputs is not None:
+            raise BadRequest("a required or named tool call is itself structured output: drop the other one",
+                             param="tool_choice")
         optional = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                                       ("top_k", self.top_k), ("min_p", self.min_p),
                                       ("repetition_penalty", self.repetition_penalty)) if v is not None}
@@ -172,7 +171,7 @@ class _SamplingFields(_Body):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
                 prompt_logprobs=self.num_prompt_logprobs, best_of=self.best_of, logit_bias=self.token_biases(),
-                **optional)
+                structured_outputs=structured or structured_outputs, **optional)
             check_against_vocab(params, limits.vocab_size, limits.max_logprobs)
         except ValueError as e:
             raise BadRequest(str(e), param=str(e).split(" ", 1)[0]) from None

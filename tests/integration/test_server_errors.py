@@ -61,13 +61,13 @@ def test_malformed_json_is_400(real_server, path):
     ("temperature", 1e300, ("temperature",)),
     ("seed", 2 ** 64, ("seed",)),
     ("max_tokens", 1.5, ("max_tokens",)),
-    ("guided_choice", ["yes", "no"], ("guided_choice",)),  # answered "Yes."
-    ("guided_json", {"type": "object"}, ("guided_json",)),
-    ("guided_regex", "(yes|no)", ("guided_regex",)),
-    ("guided_grammar", "root ::= 'yes'", ("guided_grammar",)),
-    ("structured_outputs", {"choice": ["yes"]}, ("structured_outputs",)),
+    ("guided_choice", [], ("guided_choice", "non-empty")),
+    ("guided_json", {"type": "objekt"}, ("guided_json", "invalid JSON schema", "objekt")),
+    ("guided_regex", "(yes|no", ("guided_regex", "invalid regex")),
+    ("guided_grammar", "root ::= yes", ("guided_grammar", "invalid grammar")),
+    ("structured_outputs", {"choice": ["yes"], "regex": "a"}, ("structured_outputs", "exactly one")),
     ("use_beam_search", True, ("use_beam_search",)),
-    ("response_format", {"type": "json_object"}, ("response_format",)),
+    ("response_format", {"type": "json_schema"}, ("response_format", "json_schema needs")),
     ("prompt_logprobs", 21, ("prompt_logprobs", "20")),
 ])
 def test_bad_fields_are_400(real_server, path, field, value, words):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from dflash2.server.json_body import decode_json
+from dflash2.structured_outputs import StructuredOutputsParams
 from dflash2.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                      RequestLimits, parse_body)
 
@@ -63,8 +64,9 @@ def test_chat_max_completion_tokens_logprobs_and_content_parts():
     with pytest.raises(BadRequest, match="text content"):
         parse_body(ChatCompletionRequest, image).messages[0].as_template_input()
     with pytest.raises(BadRequest, match="response_format"):
-        parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                                           "response_format": {"type": "json_object"}})
+        body = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                                  "response_format": {"type": "json_objekt"}})
+        body.sampling_params(None, None, LIMITS)
 
 
 def test_n_best_of_and_logit_bias_reach_the_sampling_params():
@@ -78,6 +80,49 @@ def test_n_best_of_and_logit_bias_reach_the_sampling_params():
             parse_body(GenerateRequest, {"prompt": "x", field: 2})
 
 
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+     StructuredOutputsParams(json=SCHEMA)),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
+    ({"guided_json": '{"type": "string"}'}, StructuredOutputsParams(json='{"type": "string"}')),
+    ({"guided_regex": "[ab]+"}, StructuredOutputsParams(regex="[ab]+")),
+    ({"guided_choice": ["yes", "no"], "guided_decoding_backend": "xgrammar"},
+     StructuredOutputsParams(choice=["yes", "no"])),
+    ({"guided_grammar": 'root ::= "a"'}, StructuredOutputsParams(grammar='root ::= "a"')),
+    ({"structured_outputs": {"choice": ["a", "b"], "disable_any_whitespace": False}},
+     StructuredOutputsParams(choice=["a", "b"])),
+])
+def test_structured_output_fields_map_onto_the_sampling_params(fields, expected):
+    for model, base in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": CHAT})):
+        body = parse_body(model, {**base, **fields})
+        assert body.sampling_params(16, None, LIMITS).structured_outputs == expected
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"guided_json": {"type": "objekt"}}, "guided_json", "invalid JSON schema: Unsupported type \"objekt\""),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": 5}}}},
+     "response_format", "invalid JSON schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema needs"),
+    ({"guided_regex": "(ab"}, "guided_regex", "invalid regex: .*parenthesis is not closed"),
+    ({"guided_grammar": "root ::= foo"}, "guided_grammar", "invalid grammar: .*Rule \"foo\" is not defined"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "one structured output at a time"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs", "no field 'jsn'"),
+])
+def test_bad_structured_output_is_400_naming_the_field(fields, param, words):
+    with pytest.raises(BadRequest, match=words) as error:
+        body = parse_body(CompletionRequest, {"prompt": "x", **fields})
+        body.sampling_params(16, None, LIMITS)
+    assert error.value.param == param
+
+
 def test_generate_needs_exactly_one_prompt_form():
     assert parse_body(GenerateRequest, {"prompt_token_ids": [1, 2]}).prompt_token_ids == [1, 2]
     for data in ({}, {"prompt": "a", "prompt_token_ids": [1]}):
@@ -89,16 +134,16 @@ def test_generate_needs_exactly_one_prompt_form():
 
 # -- issue 40: fields of OpenAI or vLLM that are not honoured are refused, never ignored ----------------
 @pytest.mark.parametrize("field, value", [
-    ("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"choice": ["a"]}), ("use_beam_search", True),
+    ("guided_whitespace_pattern", " "), ("guided_decoding_backend", "outlines"), ("use_beam_search", True),
     ("length_penalty", 0.5), ("allowed_token_ids", [1]),
-    ("bad_words", ["x"]), ("logits_processors", ["f"]), ("response_format", {"type": "json_object"}),
+    ("bad_words", ["x"]), ("logits_processors", ["f"]), ("response_format", {"type": "structural_tag"}),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("cache_salt", "s"),
     ("vllm_xargs", {"a": 1}), ("suffix", "end"), ("prompt_embeds", "AAAA"),
 ])
 def test_completion_fields_not_honoured_are_400_naming_them(field, value):
     with pytest.raises(BadRequest) as error:
-        parse_body(CompletionRequest, {"prompt": "x", field: value})
+        body = parse_body(CompletionRequest, {"prompt": "x", field: value})
+        body.sampling_params(body.max_tokens, body.logprobs, LIMITS)
     assert error.value.param == field and field in str(error.value)
 
 
@@ -108,7 +153,7 @@ def test_completion_fields_not_honoured_are_400_naming_them(field, value):
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {"search_context_size": "low"}), ("reasoning_effort", "high"), ("verbosity", "low"),
     ("store", True), ("service_tier", "flex"), ("echo", True), ("documents", [{"text": "d"}]),
-    ("chat_template", "{{ messages }}"), ("guided_choice", ["a"]), ("use_beam_search", True),
+    ("chat_template", "{{ messages }}"), ("use_beam_search", True),
 ])
 def test_chat_fields_not_honoured_are_400_naming_them(field, value):
     with pytest.raises(BadRequest) as error:
