@@ -97,7 +97,7 @@ def parse_grammar(source: GrammarSource) -> Any:
         return xgr.Grammar.from_ebnf(source.text)
     except json.JSONDecodeError as e:
         raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-    except (RuntimeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, but any failure is the input's
         what = {"json_schema": "JSON schema", "regex": "regex", "lark": "grammar", "ebnf": "grammar"}[source.kind]
         raise ValueError(f"invalid {what}: {_engine_message(e)}") from None
 

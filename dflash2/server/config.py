@@ -35,6 +35,8 @@ class ServerConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # logprobs / top_logprobs / prompt_logprobs above get 400
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # a completions request with more gets 400
     max_n: int = DEFAULT_MAX_N  # n or best_of above gets 400
+    chat_template: str | None = None  # --chat-template: this template's text instead of the model's
+    tool_call_parser: str = "auto"  # hermes, llama3_json, or auto: by the chat template (server/tools.py)
     # requests held (running, paused and waiting) beyond this get 503 too (--max-num-seqs beside
     # --max-batch-size); None: no bound besides max_queue_len
     max_held_requests: int | None = None
@@ -64,6 +66,8 @@ class ServerConfig:
             raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_prompts_per_request < 1:
             raise ValueError(f"--max-prompts-per-request must be >= 1, got {self.max_prompts_per_request}")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
+            raise ValueError(f"--tool-call-parser must be auto, hermes or llama3_json, got {self.tool_call_parser!r}")
         if self.max_n < 1:
             raise ValueError(f"--max-n must be >= 1, got {self.max_n}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -26,6 +26,7 @@ from dflash2.server.generation import Generation, StreamTimeout
 from dflash2.server.engine_loop import EngineError
 from dflash2.server.protocol import ChatCompletionRequest, CompletionRequest
 from dflash2.server.state import ModelHandle, ServerState
+from dflash2.server.tools import ToolRequest, choose_parser
 
 logger = logging.getLogger("dflash2.server")
 
@@ -56,9 +57,11 @@ async def create_completion(http_request: HTTPRequest, body: CompletionRequest, 
     limits = model.limits
     params = body.sampling_params(body.max_tokens, body.logprobs, limits)
     truncating = body.truncate_prompt_tokens is not None
-    prompts = await model.encode(body.prompts(limits), add_special_tokens=body.add_special_tokens is not False,
-                                 check_length=not truncating)
+    prompts = await model.encode(body.prompts(limits), check_length=not truncating,
+                                 add_special_tokens=body.add_special_tokens is not False and not body.suffix)
     truncated = model.truncate(prompts, body.truncate_prompt_tokens)
+    if body.suffix:
+        prompts = await model.fill_in_the_middle(prompts, body.suffix)
     generation = await Generation.start(state.engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, body.priority,
                                         http_request, response_id=_response_id("cmpl", body.request_id),
                                         model=model.engine_name)
@@ -238,18 +241,26 @@ def _joined(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict
 async def create_chat_completion(http_request: HTTPRequest, body: ChatCompletionRequest,
                                  state: ServerState) -> Response:
     model = state.check_model(body.model)
-    params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, model.limits)
+    tools = ToolRequest.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, model.limits,
+                                  tools.forced_output() if tools is not None else None)
     truncating = body.truncate_prompt_tokens is not None
     prompts = [await model.encode_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
                                        body.chat_template_kwargs, add_special_tokens=bool(body.add_special_tokens),
-                                       check_length=not truncating)]
+                                       check_length=not truncating, tools=tools.tools if tools is not None else None)]
     truncated = model.truncate(prompts, body.truncate_prompt_tokens)
     generation = await Generation.start(state.engine, f"chatcmpl-{uuid.uuid4().hex}", prompts, params,
                                         body.priority, http_request,
                                         response_id=_response_id("chatcmpl", body.request_id),
                                         model=model.engine_name)
     headers = TRUNCATION_HEADER if truncated else None
-    formatter = _ChatFormat(model, generation, body.num_logprobs, body.prompt_logprobs is not None)
+    if tools is None:
+        formatter = _ChatFormat(model, generation, body.num_logprobs, body.prompt_logprobs is not None)
+    else:
+        from dflash2.server.tool_format import ToolChatFormat  # (it builds on _ChatFormat, below)
+
+        formatter = ToolChatFormat(model, generation, body.num_logprobs, body.prompt_logprobs is not None, tools,
+                                   choose_parser(state.config.tool_call_parser, model.chat_template))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(state, generation, formatter, include_usage),

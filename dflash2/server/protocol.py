@@ -24,6 +24,7 @@ from dflash2.structured_outputs import StructuredOutputsParams
 from dflash2.server.bad_request import BadRequest
 from dflash2.server.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from dflash2.server.structured_fields import structured_outputs_of
+from dflash2.server.tools import check_message_tool_calls
 from dflash2.server.unsupported import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, RESERVED_TEMPLATE_KWARGS, UNSUPPORTED
 
 logger = logging.getLogger("dflash2.server")
@@ -199,7 +200,7 @@ class CompletionRequest(_SamplingFields):
     stream_options: StreamOptions | None = None
     logprobs: Int | None = None
     echo: bool = False
-    suffix: Any = None
+    suffix: str | None = None  # fill in the middle (fim.py), for models that have it
     prompt_embeds: Any = None
 
     def check(self) -> None:
@@ -240,24 +241,28 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | list[dict[str, Any]] | None = None
     name: str | None = None
     refusal: str | None = None  # accepted: an assistant's refusal, which the template does not show
-    # refused unless absent: a conversation with tool calls or audio (no tools, text only)
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (tools.py renders them)
+    tool_call_id: str | None = None  # a tool message's answer to that call
+    # refused unless absent: the legacy function calling and audio (text only)
     function_call: Any = None
     audio: Any = None
 
     def as_template_input(self) -> dict[str, Any]:
-        for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if getattr(self, name) not in (None, [], "", {}):
-                raise BadRequest(f"messages with '{name}' are not supported (no tools, text only)", param="messages")
+                raise BadRequest(f"messages with '{name}' are not supported (text only; tool_calls for tools)",
+                                 param="messages")
         content = self.content
         if isinstance(content, list):
             if not all(isinstance(part, TextPart) for part in content):
                 raise BadRequest("only text content parts are supported", param="messages")
             content = "".join(part.text for part in content)  # type: ignore[union-attr]
-        message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        for name in ("name", "tool_call_id"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        if self.tool_calls:
+            message["tool_calls"] = check_message_tool_calls(self.tool_calls)
         return message
 
 
@@ -274,13 +279,13 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # accepted: they ask for nothing that changes the answer
     metadata: dict[str, str] | None = None
-    parallel_tool_calls: bool | None = None  # (there are no tools)
+    parallel_tool_calls: bool | None = None  # false: the first tool call only
     prompt_cache_key: str | None = None  # the prefix cache needs no hint
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+    tools: list[dict[str, Any]] | None = None  # tools.py
+    tool_choice: str | dict[str, Any] | None = None
     # refused unless absent or harmless (CHAT_UNSUPPORTED)
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None

@@ -38,14 +38,12 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "vllm_xargs": (_absent, "vllm_xargs is not supported"),
 }
 COMPLETION_UNSUPPORTED = {
-    "suffix": (_absent, "suffix is not supported"),
     "prompt_embeds": (_absent, "prompt_embeds is not supported"),
 }
 CHAT_UNSUPPORTED = {
-    "tools": (_absent, "tools are not supported"),
-    "tool_choice": (_one_of("none", "auto"), "tool_choice other than \"none\" is not supported (no tools)"),
-    "functions": (_absent, "functions are not supported"),
-    "function_call": (_one_of("none", "auto"), "function_call is not supported"),
+    "functions": (_absent, "functions (the legacy function calling) are not supported: use tools"),
+    "function_call": (_one_of("none", "auto"), "function_call (the legacy function calling) is not supported: use "
+                                               "tool_choice"),
     "audio": (_absent, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
     "prediction": (_absent, "predicted outputs are not supported"),

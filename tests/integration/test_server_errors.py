@@ -130,9 +130,10 @@ def test_wrong_prompt_types_are_400(real_server):
 def test_unsupported_fields_are_400_not_ignored(real_server):
     assert_openai_error(post(real_server, "/v1/completions", {"prompt": "Hi", "use_beam_search": True}), 400,
                         "beam search")
-    tools = [{"type": "function", "function": {"name": "f"}}]
+    functions = [{"name": "f"}]  # the legacy function calling (tools are honoured)
     assert_openai_error(post(real_server, "/v1/chat/completions",
-                             {**GENERATION_ENDPOINTS["/v1/chat/completions"], "tools": tools}), 400, "tools")
+                             {**GENERATION_ENDPOINTS["/v1/chat/completions"], "functions": functions}), 400,
+                        "functions", "use tools")
 
 
 def test_prompt_longer_than_context_is_400_with_both_numbers(real_server):

@@ -1,5 +1,5 @@
-"""n, best_of and logit_bias on the real server with the official client: choices, their indices in streams,
-a banned token, and the bad values each a 400 that leaves the server serving with no page held."""
+"""n, best_of, logit_bias and suffix on the real server with the official client: choices, their indices in
+streams, a banned token, and the bad values each a 400 that leaves the server serving with no page held."""
 from __future__ import annotations
 
 import httpx
@@ -112,4 +112,13 @@ def test_bad_values_are_400_and_the_server_serves_on(client, real_server, route,
     assert all(word in message for word in words), message
     assert error.value.body["param"] == ("best_of" if "best_of" in extra else next(iter(extra)))
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2).choices[1].text is not None
+    assert_no_page_held(real_server)
+
+
+def test_suffix_on_a_model_without_fill_in_the_middle_is_400(client, real_server):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt="def add(a, b):", suffix="    return c", max_tokens=4)
+    assert "fill-in-the-middle template, and this model has none" in error.value.body["message"]
+    assert error.value.body["param"] == "suffix"
+    assert client.completions.create(model=MODEL, prompt="def add(a, b):", suffix="", max_tokens=2).choices
     assert_no_page_held(real_server)

@@ -138,7 +138,7 @@ def test_generate_needs_exactly_one_prompt_form():
     ("length_penalty", 0.5), ("allowed_token_ids", [1]),
     ("bad_words", ["x"]), ("logits_processors", ["f"]), ("response_format", {"type": "structural_tag"}),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("cache_salt", "s"),
-    ("vllm_xargs", {"a": 1}), ("suffix", "end"), ("prompt_embeds", "AAAA"),
+    ("vllm_xargs", {"a": 1}), ("prompt_embeds", "AAAA"),
 ])
 def test_completion_fields_not_honoured_are_400_naming_them(field, value):
     with pytest.raises(BadRequest) as error:
@@ -148,7 +148,6 @@ def test_completion_fields_not_honoured_are_400_naming_them(field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "x"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {"search_context_size": "low"}), ("reasoning_effort", "high"), ("verbosity", "low"),
@@ -258,9 +257,20 @@ def test_bodies_that_are_not_objects_decode_for_parse_body_to_refuse(raw, value)
         parse_body(CompletionRequest, value)
 
 
-@pytest.mark.parametrize("field, value", [("tool_calls", [{"id": "c", "type": "function"}]), ("tool_call_id", "c"),
-                                          ("audio", {"id": "a"})])
-def test_messages_with_tool_calls_or_audio_are_refused_not_rendered_without_them(field, value):
+@pytest.mark.parametrize("field, value, words", [
+    ("tool_calls", [{"id": "c", "type": "function"}], "tool_calls must each be"),
+    ("audio", {"id": "a"}, "audio"), ("function_call", {"name": "f", "arguments": "{}"}, "function_call")])
+def test_messages_with_malformed_tool_calls_or_audio_are_refused_not_rendered_without_them(field, value, words):
     body = parse_body(ChatCompletionRequest, {"messages": [{"role": "assistant", "content": "x", field: value}]})
-    with pytest.raises(BadRequest, match=field):
+    with pytest.raises(BadRequest, match=words):
         body.messages[0].as_template_input()
+
+
+def test_messages_with_tool_calls_and_tool_results_reach_the_template():
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = parse_body(ChatCompletionRequest, {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "c"}]})
+    assert [m.as_template_input() for m in body.messages] == [
+        {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "42",
+                                                                    "tool_call_id": "c"}]
