@@ -122,18 +122,16 @@ class TokenMask:
 
 
 class TokenMasks:
-    """A runner's mask buffers: on CUDA two pinned host halves (one is filled while the other's copy may still be
-    in flight; an event says when a half is free again) and one device buffer the copies land in, in stream
-    order with the sampling that reads it."""
+    """A runner's mask buffers on the host: on CUDA two pinned halves, used in turn (one is filled while the other's
+    copy to the device may still be in flight; an event says when a half is free again). The device copy is a fresh
+    tensor a step (a few rows: the caching allocator hands it out in the sampling's stream order), so no device
+    memory is held for masks between steps."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
         words = -(-vocab_size // 32)
         self.device = device
-        self.vocab_size = vocab_size
-        cuda = device.type == "cuda"
-        self.host = torch.empty((2, max_rows, words), dtype=torch.int32, pin_memory=cuda)
-        self.device_buffer = torch.empty((max_rows, words), dtype=torch.int32, device=device) if cuda else None
-        self.copied = [None, None]  # per host half: the event after its latest copy
+        self.host = torch.empty((2, max_rows, words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.copied: list[torch.cuda.Event | None] = [None, None]  # per host half: the event after its latest copy
         self.half = 0
 
     def prepare(self, rows: Sequence[Any], known: Callable[[int], int]) -> TokenMask:
@@ -148,10 +146,9 @@ class TokenMasks:
             state = rows[row_index].guided
             state.catch_up(known)
             state.fill(host, index)
-        if self.device_buffer is None:
+        if self.device.type != "cuda":
             return TokenMask(host, guided)
-        bitmask = self.device_buffer[:len(guided)]
-        bitmask.copy_(host, non_blocking=True)
+        bitmask = host.to(self.device, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self.copied[half] = event

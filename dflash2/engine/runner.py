@@ -137,7 +137,7 @@ class ModelRunner:
         self.kv_caches = []
         self.storage = self.page_table = None  # the pool's bytes go with the last runner viewing them
         self.future_tokens = self.tokens_host = None
-        self.token_stream = self._sampled = None
+        self.token_stream = self._sampled = self._last_copy = self.token_masks = None
         self.model = None
 
     # -- the step ----------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ class ModelRunner:
         try:
             token_ids = self.sampler.sample_device(logits, rows, None if wants_logprobs else greedy, token_mask)
         except Exception:  # noqa: BLE001 - find the row that raised; its neighbours keep their tokens
-            token_ids, failed = self._sample_each(logits, rows, sample_ids)
+            token_ids, failed = self._sample_each(logits, rows, sample_ids, token_mask)
         base = self.future_base
         self.future_base = self.options.max_slots - base  # alternate halves: 0, max_slots, 0, ...
         if greedy is None or token_ids is not greedy:  # a step graph stored its greedy tokens there itself
@@ -316,14 +316,17 @@ class ModelRunner:
             self._last_copy.synchronize()
         return int(self.tokens_host[-token_id - 1])
 
-    def _sample_each(self, logits: torch.Tensor, rows: list[SamplingRow],
-                     sample_ids: list[str]) -> tuple[torch.Tensor, dict[str, str]]:
+    def _sample_each(self, logits: torch.Tensor, rows: list[SamplingRow], sample_ids: list[str],
+                     token_mask: TokenMask | None = None) -> tuple[torch.Tensor, dict[str, str]]:
         """Sample row by row after the batch raised: the rows that raise again are the failed requests (token 0
-        in their place); the others get their tokens as usual."""
+        in their place); the others get their tokens as usual (guided ones within their masks)."""
         tokens, failed = [], {}
+        masked = {row: k for k, row in enumerate(token_mask.rows)} if token_mask is not None else {}
         for index, (row, request_id) in enumerate(zip(rows, sample_ids)):
+            k = masked.get(index)
+            row_mask = TokenMask(token_mask.bitmask[k:k + 1], [0]) if k is not None else None
             try:
-                tokens.append(self.sampler.sample_device(logits[index:index + 1], [row]))
+                tokens.append(self.sampler.sample_device(logits[index:index + 1], [row], token_mask=row_mask))
             except Exception as error:  # noqa: BLE001 - reported for this request alone
                 logger.exception("sampling failed for request %s", request_id)
                 failed[request_id] = f"sampling failed: {type(error).__name__}"
