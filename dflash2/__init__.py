@@ -5,6 +5,7 @@ from dflash2.engine.served_model import ModelSpec
 from dflash2.entrypoints.llm import LLM
 from dflash2.request import CompletionOutput, RequestOutput
 from dflash2.sampling_params import SamplingParams
+from dflash2.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "ModelSpec", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "ModelSpec", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -63,6 +63,7 @@ class Request:
         self.num_streamed_tokens = 0  # output tokens already handed out in a RequestOutput
         self.generator: Any = None  # torch.Generator when sampling_params.seed is set
         self.sampling_row: Any = None  # the runner's SamplingRow for steps that read no token history
+        self.guided: Any = None  # engine/guided.py's GuidedState when the output must match a grammar
         self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)

@@ -15,7 +15,7 @@ from typing import Any
 from dflash2.cli.args import add_engine_flags, add_flag, engine_kwargs
 from dflash2.engine.served_model import ModelSpec
 from dflash2.units import parse_bytes
-from dflash2.server.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_QUEUE_LEN,
+from dflash2.server.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_QUEUE_LEN,
                                    DEFAULT_MAX_REQUEST_BYTES, ServerConfig)
 
 def add_parser(subparsers: Any) -> None:
@@ -76,6 +76,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
              help=f"the most logprobs / top_logprobs / prompt_logprobs a request may ask for; more gets 400 "
                   f"(default: {DEFAULT_MAX_LOGPROBS}, as vLLM)")
+    add_flag(parser, "--max-n", type=int, default=DEFAULT_MAX_N,
+             help=f"the most samples (n, best_of) a request may ask for; more gets 400 (default: {DEFAULT_MAX_N})")
+    add_flag(parser, "--chat-template", default=None,
+             help="a Jinja chat template file used instead of the model's (for every model served)")
+    add_flag(parser, "--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+             help="how tool calls are read from the output: hermes (<tool_call>{...}</tool_call>: Qwen, SmolLM), "
+                  "llama3_json (Llama 3's JSON), or auto: by the chat template (default)")
     add_flag(parser, "--shutdown-timeout", type=float, default=30.0,
              help="on SIGTERM / SIGINT: seconds the requests in flight may still run (new ones get 503), then the "
                   "rest end with an error and the server exits 0")
@@ -240,10 +247,25 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         disable_log_requests=args.disable_log_requests, disable_log_stats=args.disable_log_stats,
                         log_tokens=args.log_tokens, log_level=args.log_level, max_queue_len=args.max_queue_len,
                         max_prompts_per_request=args.max_prompts_per_request, max_logprobs=args.max_logprobs,
-                        single_process=args.single_process, num_threads=args.num_threads,
+                        max_n=args.max_n, chat_template=read_chat_template(args.chat_template),
+                        tool_call_parser=args.tool_call_parser, single_process=args.single_process, num_threads=args.num_threads,
                         shutdown_timeout_s=args.shutdown_timeout,
                         step_timeout_s=args.step_timeout or None,
                         max_held_requests=args.max_num_seqs if args.max_batch_size is not None else None)
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The text of a --chat-template file; ValueError naming the flag if it cannot be read or is empty."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template {path}: {e.strerror}") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template {path} is empty")
+    return text
 
 
 def build_engine(kwargs: dict[str, Any]) -> Any:

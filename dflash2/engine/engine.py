@@ -52,6 +52,8 @@ from dflash2.engine.kv.manager import KVManager
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.engine.plan import StepPlan
 from dflash2.engine.graphs import graph_batch_sizes, mixed_graph_shapes
+from dflash2.engine.guided import GrammarCompilers
+from dflash2.engine.held_requests import HeldRequests, prompt_computed
 from dflash2.engine.memory import gpu_pool_bytes, profile_model_memory
 from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepResult
 from dflash2.engine.sampler import make_generator
@@ -130,6 +132,8 @@ class Engine:
         self.models: dict[str, ServedModel] = {}
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._held = HeldRequests()  # taken, not yet scheduled (held_requests.py)
+        self._grammars = GrammarCompilers()  # structured output (guided.py)
         self._in_flight: tuple[ServedModel, StepPlan, PendingStep] | None = None
         self.trace: StepTrace | None = None
         self.disk_tier: DiskTier | None = None
@@ -300,6 +304,7 @@ class Engine:
         if self._in_flight is not None and self._in_flight[0] is served:
             self._finish_in_flight()  # its outputs are for nobody now
         del self.models[name]
+        self._grammars.forget(name)
         self._link_peers()
         served.runner.close()
         self.pool.forget(name)
@@ -361,7 +366,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(served.scheduler.waiting) for served in self.models.values())
+        return sum(len(served.scheduler.waiting) for served in self.models.values()) + len(self._held)
 
     @property
     def num_preemptions(self) -> int:
@@ -369,9 +374,12 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None, priority: int = 0,
-                    request_id: str | None = None, model: str | None = None) -> Request:
+                    request_id: str | None = None, model: str | None = None,
+                    shares_prompt_with: str | None = None) -> Request:
         """Validate and queue one request for `model` (None: the only model loaded); raises ValueError saying
-        what is wrong with it."""
+        what is wrong with it. One request draws one sample (parallel_sampling.py splits n). `shares_prompt_with`:
+        the id of a request with the same prompt (another sample of it): this one waits until that one's prompt
+        KV is computed, then takes its pages from the prefix cache."""
         params = params or SamplingParams()
         served = self.served(model)
         if served.closing:
@@ -385,16 +393,25 @@ class Engine:
         if self.config.low_priority_values_first:
             priority = MAX_PRIORITY - priority
         request = Request(request_id, token_ids, params, priority=priority, prompt=prompt_text, model=served.name)
+        if params.structured_outputs is not None:
+            request.guided = self._grammars.state_for(served.name, served.tokenizer, served.model.arch.vocab_size,
+                                                      served.eos_token_ids, params.structured_outputs,
+                                                      request.token_ids)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.device)
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(served.tokenizer, token_ids, params)
-        served.scheduler.add(request)
+        leader = self.requests.get(shares_prompt_with) if shares_prompt_with is not None else None
+        if leader is not None and leader.prompt_token_ids == token_ids:
+            self._held.hold(request, prompt_computed(leader))
+        else:
+            served.scheduler.add(request)
         self._num_added += 1
         return request
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
+        self._held.drop(request_id)
         if request is not None and not request.status.finished:
             self.models[request.model].scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
@@ -455,7 +472,8 @@ class Engine:
             self.close()
 
     def has_unfinished(self) -> bool:
-        return self._in_flight is not None or any(m.scheduler.has_unfinished() for m in self.models.values())
+        return self._in_flight is not None or bool(self._held) or \
+            any(m.scheduler.has_unfinished() for m in self.models.values())
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -465,6 +483,9 @@ class Engine:
         started = time.perf_counter()
         if self.disk_tier is not None:
             self.disk_tier.poll()  # pages read from or written to disk since the last step
+        if self._held:
+            for request in self._held.release():
+                self.models[request.model].scheduler.add(request)
         served, plan = self._plan_next()
         self.last_plan_seconds = time.perf_counter() - started
         if not plan and self.disk_tier is not None and self.disk_tier.num_loading and self._in_flight is None:

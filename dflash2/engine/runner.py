@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash2.engine.graphs import StepGraphs
+from dflash2.engine.guided import TokenMask, TokenMasks
 from dflash2.engine.kv.layout import KVLayout
 from dflash2.engine.plan import ScheduledChunk, StepPlan
 from dflash2.engine.storage import PoolStorage
@@ -110,6 +111,8 @@ class ModelRunner:
         # launch gap on the main stream
         self.token_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._sampled = torch.cuda.Event() if self.token_stream is not None else None  # recorded each step
+        self._last_copy: torch.cuda.Event | None = None  # the latest step's token copy to tokens_host
+        self.token_masks: TokenMasks | None = None  # structured output's mask buffers, made on first use
         self.eos_token_ids: tuple[int, ...] = model.arch.eos_token_ids
         self.graphs: StepGraphs | None = None
         # set while collect() waits for the device (the GIL is free then): the engine process's metrics
@@ -134,7 +137,7 @@ class ModelRunner:
         self.kv_caches = []
         self.storage = self.page_table = None  # the pool's bytes go with the last runner viewing them
         self.future_tokens = self.tokens_host = None
-        self.token_stream = self._sampled = None
+        self.token_stream = self._sampled = self._last_copy = self.token_masks = None
         self.model = None
 
     # -- the step ----------------------------------------------------------------------------------
@@ -269,12 +272,13 @@ class ModelRunner:
             return PendingStep(sample_ids, [], None, None)
         rows = [self.sampling_row(requests[c.request_id]) for c in chunks]
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
+        token_mask = self._token_mask(rows) if any(r.guided is not None for r in rows) else None
         # the graph's greedy buffer is rewritten by its next replay: not for a logprob job read at collect
         failed: dict[str, str] = {}
         try:
-            token_ids = self.sampler.sample_device(logits, rows, None if wants_logprobs else greedy)
+            token_ids = self.sampler.sample_device(logits, rows, None if wants_logprobs else greedy, token_mask)
         except Exception:  # noqa: BLE001 - find the row that raised; its neighbours keep their tokens
-            token_ids, failed = self._sample_each(logits, rows, sample_ids)
+            token_ids, failed = self._sample_each(logits, rows, sample_ids, token_mask)
         base = self.future_base
         self.future_base = self.options.max_slots - base  # alternate halves: 0, max_slots, 0, ...
         if greedy is None or token_ids is not greedy:  # a step graph stored its greedy tokens there itself
@@ -291,16 +295,38 @@ class ModelRunner:
             self.token_stream.wait_event(self._sampled)
             tokens_host.copy_(self.future_tokens[base:base + len(chunks)], non_blocking=True)
             done.record()
+        self._last_copy = done
         return PendingStep(sample_ids, placeholders, tokens_host, done, logprob_job, failed=failed)
 
-    def _sample_each(self, logits: torch.Tensor, rows: list[SamplingRow],
-                     sample_ids: list[str]) -> tuple[torch.Tensor, dict[str, str]]:
+    def _token_mask(self, rows: list[SamplingRow]) -> TokenMask:
+        """The masks of the rows with structured output (engine/guided.py): built on the host while this step's
+        forward runs, copied to the device without waiting."""
+        if self.token_masks is None:
+            self.token_masks = TokenMasks(self.options.max_slots, self.model.arch.vocab_size, self.device)
+        return self.token_masks.prepare(rows, self._known_token)
+
+    def _known_token(self, token_id: int) -> int:
+        """A token of a request's history: a placeholder -(slot + 1) is read from the previous step's host copy
+        (waiting for that copy, which ends as this step's forward starts)."""
+        if token_id >= 0:
+            return token_id
+        if self.tokens_host is None:
+            return int(self.future_tokens[-token_id - 1])
+        with self.waiting_for_device():
+            self._last_copy.synchronize()
+        return int(self.tokens_host[-token_id - 1])
+
+    def _sample_each(self, logits: torch.Tensor, rows: list[SamplingRow], sample_ids: list[str],
+                     token_mask: TokenMask | None = None) -> tuple[torch.Tensor, dict[str, str]]:
         """Sample row by row after the batch raised: the rows that raise again are the failed requests (token 0
-        in their place); the others get their tokens as usual."""
+        in their place); the others get their tokens as usual (guided ones within their masks)."""
         tokens, failed = [], {}
+        masked = {row: k for k, row in enumerate(token_mask.rows)} if token_mask is not None else {}
         for index, (row, request_id) in enumerate(zip(rows, sample_ids)):
+            k = masked.get(index)
+            row_mask = TokenMask(token_mask.bitmask[k:k + 1], [0]) if k is not None else None
             try:
-                tokens.append(self.sampler.sample_device(logits[index:index + 1], [row]))
+                tokens.append(self.sampler.sample_device(logits[index:index + 1], [row], token_mask=row_mask))
             except Exception as error:  # noqa: BLE001 - reported for this request alone
                 logger.exception("sampling failed for request %s", request_id)
                 failed[request_id] = f"sampling failed: {type(error).__name__}"
@@ -315,7 +341,7 @@ class ModelRunner:
         if needs_history or request.sampling_row is None:
             row = SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
                               output_token_ids=request.output_token_ids if needs_history else (),
-                              generator=request.generator, eos_token_ids=self.eos_token_ids)
+                              generator=request.generator, eos_token_ids=self.eos_token_ids, guided=request.guided)
             if needs_history:
                 return row
             request.sampling_row = row

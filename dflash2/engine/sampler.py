@@ -8,6 +8,10 @@ Per row, in this order:
         |
     min_tokens: mask EOS ids and stop_token_ids while the output is still too short
         |
+    logit_bias: each listed token's bias added
+        |
+    structured output: tokens the row's grammar does not allow next set to -inf (engine/guided.py)
+        |
     greedy row (temperature < 1e-5) -> argmax (ties -> lowest id)
     random row -> / temperature -> top_k -> top_p -> min_p -> exponential race
 
@@ -18,12 +22,12 @@ All math stays on logits.device; only the final small results are copied to the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
+from dflash2.engine.guided import TokenMask, apply_token_mask
 from dflash2.engine.transfer import host_to_device, to_device
-
 from dflash2.sampling_params import SamplingParams
 
 
@@ -43,6 +47,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # tokens generated so far (before this step)
     generator: torch.Generator | None  # per-request generator when params.seed is set; else None
     eos_token_ids: Sequence[int]  # the model's EOS ids (min_tokens masks these and stop_token_ids)
+    guided: Any = None  # the request's GuidedState (engine/guided.py) when its output must match a grammar
 
 
 @dataclass
@@ -72,14 +77,17 @@ class Sampler:
         return SampleOutput(token_ids=token_ids_dev.tolist(), logprobs=logprobs)
 
     def sample_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-                      greedy: torch.Tensor | None = None) -> torch.Tensor:
+                      greedy: torch.Tensor | None = None, token_mask: TokenMask | None = None) -> torch.Tensor:
         """The sampled token ids as a tensor on logits.device, without waiting for the device. `greedy`: the
         argmax of every row of `logits`, if already computed (a step graph's): returned as it is when every
-        row is greedy and no penalty or min_tokens changes the logits."""
+        row is greedy and no penalty, min_tokens, bias or mask changes the logits. `token_mask`: the tokens
+        allowed to the rows with structured output."""
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if logits.dtype != torch.float32 and (random_rows or any(row.params.has_penalty for row in rows)):
-            logits = logits.float()  # exact; temperature, top-p and penalties then compute in float32
-        processed = apply_min_tokens(apply_penalties(logits, rows), rows)
+        if logits.dtype != torch.float32 and (random_rows or any(row.params.edits_logits for row in rows)):
+            logits = logits.float()  # exact; temperature, top-p, penalties and biases then compute in float32
+        processed = apply_logit_bias(apply_min_tokens(apply_penalties(logits, rows), rows), rows)
+        if token_mask is not None:
+            processed = apply_token_mask(processed, token_mask)
         if not random_rows:
             return greedy if greedy is not None and processed is logits else greedy_argmax(processed)
         return self._sample_mixed(processed, rows, random_rows)
@@ -202,6 +210,29 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     rows_dev = to_device(row_index, torch.long, logits.device)
     tokens_dev = to_device(token_index, torch.long, logits.device)
     result[rows_dev, tokens_dev] = float("-inf")
+    return result
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Add each row's logit_bias to its tokens' logits (-100 all but bans a token, as in OpenAI's API).
+
+    Returns `logits` itself when no row has a bias, else a new tensor.
+    """
+    row_index: list[int] = []
+    token_index: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if bias:
+            row_index.extend([i] * len(bias))
+            token_index.extend(bias)
+            values.extend(bias.values())
+    if not row_index:
+        return logits
+    result = logits.clone()
+    rows_dev = to_device(row_index, torch.long, logits.device)
+    tokens_dev = to_device(token_index, torch.long, logits.device)
+    result.index_put_((rows_dev, tokens_dev), to_device(values, logits.dtype, logits.device), accumulate=True)
     return result
 
 

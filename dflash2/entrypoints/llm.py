@@ -16,6 +16,7 @@ from typing import Any
 
 from dflash2.config import CacheConfig, SchedulerConfig
 from dflash2.engine.engine import Engine, EngineConfig, PromptInput
+from dflash2.engine.parallel_sampling import merge_samples, sample_params
 from dflash2.engine.served_model import ModelSpec
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
@@ -103,7 +104,8 @@ class LLM:
         """Run every prompt to completion on `model` (None: the only one loaded); outputs come back in the
         order of the prompts.
 
-        All prompts are validated before any runs, so a bad one raises ValueError and nothing is queued.
+        All prompts are validated before any runs, so a bad one raises ValueError and nothing is queued. A prompt
+        whose params ask for n samples (or best_of) gets one output holding n completions.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -112,15 +114,23 @@ class LLM:
         # only the last output of each request is kept: the engine need not build the others
         params = [dataclasses.replace(p, output_kind="final_only") for p in params]
         priorities = _per_prompt(priority, len(prompts), 0, "priority")
-        request_ids = []
+        request_ids: list[str] = []
+        samples_of: list[list[str]] = []  # per prompt: its samples' request ids
         try:
             for prompt, param, prio in zip(prompts, params, priorities):
-                request_ids.append(self.engine.add_request(prompt, param, prio, model=model).request_id)
+                ids: list[str] = []
+                for sample in sample_params(param):
+                    ids.append(self.engine.add_request(prompt, sample, prio, model=model,
+                                                       shares_prompt_with=ids[0] if ids else None).request_id)
+                    request_ids.append(ids[-1])
+                samples_of.append(ids)
         except ValueError:
             for request_id in request_ids:
                 self.engine.abort(request_id)
             raise
-        return self._run(request_ids)
+        finals = dict(zip(request_ids, self._run(request_ids)))
+        return [finals[ids[0]] if len(ids) == 1 else merge_samples(ids[0], [finals[i] for i in ids], param)
+                for ids, param in zip(samples_of, params)]
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

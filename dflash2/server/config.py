@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_MAX_N = 16  # samples a request may ask for (n, best_of): each one is a sequence in the batch
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default (and OpenAI's top_logprobs cap)
 # A request's prompts run as that many engine requests: 64 serves batch clients, while one request can neither
 # fill the queue nor hold a concurrent request for long (500 prompts held one 16.6 s; the 1 MiB body limit let
@@ -33,6 +34,9 @@ class ServerConfig:
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN  # waiting requests beyond this get 503 + Retry-After
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # logprobs / top_logprobs / prompt_logprobs above get 400
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # a completions request with more gets 400
+    max_n: int = DEFAULT_MAX_N  # n or best_of above gets 400
+    chat_template: str | None = None  # --chat-template: this template's text instead of the model's
+    tool_call_parser: str = "auto"  # hermes, llama3_json, or auto: by the chat template (server/tools.py)
     # requests held (running, paused and waiting) beyond this get 503 too (--max-num-seqs beside
     # --max-batch-size); None: no bound besides max_queue_len
     max_held_requests: int | None = None
@@ -62,6 +66,10 @@ class ServerConfig:
             raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
         if self.max_prompts_per_request < 1:
             raise ValueError(f"--max-prompts-per-request must be >= 1, got {self.max_prompts_per_request}")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
+            raise ValueError(f"--tool-call-parser must be auto, hermes or llama3_json, got {self.tool_call_parser!r}")
+        if self.max_n < 1:
+            raise ValueError(f"--max-n must be >= 1, got {self.max_n}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.api_key is not None and not self.api_key:

@@ -105,6 +105,7 @@ class Submit:
     timing: StreamTiming | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     model: str | None = None  # None: the only model loaded
+    shares_prompt_with: str | None = None  # another sample of the same prompt (Engine.add_request)
 
 
 @dataclass
@@ -246,7 +247,8 @@ class EngineLoop:
             return
         try:
             request: Request = self.engine.add_request(command.prompt, command.params, command.priority,
-                                                       command.request_id, model=command.model)
+                                                       command.request_id, model=command.model,
+                                                       shares_prompt_with=command.shares_prompt_with)
         except ValueError as e:
             self.settle(command, e)
             return

@@ -219,7 +219,8 @@ class EngineProcess:
 
     # -- requests -------------------------------------------------------------------------------------
     async def submit(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int,
-                     outputs: asyncio.Queue, timing: StreamTiming | None = None, model: str | None = None) -> None:
+                     outputs: asyncio.Queue, timing: StreamTiming | None = None, model: str | None = None,
+                     shares_prompt_with: str | None = None) -> None:
         """As EngineThread.submit."""
         assert self._loop is not None
         if self._gone:
@@ -231,7 +232,8 @@ class EngineProcess:
         self._accepting[request_id] = accepted
         self._streams[request_id] = _Stream(outputs)
         received_at = timing.received_at if timing is not None else None
-        self._send(("submit", request_id, prompt, params, priority, received_at, time.monotonic(), model))
+        self._send(("submit", request_id, prompt, params, priority, received_at, time.monotonic(), model,
+                    shares_prompt_with))
         try:
             await accepted
         except BaseException:
@@ -629,9 +631,9 @@ def _command_of(message: tuple) -> Any:
     """A commands-pipe message as the loop's command."""
     kind = message[0]
     if kind == "submit":
-        _, request_id, prompt, params, priority, received_at, submitted_at, model = message
+        _, request_id, prompt, params, priority, received_at, submitted_at, model, shares_prompt_with = message
         return Submit(request_id, prompt, params, priority, timing=StreamTiming(received_at), submitted_at=submitted_at,
-                      model=model)
+                      model=model, shares_prompt_with=shares_prompt_with)
     if kind == "abort":
         return Abort(message[1])
     if kind == "end_all":

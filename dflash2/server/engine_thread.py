@@ -66,9 +66,11 @@ class EngineThread(EngineLoop):
         return self.loaded.is_set() and self.load_error is None
 
     async def submit(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int,
-                     outputs: asyncio.Queue, timing: StreamTiming | None = None, model: str | None = None) -> None:
+                     outputs: asyncio.Queue, timing: StreamTiming | None = None, model: str | None = None,
+                     shares_prompt_with: str | None = None) -> None:
         """Queue one request; returns once the engine took it, raises ValueError if it refused it and
-        QueueFull if max_queue_len requests are waiting.
+        QueueFull if max_queue_len requests are waiting. `shares_prompt_with`: another sample of this prompt
+        (Engine.add_request).
 
         Its RequestOutputs (or an EngineError) then arrive on `outputs`, the last one with finished=True.
         """
@@ -77,7 +79,8 @@ class EngineThread(EngineLoop):
             raise QueueFull(f"{self._num_submitting} requests are being queued already (--max-queue-len "
                             f"{self.max_queue_len}); retry later", self.retry_after_s)
         accepted = self._loop.create_future()
-        self.commands.put(Submit(request_id, prompt, params, priority, outputs, accepted, timing, model=model))
+        self.commands.put(Submit(request_id, prompt, params, priority, outputs, accepted, timing, model=model,
+                                 shares_prompt_with=shares_prompt_with))
         self._num_submitting += 1
         try:
             await accepted

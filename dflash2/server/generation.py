@@ -1,6 +1,6 @@
 """Generation: the engine requests behind one HTTP request, and how the handler reads their outputs.
 
-    handler ── Generation.start() ──► engine.submit() per prompt, all at once (all or none accepted)
+    handler ── Generation.start() ──► engine.submit() per prompt and sample, all at once (all or none accepted)
             ◄─ stream_batches(timeout) ◄── one asyncio.Queue shared by the prompts' outputs
                (each batch: every output queued so far, sent as one SSE write)
             ◄─ collect(request)        (waits for all to finish; a client that hangs up aborts them)
@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 
+from dflash2.engine.parallel_sampling import pick_best, sample_params
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
 from dflash2.server.engine_loop import EngineError
@@ -36,9 +37,14 @@ class ClientGone(Exception):
 
 
 class Generation:
+    """The engine requests of one HTTP request: prompt p's sample j is request_ids[p * samples_per_prompt + j], and
+    choice p * n + j of the response (best_of > n: the n best of the prompt's samples, picked at the end)."""
+
     def __init__(self, engine: EngineThread | EngineProcess, request_id: str, request_ids: list[str],
-                 received_at: float | None = None) -> None:
+                 received_at: float | None = None, samples_per_prompt: int = 1, n: int = 1) -> None:
         self.engine = engine
+        self.samples_per_prompt = samples_per_prompt
+        self.n = n
         self.timing = StreamTiming(received_at)
         self.id = request_id
         self.request_ids = request_ids
@@ -56,15 +62,21 @@ class Generation:
         and raise BadRequest (a prompt it found wrong) or the refusal (QueueFull, EngineError).
         `response_id`: the id the response shows (default: request_id, which the engine's ids derive from).
         `model`: the engine's name of the model (None: the only one)."""
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        samples = sample_params(params)
+        count = len(prompts) * len(samples)
+        ids = [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
         received_at = http_request.scope.get(RECEIVED_AT) if http_request is not None else None
-        generation = cls(engine, request_id, ids, received_at)
+        generation = cls(engine, request_id, ids, received_at, len(samples), params.n)
         if response_id is not None:
             generation.id = response_id
+        submissions = []
+        for index, sub_id in enumerate(ids):
+            prompt_index, sample = divmod(index, len(samples))
+            leader = ids[index - sample] if sample else None  # the prompt's first sample prefills it
+            submissions.append(engine.submit(sub_id, prompts[prompt_index], samples[sample], priority,
+                                             generation.outputs, generation.timing, model, leader))
         try:
-            results = await asyncio.gather(*(
-                engine.submit(sub_id, prompt, params, priority, generation.outputs, generation.timing, model)
-                for sub_id, prompt in zip(ids, prompts)), return_exceptions=True)
+            results = await asyncio.gather(*submissions, return_exceptions=True)
         except BaseException:  # cancelled: the client went away
             generation.abort_unfinished()
             raise
@@ -121,6 +133,14 @@ class Generation:
         finally:
             watcher.cancel()
         return [finals[request_id] for request_id in self.request_ids]
+
+    def choices(self, finals: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs the response shows, in choice order: all of them, or with best_of > n each prompt's n best."""
+        per_prompt = self.samples_per_prompt
+        if per_prompt == self.n:
+            return finals
+        return [best for start in range(0, len(finals), per_prompt)
+                for best in pick_best(finals[start:start + per_prompt], self.n)]
 
     def mark_first_sent(self, at: float) -> None:
         """The first text of this generation went to the response stream at `at` (for the request log)."""

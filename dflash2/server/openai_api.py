@@ -26,6 +26,7 @@ from dflash2.server.generation import Generation, StreamTimeout
 from dflash2.server.engine_loop import EngineError
 from dflash2.server.protocol import ChatCompletionRequest, CompletionRequest
 from dflash2.server.state import ModelHandle, ServerState
+from dflash2.server.tools import ToolRequest, choose_parser
 
 logger = logging.getLogger("dflash2.server")
 
@@ -41,10 +42,11 @@ def error_body(message: str, error_type: str, code: int | str | None, param: str
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def usage(finals: list[RequestOutput]) -> dict[str, Any]:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
+def usage(finals: list[RequestOutput], samples_per_prompt: int = 1) -> dict[str, Any]:
+    """Token counts of a response: each prompt once (not once a sample), every sample's tokens (best_of's too)."""
+    prompt = sum(len(o.prompt_token_ids) for o in finals[::samples_per_prompt])
     completion = sum(len(o.outputs[0].token_ids) for o in finals)
-    cached = sum(o.num_cached_tokens for o in finals)
+    cached = sum(o.num_cached_tokens for o in finals[::samples_per_prompt])
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -55,9 +57,11 @@ async def create_completion(http_request: HTTPRequest, body: CompletionRequest, 
     limits = model.limits
     params = body.sampling_params(body.max_tokens, body.logprobs, limits)
     truncating = body.truncate_prompt_tokens is not None
-    prompts = await model.encode(body.prompts(limits), add_special_tokens=body.add_special_tokens is not False,
-                                 check_length=not truncating)
+    prompts = await model.encode(body.prompts(limits), check_length=not truncating,
+                                 add_special_tokens=body.add_special_tokens is not False and not body.suffix)
     truncated = model.truncate(prompts, body.truncate_prompt_tokens)
+    if body.suffix:
+        prompts = await model.fill_in_the_middle(prompts, body.suffix)
     generation = await Generation.start(state.engine, f"cmpl-{uuid.uuid4().hex}", prompts, params, body.priority,
                                         http_request, response_id=_response_id("cmpl", body.request_id),
                                         model=model.engine_name)
@@ -176,8 +180,9 @@ class _CompletionFormat:
     def opening(self) -> list[dict[str, Any]]:
         if self.echo is None:
             return []
-        return [self.header([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
-                for i, text in enumerate(self.echo)]
+        n = self.generation.n
+        return [self.header([{"index": i, "text": self.echo[i // n], "logprobs": None, "finish_reason": None}])
+                for i in range(len(self.generation.request_ids))]
 
     def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
         index = self.generation.index_of[output.request_id]
@@ -191,9 +196,9 @@ class _CompletionFormat:
 
     def whole(self, finals: list[RequestOutput]) -> dict[str, Any]:
         choices = []
-        for index, output in enumerate(finals):
+        for index, output in enumerate(self.generation.choices(finals)):
             completion = output.outputs[0]
-            prefix = self.echo[index] if self.echo else ""
+            prefix = self.echo[index // self.generation.n] if self.echo else ""
             if self.echo and self.num_logprobs is not None:  # OpenAI: the echoed prompt's tokens come first
                 self._text_offset[index] = 0
                 echoed = self._logprobs(index, output.prompt_logprobs, output.prompt_token_ids, True)
@@ -206,7 +211,7 @@ class _CompletionFormat:
             if self.with_prompt_logprobs:
                 choice["prompt_logprobs"] = logprobs_json(self.handle, output.prompt_logprobs)
             choices.append(choice)
-        return {**self.header(choices), "usage": usage(finals)}
+        return {**self.header(choices), "usage": usage(finals, self.generation.samples_per_prompt)}
 
     def _logprobs(self, index: int, entries: list[dict | None] | None, token_ids: list[int],
                   whole_prompt: bool = False) -> dict[str, Any] | None:
@@ -236,18 +241,26 @@ def _joined(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict
 async def create_chat_completion(http_request: HTTPRequest, body: ChatCompletionRequest,
                                  state: ServerState) -> Response:
     model = state.check_model(body.model)
-    params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, model.limits)
+    tools = ToolRequest.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    params = body.sampling_params(body.requested_max_tokens, body.num_logprobs, model.limits,
+                                  tools.forced_output() if tools is not None else None)
     truncating = body.truncate_prompt_tokens is not None
     prompts = [await model.encode_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
                                        body.chat_template_kwargs, add_special_tokens=bool(body.add_special_tokens),
-                                       check_length=not truncating)]
+                                       check_length=not truncating, tools=tools.tools if tools is not None else None)]
     truncated = model.truncate(prompts, body.truncate_prompt_tokens)
     generation = await Generation.start(state.engine, f"chatcmpl-{uuid.uuid4().hex}", prompts, params,
                                         body.priority, http_request,
                                         response_id=_response_id("chatcmpl", body.request_id),
                                         model=model.engine_name)
     headers = TRUNCATION_HEADER if truncated else None
-    formatter = _ChatFormat(model, generation, body.num_logprobs, body.prompt_logprobs is not None)
+    if tools is None:
+        formatter = _ChatFormat(model, generation, body.num_logprobs, body.prompt_logprobs is not None)
+    else:
+        from dflash2.server.tool_format import ToolChatFormat  # (it builds on _ChatFormat, below)
+
+        formatter = ToolChatFormat(model, generation, body.num_logprobs, body.prompt_logprobs is not None, tools,
+                                   choose_parser(state.config.tool_call_parser, model.chat_template))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(state, generation, formatter, include_usage),
@@ -288,8 +301,9 @@ class _ChatFormat(_CompletionFormat):
         choices = [{"index": index, "message": {"role": "assistant", "content": output.outputs[0].text},
                     "logprobs": self._chat_logprobs(output.outputs[0].logprobs, output.outputs[0].token_ids),
                     "finish_reason": output.outputs[0].finish_reason, "stop_reason": output.outputs[0].stop_reason}
-                   for index, output in enumerate(finals)]
-        response = {**self.header(choices), "object": "chat.completion", "usage": usage(finals)}
+                   for index, output in enumerate(self.generation.choices(finals))]
+        response = {**self.header(choices), "object": "chat.completion",
+                    "usage": usage(finals, self.generation.samples_per_prompt)}
         if self.with_prompt_logprobs:  # vLLM: the response's, not a choice's
             response["prompt_logprobs"] = logprobs_json(self.handle, finals[0].prompt_logprobs)
         return response
@@ -342,7 +356,8 @@ async def stream_events(state: ServerState, generation: Generation, formatter: A
                     generation.mark_first_sent(time.monotonic())  # the first token the client can see
                 yield text
         if include_usage:
-            yield sse({**formatter.header([]), "usage": usage(finals)})
+            finals.sort(key=lambda output: generation.index_of[output.request_id])
+            yield sse({**formatter.header([]), "usage": usage(finals, generation.samples_per_prompt)})
         state.engine.count("streaming_success")
     except StreamTimeout as e:
         state.engine.count("streaming_timeout")

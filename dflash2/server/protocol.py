@@ -4,8 +4,7 @@ Field names follow OpenAI, plus vLLM's extra fields and our `priority`. Every fi
 here, and each is honoured or refused:
 - honoured: mapped onto SamplingParams or the prompt (prompt_logprobs, echo, add_special_tokens, ...);
 - accepted because it asks for nothing that changes the answer (user, metadata, prompt_cache_key, ...);
-- refused with a 400 naming it when it asks for what this server lacks (tools, guided decoding, beam search,
-  logit_bias, n > 1, ...; UNSUPPORTED): a client written for OpenAI or vLLM never gets a silent wrong answer.
+- refused with a 400 naming it when it asks for what this server lacks (beam search, audio, ...; UNSUPPORTED): a client written for OpenAI or vLLM never gets a silent wrong answer.
 A field of neither API passes, and the server log names it once.
 
 Types are strict (a string is not a number), except that an integer field takes an integral float (2.0), as
@@ -21,7 +20,11 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from dflash2.sampling_params import MAX_PRIORITY, SamplingParams, check_against_vocab
-from dflash2.server.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from dflash2.structured_outputs import StructuredOutputsParams
+from dflash2.server.bad_request import BadRequest
+from dflash2.server.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from dflash2.server.structured_fields import structured_outputs_of
+from dflash2.server.tools import check_message_tool_calls
 from dflash2.server.unsupported import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, RESERVED_TEMPLATE_KWARGS, UNSUPPORTED
 
 logger = logging.getLogger("dflash2.server")
@@ -39,17 +42,6 @@ def _integral(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_integral)]
 
 
-class BadRequest(ValueError):
-    """A client error, answered as 400 (or status_code) with an OpenAI-style error body."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status_code: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-        self.status_code = status_code
-
-
 @dataclass(frozen=True)
 class RequestLimits:
     """What the server allows one request (ServerConfig's flags and the model's vocabulary)."""
@@ -57,6 +49,7 @@ class RequestLimits:
     vocab_size: int
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    max_n: int = DEFAULT_MAX_N  # n and best_of at most
 
 
 class _Body(BaseModel):
@@ -107,22 +100,23 @@ class _SamplingFields(_Body):
     add_special_tokens: bool | None = None  # None: the endpoint's default
     request_id: str | None = Field(None, max_length=256)  # the response's id (after its prefix)
     priority: Int = Field(0, ge=0, le=MAX_PRIORITY)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
+    best_of: Int | None = None
+    # structured output (structured_fields.py)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # refused unless absent or harmless (UNSUPPORTED)
-    logit_bias: Any = None
-    best_of: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
-    response_format: Any = None
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
@@ -136,6 +130,9 @@ class _SamplingFields(_Body):
         super().check()
         if self.stream and self.prompt_logprobs is not None:
             raise BadRequest("prompt_logprobs is only returned by requests that do not stream", param="prompt_logprobs")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise BadRequest("best_of > n is only answered to requests that do not stream (the best are known at "
+                             "the end)", param="best_of")
 
     def logprob_fields(self) -> dict[str, int | None]:
         """The fields asking for top logprobs, as the client named them."""
@@ -146,13 +143,24 @@ class _SamplingFields(_Body):
         """Top logprobs asked for each prompt token."""
         return self.prompt_logprobs
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, limits: RequestLimits) -> SamplingParams:
-        """SamplingParams for this body; BadRequest naming the first bad value."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, limits: RequestLimits,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """SamplingParams for this body; BadRequest naming the first bad value. `structured_outputs`: the
+        handler's own (a tool call it must force), in place of the body's."""
         most = min(limits.max_logprobs, limits.vocab_size)
         for name, value in self.logprob_fields().items():
             if value is not None and not 0 <= value <= most:
                 raise BadRequest(f"{name} must be in [0, {most}] (the server's --max-logprobs), got {value}",
                                  param=name)
+        for name in ("n", "best_of"):
+            value = getattr(self, name)
+            if value is not None and value > limits.max_n:
+                raise BadRequest(f"{name} must be at most {limits.max_n} (the server's --max-n), got {value}",
+                                 param=name)
+        structured = structured_outputs_of(self)
+        if structured is not None and structured_outputs is not None:
+            raise BadRequest("a required or named tool call is itself structured output: drop the other one",
+                             param="tool_choice")
         optional = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                                       ("top_k", self.top_k), ("min_p", self.min_p),
                                       ("repetition_penalty", self.repetition_penalty)) if v is not None}
@@ -163,11 +171,25 @@ class _SamplingFields(_Body):
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-                prompt_logprobs=self.num_prompt_logprobs, **optional)
+                prompt_logprobs=self.num_prompt_logprobs, best_of=self.best_of, logit_bias=self.token_biases(),
+                structured_outputs=structured or structured_outputs, **optional)
             check_against_vocab(params, limits.vocab_size, limits.max_logprobs)
         except ValueError as e:
             raise BadRequest(str(e), param=str(e).split(" ", 1)[0]) from None
         return params
+
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids (OpenAI sends them as strings)."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, value in self.logit_bias.items():
+            try:
+                biases[int(key)] = value
+            except ValueError:
+                raise BadRequest(f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias") from None
+        return biases
 
 
 class CompletionRequest(_SamplingFields):
@@ -178,7 +200,7 @@ class CompletionRequest(_SamplingFields):
     stream_options: StreamOptions | None = None
     logprobs: Int | None = None
     echo: bool = False
-    suffix: Any = None
+    suffix: str | None = None  # fill in the middle (fim.py), for models that have it
     prompt_embeds: Any = None
 
     def check(self) -> None:
@@ -219,24 +241,28 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | list[dict[str, Any]] | None = None
     name: str | None = None
     refusal: str | None = None  # accepted: an assistant's refusal, which the template does not show
-    # refused unless absent: a conversation with tool calls or audio (no tools, text only)
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (tools.py renders them)
+    tool_call_id: str | None = None  # a tool message's answer to that call
+    # refused unless absent: the legacy function calling and audio (text only)
     function_call: Any = None
     audio: Any = None
 
     def as_template_input(self) -> dict[str, Any]:
-        for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if getattr(self, name) not in (None, [], "", {}):
-                raise BadRequest(f"messages with '{name}' are not supported (no tools, text only)", param="messages")
+                raise BadRequest(f"messages with '{name}' are not supported (text only; tool_calls for tools)",
+                                 param="messages")
         content = self.content
         if isinstance(content, list):
             if not all(isinstance(part, TextPart) for part in content):
                 raise BadRequest("only text content parts are supported", param="messages")
             content = "".join(part.text for part in content)  # type: ignore[union-attr]
-        message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        for name in ("name", "tool_call_id"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        if self.tool_calls:
+            message["tool_calls"] = check_message_tool_calls(self.tool_calls)
         return message
 
 
@@ -253,13 +279,13 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # accepted: they ask for nothing that changes the answer
     metadata: dict[str, str] | None = None
-    parallel_tool_calls: bool | None = None  # (there are no tools)
+    parallel_tool_calls: bool | None = None  # false: the first tool call only
     prompt_cache_key: str | None = None  # the prefix cache needs no hint
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+    tools: list[dict[str, Any]] | None = None  # tools.py
+    tool_choice: str | dict[str, Any] | None = None
     # refused unless absent or harmless (CHAT_UNSUPPORTED)
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -308,6 +334,10 @@ class GenerateRequest(_SamplingFields):
         super().check()
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise BadRequest("give exactly one of prompt and prompt_token_ids", param="prompt")
+        for name in ("n", "best_of"):
+            if (getattr(self, name) or 1) != 1:
+                raise BadRequest(f"/generate returns one sample: {name} must be 1 (use /v1/completions for more)",
+                                 param=name)
 
     def logprob_fields(self) -> dict[str, int | None]:
         return {"logprobs": self.logprobs, **super().logprob_fields()}

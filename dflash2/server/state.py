@@ -21,7 +21,9 @@ from dflash2.server.config import ServerConfig
 from dflash2.server.engine_loop import EngineInfo, ModelInfo
 from dflash2.server.engine_process import EngineProcess
 from dflash2.server.engine_thread import EngineThread
+from dflash2.server.fim import fim_prompt, fim_token_ids
 from dflash2.server.protocol import BadRequest, ChatMessage, RequestLimits
+from dflash2.server.tools import template_messages
 
 logger = logging.getLogger("dflash2.server")
 
@@ -110,7 +112,8 @@ class ModelHandle:
 
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(self.info.vocab_size, self.config.max_logprobs, self.config.max_prompts_per_request)
+        return RequestLimits(self.info.vocab_size, self.config.max_logprobs, self.config.max_prompts_per_request,
+                             self.config.max_n)
 
     @property
     def tokenizer(self) -> Any:
@@ -138,24 +141,49 @@ class ModelHandle:
         return [{"prompt": prompt, "prompt_token_ids": next(ids)} if isinstance(prompt, str)
                 else {"prompt": None, "prompt_token_ids": list(prompt)} for prompt in prompts]
 
+    @property
+    def chat_template(self) -> str | None:
+        """--chat-template's text, else the model's own (None: it has none)."""
+        template = self.config.chat_template or getattr(self.tokenizer, "chat_template", None)
+        return None if not template else str(template)
+
     async def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                           continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-                          add_special_tokens: bool = False, check_length: bool = True) -> dict[str, Any]:
-        """The conversation through the chat template, then tokenized; both on a worker thread."""
+                          add_special_tokens: bool = False, check_length: bool = True,
+                          tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The conversation (and `tools`, server/tools.py) through the chat template, then tokenized; both on a
+        worker thread."""
         tokenizer = self.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise BadRequest("this model has no chat template: use /v1/completions", param="messages")
+        template = self.chat_template
+        if template is None:
+            raise BadRequest("this model has no chat template: use /v1/completions (or give the server "
+                             "--chat-template)", param="messages")
         conversation = [m.as_template_input() for m in messages]
+        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
+            conversation, tools = template_messages(conversation, tools, template)
+        override = self.config.chat_template
         bound = self.prompt_bound if check_length else None
 
         def render_and_encode() -> dict[str, Any]:
             text = render_chat(tokenizer, conversation, add_generation_prompt, continue_final_message,
-                               template_kwargs or {})
+                               template_kwargs or {}, tools, override)
             if bound is not None:
                 bound.check(text)
             return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=add_special_tokens)}
 
         return await asyncio.to_thread(render_and_encode)
+
+    async def fill_in_the_middle(self, prompts: list[dict[str, Any]], suffix: str) -> list[dict[str, Any]]:
+        """Each prompt (encoded without special tokens) made a fill-in-the-middle prompt around `suffix` (fim.py);
+        BadRequest if the model has no fill-in-the-middle tokens."""
+        tokenizer = self.tokenizer
+        tokens = fim_token_ids(tokenizer)
+        if tokens is None:
+            raise BadRequest("'suffix' needs a model with a fill-in-the-middle template, and this model has none (no "
+                             "fill-in-the-middle tokens in its vocabulary)", param="suffix")
+        return await asyncio.to_thread(lambda: [
+            {"prompt": p["prompt"], "prompt_token_ids": fim_prompt(tokenizer, tokens, p["prompt_token_ids"], suffix)}
+            for p in prompts])
 
     @property
     def prompt_bound(self) -> PromptBound | None:
@@ -181,13 +209,15 @@ class ModelHandle:
 
 
 def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool,
-                continue_final_message: bool, template_kwargs: dict[str, Any]) -> str:
+                continue_final_message: bool, template_kwargs: dict[str, Any],
+                tools: list[dict[str, Any]] | None = None, chat_template: str | None = None) -> str:
     """The chat template's text; BadRequest if the template refuses the conversation (its own message, which
     is written for the client), or fails otherwise (no internal text)."""
     from jinja2 import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+        return tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **template_kwargs)
     except TemplateError as e:
         raise BadRequest(f"the chat template rejected the messages: {e}", param="messages") from None

@@ -2,7 +2,7 @@
 that ask for nothing (absent, empty, the default): field -> (those values, why another value is refused).
 
 protocol.py declares each field and answers any other value with a 400 naming it, so a client written for
-OpenAI or vLLM never gets a silent wrong answer (guided_choice ["yes", "no"] answered "Yes.").
+OpenAI or vLLM never gets a silent wrong answer (beam search answered by one greedy sample).
 """
 from __future__ import annotations
 
@@ -23,20 +23,13 @@ def _one_of(*fine: Any) -> Callable[[Any], bool]:
                                               for f in fine)
 
 
-_GUIDED = "structured output (guided decoding) is not supported yet"
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (_absent, "logit_bias is not supported"),
-    "best_of": (_one_of(1), "best_of must be 1"),
     "use_beam_search": (_false, "beam search is not supported"),
     "length_penalty": (_one_of(1), "length_penalty (beam search) is not supported"),
     "allowed_token_ids": (_absent, "allowed_token_ids is not supported"),
     "bad_words": (_absent, "bad_words is not supported"),
     "logits_processors": (_absent, "logits_processors is not supported"),
-    "guided_json": (_absent, _GUIDED), "guided_regex": (_absent, _GUIDED), "guided_choice": (_absent, _GUIDED),
-    "guided_grammar": (_absent, _GUIDED), "guided_decoding_backend": (_absent, _GUIDED),
-    "guided_whitespace_pattern": (_absent, _GUIDED), "structured_outputs": (_absent, _GUIDED),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "only response_format {\"type\": \"text\"} "
-                        "is supported (" + _GUIDED + ")"),
+    "guided_whitespace_pattern": (_absent, "guided_whitespace_pattern is not supported (JSON comes out compact)"),
     "spaces_between_special_tokens": (_one_of(True), "spaces_between_special_tokens=false is not supported"),
     "return_tokens_as_token_ids": (_false, "return_tokens_as_token_ids is not supported"),
     "return_token_ids": (_false, "return_token_ids is not supported"),
@@ -45,14 +38,12 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "vllm_xargs": (_absent, "vllm_xargs is not supported"),
 }
 COMPLETION_UNSUPPORTED = {
-    "suffix": (_absent, "suffix is not supported"),
     "prompt_embeds": (_absent, "prompt_embeds is not supported"),
 }
 CHAT_UNSUPPORTED = {
-    "tools": (_absent, "tools are not supported"),
-    "tool_choice": (_one_of("none", "auto"), "tool_choice other than \"none\" is not supported (no tools)"),
-    "functions": (_absent, "functions are not supported"),
-    "function_call": (_one_of("none", "auto"), "function_call is not supported"),
+    "functions": (_absent, "functions (the legacy function calling) are not supported: use tools"),
+    "function_call": (_one_of("none", "auto"), "function_call (the legacy function calling) is not supported: use "
+                                               "tool_choice"),
     "audio": (_absent, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
     "prediction": (_absent, "predicted outputs are not supported"),

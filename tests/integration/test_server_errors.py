@@ -61,13 +61,13 @@ def test_malformed_json_is_400(real_server, path):
     ("temperature", 1e300, ("temperature",)),
     ("seed", 2 ** 64, ("seed",)),
     ("max_tokens", 1.5, ("max_tokens",)),
-    ("guided_choice", ["yes", "no"], ("guided_choice",)),  # answered "Yes."
-    ("guided_json", {"type": "object"}, ("guided_json",)),
-    ("guided_regex", "(yes|no)", ("guided_regex",)),
-    ("guided_grammar", "root ::= 'yes'", ("guided_grammar",)),
-    ("structured_outputs", {"choice": ["yes"]}, ("structured_outputs",)),
+    ("guided_choice", [], ("guided_choice", "non-empty")),
+    ("guided_json", {"type": "objekt"}, ("guided_json", "invalid JSON schema", "objekt")),
+    ("guided_regex", "(yes|no", ("guided_regex", "invalid regex")),
+    ("guided_grammar", "root ::= yes", ("guided_grammar", "invalid grammar")),
+    ("structured_outputs", {"choice": ["yes"], "regex": "a"}, ("structured_outputs", "exactly one")),
     ("use_beam_search", True, ("use_beam_search",)),
-    ("response_format", {"type": "json_object"}, ("response_format",)),
+    ("response_format", {"type": "json_schema"}, ("response_format", "json_schema needs")),
     ("prompt_logprobs", 21, ("prompt_logprobs", "20")),
 ])
 def test_bad_fields_are_400(real_server, path, field, value, words):
@@ -128,12 +128,12 @@ def test_wrong_prompt_types_are_400(real_server):
 
 
 def test_unsupported_fields_are_400_not_ignored(real_server):
-    assert_openai_error(post(real_server, "/v1/completions", {"prompt": "Hi", "n": 2}), 400, "n must be 1")
-    assert_openai_error(post(real_server, "/v1/completions", {"prompt": "Hi", "logit_bias": {"1": 5.0}}), 400,
-                        "logit_bias")
-    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert_openai_error(post(real_server, "/v1/completions", {"prompt": "Hi", "use_beam_search": True}), 400,
+                        "beam search")
+    functions = [{"name": "f"}]  # the legacy function calling (tools are honoured)
     assert_openai_error(post(real_server, "/v1/chat/completions",
-                             {**GENERATION_ENDPOINTS["/v1/chat/completions"], "tools": tools}), 400, "tools")
+                             {**GENERATION_ENDPOINTS["/v1/chat/completions"], "functions": functions}), 400,
+                        "functions", "use tools")
 
 
 def test_prompt_longer_than_context_is_400_with_both_numbers(real_server):

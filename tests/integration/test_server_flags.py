@@ -1,5 +1,5 @@
-"""A second real server with the streaming timeout, token logs, a metrics port, a served model name and one torch
-thread for its engine.
+"""A second real server with the streaming timeout, token logs, a metrics port, a served model name, one torch
+thread for its engine, a chat template of its own and --max-n 2.
 
 --streaming-timeout-ms 1 ends every stream before its first token (a forward pass takes far longer than
 1 ms), so the timeout path runs for certain; requests that do not stream are not affected.
@@ -17,14 +17,25 @@ from tests.integration.server_process import ServerProcess, free_port
 pytestmark = pytest.mark.slow
 
 NAME = "tiny"
+# reads `tools` and writes each message's calls: the server passes both as they are (arguments as objects)
+TEMPLATE = """{%- if tools %}<|im_start|>system
+TOOLS:{% for tool in tools %} {{ tool.function.name }}{% endfor %}<|im_end|>
+{% endif %}{% for message in messages %}<|im_start|>{{ message.role }} (own template)
+{{ message.content }}{% for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>\
+{% endfor %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 
 @pytest.fixture(scope="module")
-def flagged_server():
+def flagged_server(tmp_path_factory):
     metrics_port = free_port()
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
     server = ServerProcess("--max-model-len", "512", "--streaming_timeout_ms", "1", "--log_tokens",
                            "--metrics_port", str(metrics_port), "--disable_log_requests", "--served_model_name", NAME,
-                           "--max_num_seqs", "4", "--num_threads", "1")
+                           "--max_num_seqs", "4", "--num_threads", "1", "--chat-template", str(template),
+                           "--max-n", "2")
     server.metrics_port = metrics_port
     server.start()
     yield server
@@ -85,3 +96,31 @@ def test_metrics_port_and_served_model_name(flagged_server):
 def test_num_threads_sets_the_engine_process_threads(flagged_server):
     assert flagged_server.metric("dflash2_engine_torch_threads") == 1
     assert "engine: torch threads 1 (--num-threads;" in flagged_server.stderr()
+
+
+def test_the_chat_template_flag_replaces_the_models_and_receives_tools(flagged_server):
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "cold"}]
+    tokens = httpx.post(flagged_server.url + "/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    text = httpx.post(flagged_server.url + "/detokenize", json={"tokens": tokens}, timeout=60).json()["prompt"]
+    assert "<|im_start|>user (own template)\nWeather in Oslo?" in text
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text
+    assert "<|im_start|>tool (own template)\ncold" in text
+    client = openai.OpenAI(base_url=flagged_server.url + "/v1", api_key="none", max_retries=0)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]}}, "required": ["city"]}}}
+    plain = client.chat.completions.create(model=NAME, messages=messages[:1], max_tokens=1)
+    response = client.chat.completions.create(model=NAME, messages=messages[:1], tools=[tool], max_tokens=32,
+                                              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert response.usage.prompt_tokens > plain.usage.prompt_tokens  # the TOOLS line
+    assert json.loads(response.choices[0].message.tool_calls[0].function.arguments)["city"] in ("Oslo", "Rome")
+
+
+def test_max_n_bounds_n_and_best_of(flagged_server):
+    client = openai.OpenAI(base_url=flagged_server.url + "/v1", api_key="none", max_retries=0)
+    assert len(client.completions.create(model=NAME, prompt="Hi", max_tokens=2, n=2).choices) == 2
+    for extra in ({"n": 3}, {"best_of": 3}):
+        with pytest.raises(openai.BadRequestError, match="at most 2 \\(the server's --max-n\\)"):
+            client.completions.create(model=NAME, prompt="Hi", max_tokens=2, extra_body=extra)

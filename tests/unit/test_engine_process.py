@@ -94,7 +94,7 @@ def test_commands_cross_as_frames_the_engine_reads_whole():
     commands_in, commands_out = Pipe(duplex=False)
     loop = _ProcessLoop(EngineProcessSpec(lambda: None, ObserverConfig(), None, None, "info", False), commands_in,
                         None)
-    frame = _frame(("submit", "r", {"prompt_token_ids": list(range(40_000))}, None, 5, 1.0, 2.0, None))
+    frame = _frame(("submit", "r", {"prompt_token_ids": list(range(40_000))}, None, 5, 1.0, 2.0, None, None))
     assert len(frame) > 65_536  # more than a pipe's buffer
 
     def write_in_pieces() -> None:

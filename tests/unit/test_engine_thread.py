@@ -47,7 +47,7 @@ class FakeEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    def add_request(self, prompt, params, priority, request_id, model=None) -> Request:
+    def add_request(self, prompt, params, priority, request_id, model=None, shares_prompt_with=None) -> Request:
         if prompt["prompt_token_ids"] == [0]:
             raise ValueError("token 0 is refused")
         request = Request(request_id, prompt["prompt_token_ids"], params, priority=priority, model="fake")

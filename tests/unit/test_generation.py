@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from dflash2.request import CompletionOutput, RequestOutput
+from dflash2.sampling_params import SamplingParams
 from dflash2.server.engine_loop import EngineError
 from dflash2.server.generation import Generation, StreamTimeout
 
@@ -104,8 +105,11 @@ class SlowEngine(NoEngine):
         self.in_flight = 0
         self.most_in_flight = 0
         self.refuse = refuse or {}
+        self.submitted: list[tuple[str, SamplingParams, str | None]] = []
 
-    async def submit(self, request_id, prompt, params, priority, outputs, timing=None, model=None) -> None:
+    async def submit(self, request_id, prompt, params, priority, outputs, timing=None, model=None,
+                     shares_prompt_with=None) -> None:
+        self.submitted.append((request_id, params, shares_prompt_with))
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         await asyncio.sleep(0.01)
@@ -118,7 +122,8 @@ def test_a_requests_prompts_go_to_the_engine_at_once_not_one_per_step():
     """500 prompts took 17.6 s when each waited for the engine to take the one before (a step each)."""
     engine = SlowEngine()
     prompts = [{"prompt": None, "prompt_token_ids": [1]}] * 50
-    generation = asyncio.run(Generation.start(engine, "r", prompts, None, 0, response_id="cmpl-client-id"))
+    generation = asyncio.run(Generation.start(engine, "r", prompts, SamplingParams(), 0,
+                                                      response_id="cmpl-client-id"))
     assert engine.most_in_flight == 50 and generation.request_ids[3] == "r-3" and generation.id == "cmpl-client-id"
 
 
@@ -129,9 +134,23 @@ def test_one_refused_prompt_aborts_the_others_and_a_bad_prompt_outranks_a_full_q
     engine = SlowEngine({"r-1": QueueFull("full", 3), "r-2": ValueError("the prompt has 2000 tokens")})
     prompts = [{"prompt": None, "prompt_token_ids": [1]}] * 3
     try:
-        asyncio.run(Generation.start(engine, "r", prompts, None, 0))
+        asyncio.run(Generation.start(engine, "r", prompts, SamplingParams(), 0))
     except BadRequest as e:
         assert "2000 tokens" in str(e)
     else:
         raise AssertionError("expected BadRequest")
     assert sorted(engine.aborted) == ["r-0", "r-1", "r-2"]
+
+
+def test_n_samples_of_each_prompt_follow_its_first_which_prefills_it():
+    engine = SlowEngine()
+    prompts = [{"prompt": None, "prompt_token_ids": [1]}, {"prompt": None, "prompt_token_ids": [2]}]
+    generation = asyncio.run(Generation.start(engine, "r", prompts, SamplingParams(n=2, best_of=3, seed=7), 0))
+    assert [(request_id, leader) for request_id, _, leader in engine.submitted] == [
+        ("r-0", None), ("r-1", "r-0"), ("r-2", "r-0"), ("r-3", None), ("r-4", "r-3"), ("r-5", "r-3")]
+    assert [params.seed for _, params, _ in engine.submitted] == [7, 8, 9, 7, 8, 9]
+    assert {(params.n, params.best_of, params.logprobs) for _, params, _ in engine.submitted} == {(1, None, 0)}
+    assert (generation.samples_per_prompt, generation.n) == (3, 2)
+    finals = [RequestOutput(f"r-{i}", None, [1], None, [CompletionOutput(0, "", [5], logprob, [])], True)
+              for i, logprob in enumerate([-3.0, -1.0, -2.0, -0.5, -0.5, -9.0])]
+    assert [o.request_id for o in generation.choices(finals)] == ["r-1", "r-2", "r-3", "r-4"]

@@ -10,6 +10,7 @@ import torch
 from dflash2.engine.sampler import (
     Sampler,
     SamplingRow,
+    apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
     make_generator,
@@ -296,3 +297,27 @@ def test_top_logprobs_over_the_whole_vocabulary_take_memory_linear_in_it() -> No
     assert largest_allocation <= 16 * logits.numel() * 4, largest_allocation
     for i, entries in enumerate(result):
         check_logprob_entries(entries, logits[i], vocab, i)
+
+
+# ---------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_adds_to_the_listed_tokens_of_its_rows_only() -> None:
+    logits = random_logits(3)
+    rows = [make_row(SamplingParams(logit_bias={4: 2.5, 7: -100})), make_row(), make_row(SamplingParams(
+        logit_bias={4: 1.0}))]
+    biased = apply_logit_bias(logits, rows)
+    expected = logits.clone()
+    expected[0, 4] += 2.5
+    expected[0, 7] -= 100
+    expected[2, 4] += 1.0
+    assert torch.equal(biased, expected)
+    assert apply_logit_bias(logits, [make_row(), make_row()]) is logits  # no bias: the same tensor
+
+
+def test_a_bias_of_minus_100_bans_the_argmax_in_bf16_logits_too() -> None:
+    logits = random_logits(2).to(torch.bfloat16)
+    top = logits[0].float().argmax().item()
+    rows = [make_row(SamplingParams(temperature=0, logit_bias={top: -100})), make_row(SamplingParams(temperature=0))]
+    out = Sampler().sample(logits, rows)
+    assert out.token_ids[0] != top and out.token_ids[1] == logits[1].float().argmax().item()

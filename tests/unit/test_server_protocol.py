@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from dflash2.server.json_body import decode_json
+from dflash2.structured_outputs import StructuredOutputsParams
 from dflash2.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                      RequestLimits, parse_body)
 
@@ -32,7 +33,16 @@ def test_completion_defaults_and_extras():
     ({"prompt": "x", "priority": 65536}, "priority"),
     ({"prompt": "x", "priority": -1}, "priority"),
     ({"prompt": "x", "stream": "true"}, "stream"),
-    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "best_of": 2, "n": 3}, "best_of must be in \\[n, "),
+    ({"prompt": "x", "n": 17}, "n must be at most 16"),
+    ({"prompt": "x", "best_of": 17}, "best_of must be at most 16"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "best_of > n"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias values must be in \\[-100, 100\\]"),
+    ({"prompt": "x", "logit_bias": {"5": -100.5}}, "logit_bias values"),
+    ({"prompt": "x", "logit_bias": {"1000": 1}}, "logit_bias keys must be token ids in \\[0, 1000\\)"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias keys must be token ids"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias keys must be token ids, got 'a'"),
+    ({"prompt": "x", "logit_bias": {"1": "2"}}, "logit_bias"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
     ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
@@ -54,8 +64,63 @@ def test_chat_max_completion_tokens_logprobs_and_content_parts():
     with pytest.raises(BadRequest, match="text content"):
         parse_body(ChatCompletionRequest, image).messages[0].as_template_input()
     with pytest.raises(BadRequest, match="response_format"):
-        parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                                           "response_format": {"type": "json_object"}})
+        body = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                                  "response_format": {"type": "json_objekt"}})
+        body.sampling_params(None, None, LIMITS)
+
+
+def test_n_best_of_and_logit_bias_reach_the_sampling_params():
+    body = parse_body(CompletionRequest, {"prompt": "x", "n": 2, "best_of": 4, "logit_bias": {"7": -100, "9": 2.5}})
+    params = body.sampling_params(body.max_tokens, body.logprobs, LIMITS)
+    assert (params.n, params.best_of, params.logit_bias) == (2, 4, {7: -100, 9: 2.5})
+    body = parse_body(ChatCompletionRequest, {"messages": CHAT, "n": 3, "stream": True})
+    assert body.sampling_params(body.requested_max_tokens, body.num_logprobs, LIMITS).n == 3
+    for field in ("n", "best_of"):
+        with pytest.raises(BadRequest, match=f"/generate returns one sample: {field} must be 1"):
+            parse_body(GenerateRequest, {"prompt": "x", field: 2})
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+     StructuredOutputsParams(json=SCHEMA)),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
+    ({"guided_json": '{"type": "string"}'}, StructuredOutputsParams(json='{"type": "string"}')),
+    ({"guided_regex": "[ab]+"}, StructuredOutputsParams(regex="[ab]+")),
+    ({"guided_choice": ["yes", "no"], "guided_decoding_backend": "xgrammar"},
+     StructuredOutputsParams(choice=["yes", "no"])),
+    ({"guided_grammar": 'root ::= "a"'}, StructuredOutputsParams(grammar='root ::= "a"')),
+    ({"structured_outputs": {"choice": ["a", "b"], "disable_any_whitespace": False}},
+     StructuredOutputsParams(choice=["a", "b"])),
+])
+def test_structured_output_fields_map_onto_the_sampling_params(fields, expected):
+    for model, base in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": CHAT})):
+        body = parse_body(model, {**base, **fields})
+        assert body.sampling_params(16, None, LIMITS).structured_outputs == expected
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"guided_json": {"type": "objekt"}}, "guided_json", "invalid JSON schema: Unsupported type \"objekt\""),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": 5}}}},
+     "response_format", "invalid JSON schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema needs"),
+    ({"guided_regex": "(ab"}, "guided_regex", "invalid regex: .*parenthesis is not closed"),
+    ({"guided_grammar": "root ::= foo"}, "guided_grammar", "invalid grammar: .*Rule \"foo\" is not defined"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "one structured output at a time"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs", "no field 'jsn'"),
+])
+def test_bad_structured_output_is_400_naming_the_field(fields, param, words):
+    with pytest.raises(BadRequest, match=words) as error:
+        body = parse_body(CompletionRequest, {"prompt": "x", **fields})
+        body.sampling_params(16, None, LIMITS)
+    assert error.value.param == param
 
 
 def test_generate_needs_exactly_one_prompt_form():
@@ -69,26 +134,25 @@ def test_generate_needs_exactly_one_prompt_form():
 
 # -- issue 40: fields of OpenAI or vLLM that are not honoured are refused, never ignored ----------------
 @pytest.mark.parametrize("field, value", [
-    ("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"choice": ["a"]}), ("use_beam_search", True),
-    ("logit_bias", {"1": 5}), ("best_of", 2), ("length_penalty", 0.5), ("allowed_token_ids", [1]),
-    ("bad_words", ["x"]), ("logits_processors", ["f"]), ("response_format", {"type": "json_object"}),
+    ("guided_whitespace_pattern", " "), ("guided_decoding_backend", "outlines"), ("use_beam_search", True),
+    ("length_penalty", 0.5), ("allowed_token_ids", [1]),
+    ("bad_words", ["x"]), ("logits_processors", ["f"]), ("response_format", {"type": "structural_tag"}),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True), ("cache_salt", "s"),
-    ("vllm_xargs", {"a": 1}), ("suffix", "end"), ("prompt_embeds", "AAAA"),
+    ("vllm_xargs", {"a": 1}), ("prompt_embeds", "AAAA"),
 ])
 def test_completion_fields_not_honoured_are_400_naming_them(field, value):
     with pytest.raises(BadRequest) as error:
-        parse_body(CompletionRequest, {"prompt": "x", field: value})
+        body = parse_body(CompletionRequest, {"prompt": "x", field: value})
+        body.sampling_params(body.max_tokens, body.logprobs, LIMITS)
     assert error.value.param == field and field in str(error.value)
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "x"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {"search_context_size": "low"}), ("reasoning_effort", "high"), ("verbosity", "low"),
     ("store", True), ("service_tier", "flex"), ("echo", True), ("documents", [{"text": "d"}]),
-    ("chat_template", "{{ messages }}"), ("guided_choice", ["a"]), ("use_beam_search", True), ("n", 2),
+    ("chat_template", "{{ messages }}"), ("use_beam_search", True),
 ])
 def test_chat_fields_not_honoured_are_400_naming_them(field, value):
     with pytest.raises(BadRequest) as error:
@@ -193,9 +257,20 @@ def test_bodies_that_are_not_objects_decode_for_parse_body_to_refuse(raw, value)
         parse_body(CompletionRequest, value)
 
 
-@pytest.mark.parametrize("field, value", [("tool_calls", [{"id": "c", "type": "function"}]), ("tool_call_id", "c"),
-                                          ("audio", {"id": "a"})])
-def test_messages_with_tool_calls_or_audio_are_refused_not_rendered_without_them(field, value):
+@pytest.mark.parametrize("field, value, words", [
+    ("tool_calls", [{"id": "c", "type": "function"}], "tool_calls must each be"),
+    ("audio", {"id": "a"}, "audio"), ("function_call", {"name": "f", "arguments": "{}"}, "function_call")])
+def test_messages_with_malformed_tool_calls_or_audio_are_refused_not_rendered_without_them(field, value, words):
     body = parse_body(ChatCompletionRequest, {"messages": [{"role": "assistant", "content": "x", field: value}]})
-    with pytest.raises(BadRequest, match=field):
+    with pytest.raises(BadRequest, match=words):
         body.messages[0].as_template_input()
+
+
+def test_messages_with_tool_calls_and_tool_results_reach_the_template():
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = parse_body(ChatCompletionRequest, {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "c"}]})
+    assert [m.as_template_input() for m in body.messages] == [
+        {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "42",
+                                                                    "tool_call_id": "c"}]
