@@ -110,7 +110,7 @@ class _Worker:
         from dflash2.parallel.shard import ShardPlan, shard_model
 
         groups = self.groups
-        self.model = load_model(**message.arguments, device=self.device,
+        self.model = load_model(**message.arguments, device=self.device, with_tokenizer=False,
                                 shard=lambda module, arch: shard_model(module, arch, groups))
         self.plan = ShardPlan.of(self.model.arch, groups.parallel, groups.rank)
 
