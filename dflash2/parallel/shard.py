@@ -108,8 +108,9 @@ def shard_model(module: nn.Module, arch: ModelArchConfig, groups: RankGroups) ->
     """Cut `module` (a whole LlamaForCausalLM) down to this rank's part, in place; returns it."""
     plan = ShardPlan.of(arch, groups.parallel, groups.rank)
     _keep_stage(module, plan, groups)
-    for layer in module.layers:
-        layer.may_fuse_norms = False  # the residual add waits for the all-reduce (and a stage's end)
+    if groups.world_size > 1:  # the residual add waits for the all-reduce; a stage ends with (x, residual) apart
+        for layer in module.layers:
+            layer.may_fuse_norms = False
     if plan.tp_size > 1:
         for offset, layer in enumerate(module.layers):
             where = f"layer {plan.layers[0] + offset}"
