@@ -193,7 +193,10 @@ class Executor:
             for rank in ranks:
                 problem = self.workers.problem(rank)
                 if problem is None:
-                    beats = client.add(heartbeat_key(rank), 0)
+                    try:
+                        beats = client.add(heartbeat_key(rank), 0)
+                    except Exception:  # noqa: BLE001 - rank 0's store is closing: the engine is stopping
+                        return
                     if beats != seen[rank][0]:
                         seen[rank] = (beats, now)
                     elif now - seen[rank][1] > timeout:
@@ -221,11 +224,16 @@ class Executor:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        told = False
         if self.groups is not None and self.failure is None:
             try:
                 self.groups.send_message(Stop())
-            except Exception:  # noqa: BLE001 - a worker gone: it is killed below
+                told = True
+            except Exception:  # noqa: BLE001 - a worker gone: the others are killed below
                 logger.warning("could not tell every worker to stop; killing them")
+        if not told:  # (a startup that failed: workers may wait to join a group that never forms)
+            for rank in range(1, self.parallel.world_size):
+                self.workers.kill(rank)
         self.workers.join(JOIN_TIMEOUT_S)
         if self.groups is not None:
             leave_world()

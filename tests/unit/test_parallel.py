@@ -4,10 +4,11 @@ swap, plain and overlapped steps); the bundled model too. Plus the splits refuse
 slicing, and a hung worker found by its heartbeat.
 
 Each parallel engine's workers start once and serve one batch that crosses page and chunk boundaries and preempts.
-Exact token equality holds for these models: the all-reduce sums partial products in another order than one
-process, so float32 logits differ in their last bits, and random tiny models have clear top-2 margins (the int4
-case compares tokens where the margin is clear and logprobs within a tolerance: its CPU kernels round each rank's
-partial sum to bfloat16).
+Exact token equality holds for the float32 models: the all-reduce sums partial products in another order than one
+process, so logits differ in their last bits (logprobs within 1e-4), and these models' top two tokens are further
+apart than that. The int8 and int4 cases compare tokens where one process's top two are CLEAR_MARGIN apart and
+logprobs within 0.1 nats: their CPU kernels compute in bfloat16, so each rank's partial sum is rounded before the
+all-reduce (the bundled model's GGUF int4 weights at TP=3 drift by about 0.1 nats so; it runs here as float32).
 """
 from __future__ import annotations
 
@@ -266,18 +267,17 @@ BUNDLED_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 BUNDLED_OPTIONS = dict(max_model_len=128, max_num_seqs=4, prefill_chunk_size=4)
 
 
-@pytest.fixture(scope="module")
-def bundled_alone() -> list:
-    with LLM(**BUNDLED_OPTIONS) as llm:
-        return [o.outputs[0] for o in llm.generate(BUNDLED_PROMPTS, WITH_LOGPROBS)]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp", [(3, 1), (1, 2)])  # its 9 heads and 3 KV heads: 3 ranks (2 is refused above)
-def test_the_bundled_model_split_gives_the_tokens_of_one_process(bundled_alone, tp, pp):
-    with LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, **BUNDLED_OPTIONS) as llm:
+@pytest.mark.parametrize("tp, pp, dtype", [
+    (3, 1, "float32"),  # its 9 heads and 3 KV heads: 3 ranks (2 is refused above); its GGUF weights as float32
+    (1, 2, "auto"),  # its GGUF weights as int4 (stages pass exact activations on)
+])
+def test_the_bundled_model_split_gives_the_tokens_of_one_process(tp, pp, dtype):
+    with LLM(dtype=dtype, **BUNDLED_OPTIONS) as llm:
+        alone = [o.outputs[0] for o in llm.generate(BUNDLED_PROMPTS, WITH_LOGPROBS)]
+    with LLM(dtype=dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, **BUNDLED_OPTIONS) as llm:
         split = [o.outputs[0] for o in llm.generate(BUNDLED_PROMPTS, WITH_LOGPROBS)]
-    if tp == 1:  # stages pass exact activations on
-        assert [o.token_ids for o in split] == [o.token_ids for o in bundled_alone]
-    else:  # its GGUF weights run as int4 on bfloat16 CPU kernels
-        assert_agrees_where_clear(split, bundled_alone)
+    assert [o.token_ids for o in split] == [o.token_ids for o in alone]
+    for ours, theirs in zip(split, alone):
+        for token, mine, reference in zip(theirs.token_ids, ours.logprobs, theirs.logprobs):
+            assert mine[token].logprob == pytest.approx(reference[token].logprob, abs=1e-4)
