@@ -177,9 +177,17 @@ class Executor:
         except WorkerFailed:
             raise
         except Exception as error:
-            if not self._failed.wait(FAILURE_GRACE_S):
-                self._fail(f"a step failed on rank 0 ({type(error).__name__}: {error}); the ranks are out of step")
+            if not self._failed.wait(FAILURE_GRACE_S):  # the watcher names a worker that ended; else look here
+                self._fail(self._worker_problem() or f"a step failed on rank 0 ({type(error).__name__}: {error}); "
+                                                     f"the ranks are out of step")
             raise WorkerFailed(self.failure) from error
+
+    def _worker_problem(self) -> str | None:
+        for rank in range(1, self.parallel.world_size):
+            problem = self.workers.problem(rank)
+            if problem is not None:
+                return f"worker rank {rank} ({self.workers.describe(rank)}) {problem}"
+        return None
 
     # -- watching ------------------------------------------------------------------------------------------
     def _watch(self, host: str, port: int) -> None:
