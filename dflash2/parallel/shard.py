@@ -163,7 +163,7 @@ def _shard_mlp(layer: nn.Module, plan: ShardPlan, groups: RankGroups, where: str
         mlp.down_proj = RowParallel(mlp.down_proj, groups)
         return
     assert isinstance(mlp, SparseMoeBlock), type(mlp)
-    _shard_experts(mlp.experts, plan, where)
+    shard_experts(mlp.experts, plan, where)
     if mlp.shared_expert is not None:  # its partial output joins the experts' before the one all-reduce
         _shard_dense_mlp(mlp.shared_expert, plan, f"{where} shared expert")
     layer.mlp = ReducedOutput(mlp, groups)
@@ -182,7 +182,7 @@ def _shard_dense_mlp(mlp: LlamaMLP, plan: ShardPlan, where: str) -> None:
     mlp.intermediate_size = end - first
 
 
-def _shard_experts(experts: nn.Module, plan: ShardPlan, where: str) -> None:
+def shard_experts(experts: nn.Module, plan: ShardPlan, where: str) -> None:
     """Every expert's slice of the intermediate features: gate_up [E, 2I, H] rows, down [E, H, I] columns."""
     gate_up, down = experts.gate_up_proj, experts.down_proj
     if isinstance(gate_up, QuantExperts):
