@@ -64,9 +64,9 @@ def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, de
     gguf_loader); any explicit dtype ("float32") dequantizes every tensor to it (the float path). Then
     `quant_backend` (kernels/dispatch.py; "auto" picks by device) prepares their runtime form.
     `quantization` applies to dummy weights only: random weights quantized to that config (benchmarks).
-    `shard` cuts the whole loaded module down to one rank's part (parallel/shard.py) before it is prepared; a
-    checkpoint is then read on the CPU and only the part moves to `device` (dummy weights are drawn on `device`, as
-    without it, so every rank draws the same numbers as one process would). `with_tokenizer` False: no tokenizer
+    `shard` cuts the whole loaded module down to one rank's part (parallel/shard.py) and returns it on `device`,
+    before it is prepared; a checkpoint is then read on the CPU, so only the part reaches `device` (dummy weights are
+    drawn on `device`, as without it, so every rank draws the same numbers as one process would). `with_tokenizer` False: no tokenizer
     (a parallel engine's other ranks never read text).
     """
     if load_format not in LOAD_FORMATS:
@@ -87,7 +87,7 @@ def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, de
     module = _build(arch, torch_dtype, device if shard is None else torch.device("cpu"), max_positions, quant)
     module.load_weights(weights)
     if shard is not None:
-        module = shard(module, arch).to(device)
+        module = shard(module, arch)
     if quant is not None:
         prepare_quantized(module, quant_backend, torch_dtype, device)
     tok = load_tokenizer(tokenizer or path) if with_tokenizer else None

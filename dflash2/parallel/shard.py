@@ -25,6 +25,7 @@ from dflash2.config import ModelArchConfig
 from dflash2.engine.kv.layout import SCALE_BYTES, KVLayout
 from dflash2.layers.quant_experts import QuantExperts
 from dflash2.layers.quant_linear import QuantLinear
+from dflash2.layers.rotary import RotaryEmbedding
 from dflash2.models.llama import LlamaMLP
 from dflash2.models.moe import SparseMoeBlock
 from dflash2.parallel.config import ParallelConfig
@@ -105,7 +106,8 @@ def local_layout(full: KVLayout, plan: ShardPlan) -> KVLayout:
 
 
 def shard_model(module: nn.Module, arch: ModelArchConfig, groups: RankGroups) -> nn.Module:
-    """Cut `module` (a whole LlamaForCausalLM) down to this rank's part, in place; returns it."""
+    """Cut `module` (a whole LlamaForCausalLM) down to this rank's part, in place; returns it on the rank's device,
+    its rotary tables computed there (derived, not weights: equal to what one process on that device computes)."""
     plan = ShardPlan.of(arch, groups.parallel, groups.rank)
     _keep_stage(module, plan, groups)
     if groups.world_size > 1:  # the residual add waits for the all-reduce; a stage ends with (x, residual) apart
@@ -117,6 +119,10 @@ def shard_model(module: nn.Module, arch: ModelArchConfig, groups: RankGroups) ->
             _shard_attention(layer.self_attn, arch, plan, groups, where)
             _shard_mlp(layer, plan, groups, where)
         _shard_vocabulary(module, arch, plan, groups)
+    max_positions = module.rotary.cos.shape[0]
+    module = module.to(groups.device)
+    with torch.device(groups.device):
+        module.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_positions)
     return module
 
 
