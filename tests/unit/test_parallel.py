@@ -267,7 +267,7 @@ def test_int4_groups_cut_by_the_split_are_an_error_naming_the_layer(tiny, tmp_pa
 
 def test_a_hung_worker_is_found_by_its_heartbeat_and_steps_fail_naming_it(tiny):
     directory = tiny("llama")
-    config = EngineConfig(model=directory, parallel=ParallelConfig(2, heartbeat_timeout_s=2.0))
+    config = EngineConfig(model=directory, parallel=ParallelConfig(2, heartbeat_timeout_s=3.0))
     engine = Engine(config)
     try:
         pid = engine.executor.workers.pid(1)
