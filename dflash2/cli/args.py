@@ -48,6 +48,17 @@ def add_engine_flags(parser: argparse.ArgumentParser, several_models: bool = Fal
              help="torch threads of the process that runs the engine (default: the physical cores available to "
                   "it, from its CPU affinity and cgroup quota; 1 on a machine shared with other busy programs)")
     add_flag(parser, "--log-level", default="warning")
+    add_flag(parser, "--tensor-parallel-size", "--tp", type=int, default=1,
+             help="ranks each layer is split over (attention heads, MLP and experts' features, vocabulary); "
+                  "docs/PARALLEL.md")
+    add_flag(parser, "--pipeline-parallel-size", "--pp", type=int, default=1,
+             help="stages the layers are split into, one after the other (ranks: tensor x pipeline)")
+    add_flag(parser, "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+             help="what runs the other ranks: mp (processes of this host; the default for several ranks), ray "
+                  "(Ray actors, across machines), uni (one process)")
+    add_flag(parser, "--ray-address", default=None,
+             help="the Ray cluster: auto (the one running here), HOST:PORT; implies --distributed-executor-backend "
+                  "ray (default: RAY_ADDRESS, else a new local instance)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -57,4 +68,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 prefill_chunk_size=args.prefill_chunk_size, kv_cache_dtype=args.kv_cache_dtype,
                 kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend, ray_address=args.ray_address)

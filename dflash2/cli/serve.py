@@ -1,8 +1,8 @@
 """`dflash2 serve` (also `dflash2-server`): the OpenAI-compatible HTTP server on one model, or several on one KV
 pool (`--model NAME=PATH` repeated, or `--models-config FILE`).
 
-A flag for a feature that is not built yet (tensor parallelism, Ray) is an error at
-startup that names the flag, never a silent no-op.
+A flag whose choice cannot work (a parallel split the model does not allow, a feature a parallel engine does not
+have) is an error at startup that names it, before anything loads; never a silent no-op.
 """
 from __future__ import annotations
 
@@ -94,11 +94,6 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                   "(one process to debug or profile; the engine's host work and the HTTP side then share a GIL)")
     add_flag(parser, "--disable-nagle", action="store_true",
              help="accepted for compatibility: TCP_NODELAY is always on (uvicorn sets it on every connection)")
-    # Accepted so that they fail loudly: these features are not built yet.
-    add_flag(parser, "--tensor-parallel-size", "--tp", type=int, default=1)
-    add_flag(parser, "--pipeline-parallel-size", "--pp", type=int, default=1)
-    add_flag(parser, "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
-    add_flag(parser, "--ray-address", default=None)
     add_flag(parser, "--enable-l3-cache", action="store_true",
              help="the disk (L3) tier of the KV cache: pages leaving host memory are kept in files under "
                   "--l3-cache-path (needs --swap-space), found again by a restarted server")
@@ -108,22 +103,22 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(log_level="info")
 
 
-def check_unbuilt(args: argparse.Namespace) -> None:
-    """ValueError naming the first flag whose feature this build does not have."""
-    not_built = [
-        (args.tensor_parallel_size != 1, f"--tensor-parallel-size {args.tensor_parallel_size}",
-         "tensor parallelism is not built yet; only 1 is supported"),
-        (args.pipeline_parallel_size != 1, f"--pipeline-parallel-size {args.pipeline_parallel_size}",
-         "pipeline parallelism is not built yet; only 1 is supported"),
-        (args.distributed_executor_backend == "ray", "--distributed-executor-backend ray",
-         "the Ray executor is not built yet"),
-        (args.ray_address is not None, "--ray-address", "the Ray executor is not built yet"),
-    ]
-    for failed, flag, why in not_built:
-        if failed:
-            raise ValueError(f"{flag}: {why}")
-    if args.tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+def check_parallel(args: argparse.Namespace) -> None:
+    """ValueError naming the flag whose parallel choice cannot work, before anything starts or loads."""
+    from dflash2.parallel.config import ParallelConfig
+
+    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size,
+                              args.distributed_executor_backend, args.ray_address)
+    if not parallel.uses_executor:
+        return
+    with_split = f"with {parallel.describe()} (--tensor-parallel-size, --pipeline-parallel-size)"
+    if args.enable_l3_cache:
+        raise ValueError(f"--enable-l3-cache is not supported {with_split}")
+    if len(args.model or ()) > 1 or args.models_config is not None:
+        raise ValueError(f"several models in one server are not supported {with_split}")
+    from dflash2.parallel.executor import check_model_fits
+
+    check_model_fits(ModelSpec.parse(args.model[0]).model if args.model else None, args.load_format, parallel)
 
 
 def l3_cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,7 +271,7 @@ def build_engine(kwargs: dict[str, Any]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_unbuilt(args)
+    check_parallel(args)
     config = server_config(args)
     kwargs = llm_kwargs(args)
 

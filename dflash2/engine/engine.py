@@ -62,6 +62,7 @@ from dflash2.engine.served_model import ModelSpec, PreparedModel, ServedModel
 from dflash2.engine.storage import PoolStorage
 from dflash2.engine.step_trace import StepTrace
 from dflash2.loading.model_loader import LoadedModel, load_model
+from dflash2.parallel.config import ParallelConfig
 from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenView, check_priority
 from dflash2.sampling_params import MAX_PRIORITY, SamplingParams, check_against_vocab
 
@@ -94,6 +95,8 @@ class EngineConfig:
     models: tuple[ModelSpec, ...] = ()
     # a model with work steps at least once every this many steps, whatever the others' priorities
     max_model_skip_steps: int = 8
+    # tensor / pipeline parallelism: the ranks one model is split over and what runs them (dflash2/parallel/)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -126,7 +129,12 @@ PREFILL_RATE_MIN_TOKENS = 256  # steps with fewer prompt tokens tell little abou
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = device = resolve_device(config.device)
+        self.executor = None  # the other ranks of a parallel engine (parallel/executor.py); this is rank 0
+        if config.parallel.uses_executor:
+            from dflash2.parallel.executor import Executor
+
+            self.executor = Executor(config)
+        self.device = device = self.executor.device if self.executor is not None else resolve_device(config.device)
         cache = config.cache
         specs = config.model_specs()
         self.models: dict[str, ServedModel] = {}
@@ -149,10 +157,14 @@ class Engine:
             num_pages = self._num_pages(loaded)
         except BaseException:
             loaded.clear()
+            if self.executor is not None:
+                self.executor.shutdown()
             _release_device_memory()
             raise
         num_host_pages = cache.swap_space_bytes // cache.page_bytes
-        self.storage = PoolStorage(num_pages, cache.page_bytes, num_host_pages, device)
+        # a parallel rank's pages hold its part of each token (its KV heads and layers): same tokens, fewer bytes
+        page_bytes = cache.page_bytes if self.executor is None else self.executor.page_bytes(loaded[0].layout)
+        self.storage = PoolStorage(num_pages, page_bytes, num_host_pages, device)
         self.pool = PagePool(num_pages, cache.page_bytes)
         self.host_pool = HostPagePool(num_host_pages) if num_host_pages else None
         # the host pages are also the L2 tier: cached pages the device evicts are copied down, not dropped
@@ -187,9 +199,9 @@ class Engine:
         if spec.quantization is not None and load_format != "dummy":
             raise ValueError("quantization applies to dummy weights only (load_format 'dummy'); convert a "
                              "checkpoint with `dflash2 convert` instead")
-        model = load_model(spec.model, load_format, spec.dtype or config.dtype, device,
-                           config.scheduler.max_model_len, config.seed, spec.tokenizer or config.tokenizer,
-                           quantization=spec.quant_config())
+        load = load_model if self.executor is None else self.executor.load_shard  # (every rank its part)
+        model = load(spec.model, load_format, spec.dtype or config.dtype, device, config.scheduler.max_model_len,
+                     config.seed, spec.tokenizer or config.tokenizer, quantization=spec.quant_config())
         name = (spec.served_name() if not single or spec.name is not None else None) or model.name
         model.name = name
         scheduler_config = _device_scheduler_config(sched, device, name if not single else "")
@@ -224,12 +236,13 @@ class Engine:
             kv.disk = self.disk_tier
             self.disk_tier.add_model(name, _fingerprint(prepared))
         scheduler = Scheduler(scheduler_config, kv, admissions=self._admissions)
-        runner = ModelRunner(model, layout, self.pool.num_pages, prepared.options, storage=self.storage)
+        runner = (ModelRunner if self.executor is None else self.executor.runner)(
+            model, layout, self.pool.num_pages, prepared.options, storage=self.storage)
         eos_token_ids = set(model.arch.eos_token_ids)
         if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
             eos_token_ids.add(model.tokenizer.eos_token_id)
         runner.eos_token_ids = tuple(sorted(eos_token_ids))
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.executor is None:
             runner.capture_graphs(graph_batch_sizes(scheduler_config.max_num_seqs),
                                   mixed_graph_shapes(scheduler_config.max_num_seqs,
                                                      self._graph_prefill_tokens(scheduler_config)))
@@ -270,6 +283,8 @@ class Engine:
         name = spec.served_name()
         if name is not None and name in self.models:
             raise ValueError(f"a model named {name!r} is already loaded")
+        if self.executor is not None:
+            raise ValueError(f"loading a model while serving is not supported with {self.config.parallel.describe()}")
         try:
             return self._load(spec, single=False)
         except torch.cuda.OutOfMemoryError:
@@ -433,6 +448,8 @@ class Engine:
             served.model = served.runner = None
         self.models.clear()
         self.storage = None
+        if self.executor is not None:
+            self.executor.shutdown()
         if self.trace is not None:
             self.trace.file.close()
             self.trace = None
@@ -813,8 +830,9 @@ class Engine:
         return limit
 
     def _graph_prefill_tokens(self, scheduler_config: SchedulerConfig) -> int:
-        """The largest prefill a graph is captured for: 0 (decode-only graphs) when graphs are off."""
-        if self.config.enforce_eager:
+        """The largest prefill a graph is captured for: 0 (decode-only graphs) when graphs are off (a parallel
+        engine runs eager for now)."""
+        if self.config.enforce_eager or self.executor is not None:
             return 0
         return min(self.config.cuda_graph_max_prefill_tokens, scheduler_config.max_num_batched_tokens)
 
@@ -824,6 +842,13 @@ class Engine:
         cache = self.config.cache
         budget = cache.kv_cache_memory_bytes
         if budget is None:
+            if self.device.type == "cuda" and self.executor is not None:  # every rank profiles; the fewest pages
+                p = loaded[0]
+                return self.executor.gpu_num_pages(p.model, p.layout, p.options,
+                                                   p.scheduler_config.max_num_batched_tokens,
+                                                   p.scheduler_config.max_num_seqs, self._graph_prefill_tokens(
+                                                       p.scheduler_config) + p.scheduler_config.max_num_seqs,
+                                                   cache.gpu_memory_utilization)
             if self.device.type == "cuda":
                 needs = [profile_model_memory(p.model, p.layout, p.options, p.scheduler_config.max_num_batched_tokens,
                                               p.scheduler_config.max_num_seqs,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,9 +39,11 @@ class ModelMemory:
 
 
 def profile_model_memory(model: "LoadedModel", layout: "KVLayout", options: "RunnerOptions",
-                         max_num_batched_tokens: int, max_num_seqs: int, graph_tokens: int = 0) -> ModelMemory:
+                         max_num_batched_tokens: int, max_num_seqs: int, graph_tokens: int = 0,
+                         runner_factory: Callable[..., Any] | None = None) -> ModelMemory:
     """A profiling step of `max_num_batched_tokens` tokens; the CUDA graphs' own memory pool is taken to need the
-    activations of a `graph_tokens`-token step (scaled from the profile)."""
+    activations of a `graph_tokens`-token step (scaled from the profile). `runner_factory` builds the profiling
+    runner as ModelRunner(model, layout, num_pages, options) would (the parallel ranks' runners step together)."""
     from dflash2.engine.graphs import graph_batch_sizes
     from dflash2.engine.runner import ModelRunner, RunnerOptions
 
@@ -57,7 +60,7 @@ def profile_model_memory(model: "LoadedModel", layout: "KVLayout", options: "Run
     pages_each = -(-per_chunk // layout.tokens_per_page)
     profile_options = RunnerOptions(options.attention_backend, options.seed, max_slots=len(sizes),
                                     max_model_len=per_chunk)
-    runner = ModelRunner(model, layout, pages_each * len(sizes), profile_options)
+    runner = (runner_factory or ModelRunner)(model, layout, pages_each * len(sizes), profile_options)
     chunks, requests = [], {}
     for slot, size in enumerate(sizes):
         request_id = f"profile-{slot}"

@@ -150,22 +150,15 @@ class ModelRunner:
         if not plan.chunks:
             return PendingStep([], [], None, None)
         self.update_page_table(plan.chunks)
-        # longest context first: the decode kernel starts programs in row order, so the longest sequences
-        # are not left running alone at the end of the kernel (sorting ~256 rows costs tens of us a step)
-        decodes: list[ScheduledChunk] = []
-        prefills: list[ScheduledChunk] = []
-        for chunk in plan.chunks:
-            (decodes if chunk.is_decode else prefills).append(chunk)
-        decodes.sort(key=lambda c: -c.start)
-        ordered = decodes + prefills
-        host = _HostBatch.build(ordered, len(decodes))
-        shape = self.graphs.shape_for(host, len(decodes)) if self.graphs is not None else None
+        ordered, num_decodes = order_chunks(plan.chunks)
+        host = _HostBatch.build(ordered, num_decodes)
+        shape = self.graphs.shape_for(host, num_decodes) if self.graphs is not None else None
         greedy = None
         if shape is not None:
-            logits, greedy = self.graphs.run(shape, host, len(decodes))
+            logits, greedy = self.graphs.run(shape, host, num_decodes)
             hidden = None
         else:
-            hidden, logits = self.forward_eager(host, len(decodes))
+            hidden, logits = self.forward_eager(host, num_decodes)
         pending = self._sample(logits, [ordered[i] for i in host.sample_chunks], requests, greedy)
         for chunk_index, first_row in host.logit_chunks:
             chunk = ordered[chunk_index]
@@ -357,6 +350,18 @@ class ModelRunner:
         logits = self.model.module.compute_logits(hidden[first_row:first_row + count])
         targets = request.prompt_token_ids[chunk.start + 1:chunk.start + 1 + count]
         return (chunk.request_id, chunk.start + 1, logits, targets, request.sampling_params.prompt_logprobs or 0)
+
+
+def order_chunks(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], int]:
+    """The flat batch's chunk order and its number of decode chunks: decodes first, longest context first (the
+    decode kernel starts programs in row order, so the longest sequences are not left running alone at the end of
+    the kernel; sorting ~256 rows costs tens of us a step), then the prefill chunks as planned."""
+    decodes: list[ScheduledChunk] = []
+    prefills: list[ScheduledChunk] = []
+    for chunk in chunks:
+        (decodes if chunk.is_decode else prefills).append(chunk)
+    decodes.sort(key=lambda c: -c.start)
+    return decodes + prefills, len(decodes)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dflash2.config import CacheConfig, SchedulerConfig
 from dflash2.engine.engine import Engine, EngineConfig, PromptInput
 from dflash2.engine.parallel_sampling import merge_samples, sample_params
 from dflash2.engine.served_model import ModelSpec
+from dflash2.parallel.config import ParallelConfig
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
 from dflash2.units import parse_bytes
@@ -40,19 +41,25 @@ class LLM:
                  cuda_graph_max_prefill_tokens: int = 2048, stream_interval: int = 1,
                  models: dict[str, str | None] | Sequence[ModelSpec | dict] | None = None,
                  max_model_skip_steps: int = 8, l3_cache_path: str | None = None,
-                 l3_cache_size: int | str | None = None) -> None:
+                 l3_cache_size: int | str | None = None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, distributed_executor_backend: str | None = None,
+                 ray_address: str | None = None) -> None:
         """`swap_space`: pinned host memory for paused requests' KV, in GiB as a number (vLLM's unit) or a
         size string such as "512MiB"; it is also the host tier (L2) of the prefix cache. `l3_cache_path`: a
         directory for the disk tier (L3; needs swap space), `l3_cache_size` bounding it (bytes or "64GiB"; None:
         half the free space there). `max_num_seqs`, `max_num_batched_tokens`, `prefill_chunk_size`: None
         chooses them by device (config.DeviceDefaults). `models`: several models on one pool instead of
-        `model` (see the module docstring); the other arguments are every model's defaults."""
+        `model` (see the module docstring); the other arguments are every model's defaults.
+        `tensor_parallel_size`, `pipeline_parallel_size`: split the model over that many ranks (processes of this
+        host, or Ray actors: `distributed_executor_backend` "mp" or "ray", `ray_address`); docs/PARALLEL.md."""
         config = EngineConfig(
             model=model, tokenizer=tokenizer, load_format=load_format, dtype=dtype, device=device, seed=seed,
             attention_backend=attention_backend, enforce_eager=enforce_eager, overlap=overlap,
             cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens,
             low_priority_values_first=low_priority_values_first, stream_interval=stream_interval,
             models=_model_specs(models), max_model_skip_steps=max_model_skip_steps,
+            parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
+                                    ray_address),
             cache=CacheConfig(page_bytes=page_bytes, kv_cache_dtype=kv_cache_dtype, kv_layout=kv_layout,
                               kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
                               gpu_memory_utilization=gpu_memory_utilization,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, device: torch.device,
                max_positions: int | None, seed: int = 0, tokenizer: str | None = None,
-               quant_backend: str = "auto", quantization: QuantConfig | None = None) -> LoadedModel:
+               quant_backend: str = "auto", quantization: QuantConfig | None = None,
+               shard: Callable[[nn.Module, ModelArchConfig], nn.Module] | None = None,
+               with_tokenizer: bool = True) -> LoadedModel:
     """Load weights and tokenizer. `max_positions` bounds the rotary table (None: the model's own limit).
 
     A converted directory (config.json with a `quantization` section) builds quantized layers, and so does a GGUF
@@ -62,6 +64,10 @@ def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, de
     gguf_loader); any explicit dtype ("float32") dequantizes every tensor to it (the float path). Then
     `quant_backend` (kernels/dispatch.py; "auto" picks by device) prepares their runtime form.
     `quantization` applies to dummy weights only: random weights quantized to that config (benchmarks).
+    `shard` cuts the whole loaded module down to one rank's part (parallel/shard.py) and returns it on `device`,
+    before it is prepared; a checkpoint is then read on the CPU, so only the part reaches `device` (dummy weights are
+    drawn on `device`, as without it, so every rank draws the same numbers as one process would). `with_tokenizer` False: no tokenizer
+    (a parallel engine's other ranks never read text).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; supported: {', '.join(LOAD_FORMATS)}")
@@ -71,16 +77,20 @@ def load_model(model: str | None, load_format: str, dtype: str | torch.dtype, de
         arch = registry.preset(path) if path in registry.PRESETS else _read_arch(path)
         module = _build(arch, torch_dtype, device, max_positions, quantization)
         dummy_loader.fill_dummy_weights(module, seed)
+        if shard is not None:
+            module = shard(module, arch)
         if quantization is not None:
             prepare_quantized(module, quant_backend, torch_dtype, device)
-        tok = load_tokenizer(tokenizer) if tokenizer else None
+        tok = load_tokenizer(tokenizer) if tokenizer and with_tokenizer else None
         return LoadedModel(path, path, arch, module, tok, torch_dtype, device, quantization)
     arch, weights, quant = _open_checkpoint(path, load_format, native_gguf=dtype == "auto")
-    module = _build(arch, torch_dtype, device, max_positions, quant)
+    module = _build(arch, torch_dtype, device if shard is None else torch.device("cpu"), max_positions, quant)
     module.load_weights(weights)
+    if shard is not None:
+        module = shard(module, arch)
     if quant is not None:
         prepare_quantized(module, quant_backend, torch_dtype, device)
-    tok = load_tokenizer(tokenizer or path)
+    tok = load_tokenizer(tokenizer or path) if with_tokenizer else None
     name = os.path.basename(os.path.normpath(path)) if model else BUNDLED_MODEL_NAME
     return LoadedModel(name, path, arch, module, tok, torch_dtype, device, quant)
 

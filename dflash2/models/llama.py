@@ -159,11 +159,13 @@ class LlamaDecoderLayer(nn.Module):
                                       formats)
         else:
             self.mlp = LlamaMLP(arch, layer_index, quant)
+        # off where an all-reduce must come between a projection and the residual add (parallel/shard.py)
+        self.may_fuse_norms = True
 
     def fuses_norms(self, rows: int) -> bool:
         """Whether this layer's four GEMVs take its norms and residual adds for `rows` tokens: qkv and gate_up
         norm their input, o_proj and down add their output into the residual stream (QuantLinear.fuses_norm)."""
-        if not isinstance(self.mlp, LlamaMLP):
+        if not self.may_fuse_norms or not isinstance(self.mlp, LlamaMLP):
             return False
         linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         return (all(isinstance(linear, QuantLinear) and linear.fuses_norm(rows) for linear in linears)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash2.engine.served_model import ModelSpec
+from dflash2.parallel.errors import WorkerFailed
 
 from dflash2.request import Request, RequestOutput
 from dflash2.sampling_params import SamplingParams
@@ -179,7 +180,7 @@ class EngineLoop:
             self.on_load_failed(e)
             return
         frozen, thresholds = settle_collector()
-        if self.step_timeout_s is not None:
+        if self.step_timeout_s is not None or _ranks_failure(self.engine) is not None:
             threading.Thread(target=self._watch_steps, name="dflash2-watchdog", daemon=True).start()
         self.on_loaded()
         logger.info("engine ready: model%s %s (%d objects left out of garbage collection, thresholds %s)",
@@ -325,7 +326,8 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving the next ones
             logger.exception("engine step failed; aborting %d requests", len(self._tracked))
-            self._fail_all(EngineError(ENGINE_FAILED))
+            # a parallel engine's lost rank: the clients read which and why
+            self._fail_all(EngineError(str(e) if isinstance(e, WorkerFailed) else ENGINE_FAILED))
             return
         finally:
             self._step_started = None
@@ -334,7 +336,7 @@ class EngineLoop:
             for request_id in stuck:
                 self._abort(request_id)
             logger.warning("the stuck step finished after %.1f s; serving again", time.monotonic() - started)
-            self.on_health(None)
+            self.on_health(_ranks_failure(self.engine) or None)
         now = time.monotonic()
         self.observer.on_step(self.engine, now, now - started)
         self._handle_outputs(outputs, now)
@@ -349,10 +351,19 @@ class EngineLoop:
     def _watch_steps(self) -> None:
         """A thread: a step running past step_timeout_s turns /health to 503 with the reason and ends the requests
         in the engine with an error (they are aborted once the step returns, if it does); the loop is never
-        killed, so a step that comes back serves on."""
+        killed, so a step that comes back serves on. A parallel engine that lost a rank (parallel/executor.py: its
+        watcher kills the others, so the step in flight raises and its requests end with why) answers 503 for good."""
         timeout = self.step_timeout_s
+        ranks_failed = False
         while True:
+            failure = _ranks_failure(self.engine) or None
+            if failure is not None and not ranks_failed:  # a parallel engine lost a rank: for good
+                ranks_failed = True
+                self.on_health(failure)
             started = self._step_started
+            if timeout is None:
+                time.sleep(0.25)
+                continue
             if started is not None and self._stuck is None and time.monotonic() - started > timeout:
                 stuck = list(self._tracked)
                 self._stuck = stuck
@@ -443,6 +454,12 @@ class EngineLoop:
 
     def on_health(self, problem: str | None) -> None:
         """The watchdog found a stuck step (`problem`), or the step came back (None): /health says so."""
+
+
+def _ranks_failure(engine: Any) -> str | None:
+    """A parallel engine's lost rank (why), "" while its ranks are well; None for an engine of one process."""
+    executor = getattr(engine, "executor", None)
+    return None if executor is None else (executor.failure or "")
 
 
 def _injected_stall() -> tuple[float, int] | None:

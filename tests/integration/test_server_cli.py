@@ -1,4 +1,4 @@
-"""`dflash2 serve` and `dflash2 bench` flags: both spellings of each, and loud errors for unbuilt features
+"""`dflash2 serve` and `dflash2 bench` flags: both spellings of each, and loud errors for choices that cannot work
 (no model is loaded here: these fail or parse before any loading)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from dflash2.cli.main import build_parser, main
-from dflash2.cli.serve import check_unbuilt, llm_kwargs, server_config
+from dflash2.cli.serve import check_parallel, llm_kwargs, server_config
 from tests.integration.server_process import console_script
 
 # Every server flag the design lists, with a value to pass (None: a switch).
@@ -49,7 +49,7 @@ def test_every_flag_takes_both_spellings(command, flags):
 def test_model_dir_spelling_and_server_config():
     args = build_parser().parse_args(["serve", "--model_dir", "/models/x", *argv("serve", SERVER_FLAGS, False)[3:]])
     assert args.model == ["/models/x"]
-    check_unbuilt(args)
+    check_parallel(args)
     config = server_config(args)
     assert (config.host, config.port, config.api_key, config.streaming_timeout_ms, config.metrics_port) == (
         "0.0.0.0", 9000, "k", 500, 9100)
@@ -141,7 +141,7 @@ def test_max_batch_size_sizes_the_step_beside_max_num_seqs():
 
 def test_seed_spellings_parse():
     args = build_parser().parse_args(["serve", "--pipeline_parallel_size", "1", "--disable_nagle"])
-    check_unbuilt(args)  # 1 is accepted
+    check_parallel(args)  # 1 is accepted
     assert args.disable_nagle is True
     convert = build_parser().parse_args(["convert", "--output_dir", "out", "--max_seq_len", "256", "--num_gpus", "1",
                                          "--verbose"])
@@ -150,10 +150,14 @@ def test_seed_spellings_parse():
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
-    (["--tensor_parallel_size", "4"], "--tensor-parallel-size"),
-    (["--distributed-executor-backend", "ray"], "--distributed-executor-backend"),
-    (["--ray-address", "10.0.0.1:6379"], "--ray-address"),
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size 2 does not divide the model's 9 attention heads"),
+    (["--tensor_parallel_size", "4"], "tensor_parallel_size 4 does not divide the model's 9 attention heads"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size must be an integer >= 1"),
+    (["--distributed-executor-backend", "uni", "--pp", "2"], "'uni' runs one process"),
+    (["--ray-address", "10.0.0.1:6379", "--distributed-executor-backend", "mp"], "ray_address is for"),
+    (["--tp", "3", "--enable-l3-cache", "--l3-cache-path", "/tmp", "--swap-space", "1"], "--enable-l3-cache"),
+    (["--tp", "3", "--model", "a=/x", "--model", "b=/y"], "several models in one server"),
+    (["--pipeline-parallel-size", "31"], "pipeline_parallel_size 31 is more than the model's 30 layers"),
     (["--enable-l3-cache"], "--enable-l3-cache"),
     (["--l3-cache-path", "/tmp"], "--l3-cache-path"),
     (["--enable-l3-cache", "--l3-cache-path", "/no/such/dir", "--swap-space", "1"], "--l3-cache-path"),
@@ -162,13 +166,12 @@ def test_seed_spellings_parse():
      "--l3-cache-size"),
     (["--swap-space", "-1"], "--swap-space"),
     (["--max-batch-size", "8", "--max-num-seqs", "4"], "--max-batch-size"),
-    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
     (["--preemption-threshold", "0"], "--preemption-threshold"),
     (["--priority-aging-seconds", "0"], "--priority-aging-seconds"),
     (["--max-queue-len", "0"], "--max-queue-len"),
     (["--stream-interval", "0"], "--stream-interval"),
 ])
-def test_unbuilt_features_are_startup_errors(flags, named, capsys):
+def test_impossible_choices_are_startup_errors(flags, named, capsys):
     assert main(["serve", *flags]) != 0
     assert named in capsys.readouterr().err
 
@@ -177,7 +180,7 @@ def test_console_script_fails_loudly_before_loading_anything():
     result = subprocess.run([*console_script("dflash2-server", "serve"), "--tensor-parallel-size", "2"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert "--tensor-parallel-size" in result.stderr and "not built" in result.stderr
+    assert "tensor_parallel_size 2 does not divide the model's 9 attention heads" in result.stderr
 
 
 def test_bench_needs_a_server(tmp_path):
