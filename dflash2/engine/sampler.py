@@ -83,9 +83,12 @@ class Sampler:
         row is greedy and no penalty, min_tokens, bias or mask changes the logits. `token_mask`: the tokens
         allowed to the rows with structured output."""
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if logits.dtype != torch.float32 and (random_rows or any(row.params.edits_logits for row in rows)):
+        edits = any(row.params.edits_logits for row in rows)  # one pass: penalties and biases skipped without
+        if logits.dtype != torch.float32 and (random_rows or edits):
             logits = logits.float()  # exact; temperature, top-p, penalties and biases then compute in float32
-        processed = apply_logit_bias(apply_min_tokens(apply_penalties(logits, rows), rows), rows)
+        processed = apply_min_tokens(apply_penalties(logits, rows) if edits else logits, rows)
+        if edits:
+            processed = apply_logit_bias(processed, rows)
         if token_mask is not None:
             processed = apply_token_mask(processed, token_mask)
         if not random_rows:
