@@ -33,11 +33,11 @@ def quantize_dummy_weights(weights: str) -> QuantConfig | None:
     load_model is wrapped for this process). None for bf16."""
     if weights == "bf16":
         return None
-    import dflash2.engine.engine as engine_module
+    import dflash2.engine.model_setup as model_setup_module
     from dflash2.loading.model_loader import load_model
 
     config = QuantConfig.build(parse_bits(weights), group_bits={"embed": 16})
-    engine_module.load_model = lambda *args, **kwargs: load_model(*args, quantization=config, **kwargs)
+    model_setup_module.load_model = lambda *args, **kwargs: load_model(*args, quantization=config, **kwargs)
     return config
 
 

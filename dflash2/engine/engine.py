@@ -1,8 +1,8 @@
 """Engine: owns the requests and runs the step loop   plan -> launch -> commit.
 
     add_request() ─► Scheduler.waiting
-    step():  Scheduler.plan() ─► StepPlan ─► ModelRunner.launch() ─► PendingStep ─► collect ─► _commit()
-             _commit writes the sampled tokens, checks stop conditions, frees finished requests' pages and
+    step():  Scheduler.plan() ─► StepPlan ─► ModelRunner.launch() ─► PendingStep ─► collect ─► Committer.commit()
+             commit writes the sampled tokens, checks stop conditions, frees finished requests' pages and
              returns one RequestOutput per request that produced something.
 
 Overlapped (the default on GPU): step N+1 is planned and launched before step N is committed.
@@ -16,11 +16,11 @@ next step's launch (the next step then starts from an idle device; same-priority
 nor does a less urgent first token while a more urgent request runs: the device would idle for it).
 
 Several models (EngineConfig.models): each has its own scheduler, KV manager and runner (ServedModel) on one
-page pool; a step runs one model's batch. The model that steps next is the one with the most urgent work
-(effective priority of its waiting or running requests), ties going to the one that stepped least recently;
-a model with work that another model's steps passed over `max_model_skip_steps` times goes first (no model starves).
-Preemption crosses models (Scheduler.peers). Models load and unload while the others serve (load_model,
-unload_model).
+page pool; a step runs one model's batch, the model step_order.py picks. Preemption crosses models
+(Scheduler.peers). Models load and unload while the others serve (load_model, unload_model).
+
+Beside it: admission.py (prompt -> token ids, a request's checks), commit.py (a step's tokens -> requests ->
+outputs), model_setup.py (weights and sizes, the pool's size), disk_cache.py (the engine's side of the L3 tier).
 
 Step N's sampled tokens are not known on the host when N+1 is planned, so each request gets a
 placeholder token (resolved on the device from the runner's future-token buffer, and on the host at
@@ -29,101 +29,41 @@ stops on EOS or a stop string costs one wasted row in the next step.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import logging
-import os
-import shutil
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from dflash2.config import CacheConfig, DeviceDefaults, ModelArchConfig, SchedulerConfig
+from dflash2.config import SchedulerConfig
+from dflash2.engine.admission import PromptInput, tokenize, validate
+from dflash2.engine.commit import Committer
+from dflash2.engine.config import EngineConfig
 from dflash2.engine.detokenizer import IncrementalDetokenizer
-from dflash2.engine.kv.disk_store import DiskStore
-from dflash2.engine.kv.disk_tier import DiskTier, fingerprint
+from dflash2.engine.disk_cache import PrefillRate, build_disk_tier, model_fingerprint, persist_tiers
+from dflash2.engine.kv.disk_tier import DiskTier
 from dflash2.engine.kv.host_pool import HostPagePool
-from dflash2.engine.kv.layout import KVLayout, resolve_kv_dtype
 from dflash2.engine.kv.manager import KVManager
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.engine.plan import StepPlan
-from dflash2.engine.graphs import graph_batch_sizes, mixed_graph_shapes
 from dflash2.engine.guided import GrammarCompilers
 from dflash2.engine.held_requests import HeldRequests, prompt_computed
-from dflash2.engine.memory import gpu_pool_bytes, profile_model_memory
-from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepResult
+from dflash2.engine.memory import release_cublas_workspaces, release_device_memory
+from dflash2.engine.model_setup import build_runner, pool_num_pages, prepare_model, resolve_device
+from dflash2.engine.runner import ModelRunner, PendingStep
 from dflash2.engine.sampler import make_generator
 from dflash2.engine.scheduler import Scheduler
 from dflash2.engine.served_model import ModelSpec, PreparedModel, ServedModel
+from dflash2.engine.step_order import plan_next, step_priorities, urgent_first_token
 from dflash2.engine.storage import PoolStorage
 from dflash2.engine.step_trace import StepTrace
-from dflash2.loading.model_loader import LoadedModel, load_model
-from dflash2.parallel.config import ParallelConfig
-from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenView, check_priority
-from dflash2.sampling_params import MAX_PRIORITY, SamplingParams, check_against_vocab
+from dflash2.loading.model_loader import LoadedModel
+from dflash2.request import Request, RequestOutput, RequestStatus, check_priority
+from dflash2.sampling_params import MAX_PRIORITY, SamplingParams
 
 
 logger = logging.getLogger("dflash2")
-
-PromptInput = str | list[int] | dict[str, Any]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None  # HF directory, .gguf file, or preset name (dummy); None: the bundled model
-    tokenizer: str | None = None
-    load_format: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    attention_backend: str = "auto"
-    enforce_eager: bool = False  # never capture CUDA graphs
-    # steps with prefill chunks of up to this many tokens also replay CUDA graphs (0: decode-only graphs)
-    cuda_graph_max_prefill_tokens: int = 2048
-    overlap: bool | None = None  # overlapped scheduling; None: on for CUDA, off on the CPU
-    low_priority_values_first: bool = False  # vLLM's convention: a smaller number is more urgent
-    # a streamed request's output comes every this many tokens (its first and last at once): fewer outputs
-    # to build and to write under load (vLLM's --stream-interval)
-    stream_interval: int = 1
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # several models on one pool (empty: the one model above); each spec's unset options take the ones above
-    models: tuple[ModelSpec, ...] = ()
-    # a model with work steps at least once every this many steps, whatever the others' priorities
-    max_model_skip_steps: int = 8
-    # tensor / pipeline parallelism: the ranks one model is split over and what runs them (dflash2/parallel/)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-
-    def __post_init__(self) -> None:
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
-        if self.max_model_skip_steps < 1:
-            raise ValueError(f"max_model_skip_steps must be >= 1, got {self.max_model_skip_steps}")
-
-    def model_specs(self) -> tuple[ModelSpec, ...]:
-        return self.models or (ModelSpec(model=self.model, tokenizer=self.tokenizer),)
-
-def _device_scheduler_config(config: SchedulerConfig, device: torch.device, model_name: str = "") -> SchedulerConfig:
-    """The scheduler's sizes the user left unset, chosen for the device; logged, with where each came from."""
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
-    chosen = config.with_device_defaults(device.type, memory)
-    logger.info("batch sizes for %s%s: %s", device.type, f" ({model_name})" if model_name else "", ", ".join(
-        f"{name} {getattr(chosen, name)} ({'given' if getattr(config, name) is not None else 'device default'})"
-        for name in DeviceDefaults.FIELDS))
-    return chosen
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-PREFILL_RATE_MIN_TOKENS = 256  # steps with fewer prompt tokens tell little about the prefill rate
 
 
 class Engine:
@@ -139,13 +79,12 @@ class Engine:
         specs = config.model_specs()
         self.models: dict[str, ServedModel] = {}
         self.requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._committer = Committer(self.requests, config.stream_interval)  # a step's tokens -> outputs (commit.py)
         self._held = HeldRequests()  # taken, not yet scheduled (held_requests.py)
         self._grammars = GrammarCompilers()  # structured output (guided.py)
         self._in_flight: tuple[ServedModel, StepPlan, PendingStep] | None = None
         self.trace: StepTrace | None = None
         self.disk_tier: DiskTier | None = None
-        self._last_result_time: float | None = None  # when the latest step's results were in (prefill rate)
         self._admissions = itertools.count()  # shared by the models' schedulers (cross-model victim order)
         loaded = []
         try:
@@ -154,12 +93,12 @@ class Engine:
             names = [prepared.name for prepared in loaded]
             if len(set(names)) != len(names):
                 raise ValueError(f"two models have the same name ({', '.join(names)}); name them with NAME=PATH")
-            num_pages = self._num_pages(loaded)
+            num_pages = pool_num_pages(config, device, self.executor, loaded)
         except BaseException:
             loaded.clear()
             if self.executor is not None:
                 self.executor.shutdown()
-            _release_device_memory()
+            release_device_memory()
             raise
         num_host_pages = cache.swap_space_bytes // cache.page_bytes
         # a parallel rank's pages hold its part of each token (its KV heads and layers): same tokens, fewer bytes
@@ -169,7 +108,9 @@ class Engine:
         self.host_pool = HostPagePool(num_host_pages) if num_host_pages else None
         # the host pages are also the L2 tier: cached pages the device evicts are copied down, not dropped
         self.pool.keep_evicted = self.host_pool is not None and cache.enable_prefix_caching
-        self.disk_tier = self._disk_tier() if self.pool.keep_evicted and cache.l3_cache_path else None
+        self.disk_tier = build_disk_tier(cache, self.host_pool, self.storage) \
+            if self.pool.keep_evicted and cache.l3_cache_path else None
+        self._prefill_rate = PrefillRate(self.disk_tier) if self.disk_tier is not None else None
         try:
             for prepared in loaded:
                 self._serve(prepared)
@@ -183,7 +124,6 @@ class Engine:
         self._num_added = 0  # requests added so far
         self._num_steps = 0
         self.last_model: str | None = None  # the model of the latest step launched
-        self._failures: list[tuple[str, str]] = []  # requests ended by a failure of their own (take_failures)
         self._ids = itertools.count()
         # where the latest step's host time went (server metrics read them): Scheduler.plan(), building inputs
         # and launching the kernels, and waiting for a step's results (the device) and committing them
@@ -192,32 +132,7 @@ class Engine:
     # -- the models --------------------------------------------------------------------------------
     def _load(self, spec: ModelSpec, single: bool) -> PreparedModel:
         """Load one model's weights and work out its sizes (nothing of the pool yet)."""
-        config, device = self.config, self.device
-        sched = config.scheduler if spec.max_num_seqs is None else \
-            dataclasses.replace(config.scheduler, max_num_seqs=spec.max_num_seqs)
-        load_format = spec.load_format or config.load_format
-        if spec.quantization is not None and load_format != "dummy":
-            raise ValueError("quantization applies to dummy weights only (load_format 'dummy'); convert a "
-                             "checkpoint with `dflash2 convert` instead")
-        load = load_model if self.executor is None else self.executor.load_shard  # (every rank its part)
-        model = load(spec.model, load_format, spec.dtype or config.dtype, device, config.scheduler.max_model_len,
-                     config.seed, spec.tokenizer or config.tokenizer, quantization=spec.quant_config())
-        name = (spec.served_name() if not single or spec.name is not None else None) or model.name
-        model.name = name
-        scheduler_config = _device_scheduler_config(sched, device, name if not single else "")
-        max_model_len = self._max_model_len(model.arch)
-        checkpoint_kv = model.quant.kv_cache_dtype if model.quant is not None else None
-        kv_dtype = resolve_kv_dtype(spec.kv_cache_dtype or config.cache.kv_cache_dtype, model.dtype, checkpoint_kv)
-        layout = KVLayout.for_model(model.arch, kv_dtype, config.cache.page_bytes,
-                                    head_major=config.cache.kv_layout == "head_major")
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "torch"
-        options = RunnerOptions(attention_backend=backend, seed=config.seed,
-                                max_slots=scheduler_config.max_num_seqs, max_model_len=max_model_len,
-                                enforce_eager=config.enforce_eager,
-                                num_host_pages=config.cache.swap_space_bytes // config.cache.page_bytes)
-        return PreparedModel(name, spec, model, scheduler_config, max_model_len, layout, options)
+        return prepare_model(self.config, spec, self.device, self.executor, single)
 
     def _serve(self, prepared: PreparedModel) -> ServedModel:
         """Put a loaded model on the pool: its limits, KV manager, scheduler (peers of the others), runner, graphs."""
@@ -234,18 +149,9 @@ class Engine:
                        max_slots=scheduler_config.max_num_seqs, host_pool=self.host_pool)
         if self.disk_tier is not None:
             kv.disk = self.disk_tier
-            self.disk_tier.add_model(name, _fingerprint(prepared))
+            self.disk_tier.add_model(name, model_fingerprint(prepared))
         scheduler = Scheduler(scheduler_config, kv, admissions=self._admissions)
-        runner = (ModelRunner if self.executor is None else self.executor.runner)(
-            model, layout, self.pool.num_pages, prepared.options, storage=self.storage)
-        eos_token_ids = set(model.arch.eos_token_ids)
-        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-            eos_token_ids.add(model.tokenizer.eos_token_id)
-        runner.eos_token_ids = tuple(sorted(eos_token_ids))
-        if self.device.type == "cuda" and not self.config.enforce_eager and self.executor is None:
-            runner.capture_graphs(graph_batch_sizes(scheduler_config.max_num_seqs),
-                                  mixed_graph_shapes(scheduler_config.max_num_seqs,
-                                                     self._graph_prefill_tokens(scheduler_config)))
+        runner, eos_token_ids = build_runner(self.config, prepared, self.pool.num_pages, self.storage, self.executor)
         served = ServedModel(name, spec, model, scheduler_config, max_model_len, layout, kv, scheduler, runner,
                              eos_token_ids)
         self.models[name] = served
@@ -255,18 +161,6 @@ class Engine:
                     layout.tokens_per_page, self.pool.num_pages, self.pool.num_pages * layout.tokens_per_page,
                     max_model_len)
         return served
-
-    def _disk_tier(self) -> DiskTier:
-        cache = self.config.cache
-        size = cache.l3_cache_size_bytes
-        if size is None:
-            if not os.path.isdir(cache.l3_cache_path):
-                raise ValueError(f"the L3 cache directory {cache.l3_cache_path} does not exist")
-            size = int(shutil.disk_usage(cache.l3_cache_path).free * CacheConfig.L3_DEFAULT_FREE_SHARE)
-            logger.info("L3 cache size: %.1f GiB (%d%% of the free space in %s)", size / (1 << 30),
-                        int(CacheConfig.L3_DEFAULT_FREE_SHARE * 100), cache.l3_cache_path)
-        store = DiskStore(cache.l3_cache_path, size, cache.page_bytes)
-        return DiskTier(store, self.host_pool, self.storage.host_pages, self.storage.copies_done)
 
     def _link_peers(self) -> None:
         for served in self.models.values():
@@ -288,7 +182,7 @@ class Engine:
         try:
             return self._load(spec, single=False)
         except torch.cuda.OutOfMemoryError:
-            _release_device_memory()
+            release_device_memory()
             raise _no_room_for(spec.model) from None
         except OSError as e:  # no such file, unreadable, not a model
             raise ValueError(f"cannot load {spec.model!r}: {e}") from None
@@ -306,7 +200,7 @@ class Engine:
             if name not in self.models:
                 self.pool.forget(name)
                 del prepared
-                _release_device_memory()
+                release_device_memory()
 
     def unload_model(self, name: str, force: bool = False) -> None:
         """Free a model's weights, graphs and pages. Its requests must be done, or `force` aborts them."""
@@ -326,7 +220,7 @@ class Engine:
         if self.host_pool is not None:
             self.host_pool.forget(name)
         served.model = served.runner = None
-        _release_device_memory()
+        release_device_memory()
         logger.info("model %s unloaded", name)
 
     def served(self, name: str | None = None) -> ServedModel:
@@ -402,8 +296,8 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, token_ids = self._tokenize(served, prompt)
-        self._validate(served, token_ids, params)
+        prompt_text, token_ids = tokenize(served, prompt)
+        validate(served, token_ids, params, self.pool.num_pages)
         check_priority(priority)  # before the flip below, so the message names what the client sent
         if self.config.low_priority_values_first:
             priority = MAX_PRIORITY - priority
@@ -415,7 +309,7 @@ class Engine:
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.device)
         self.requests[request_id] = request
-        self._detokenizers[request_id] = IncrementalDetokenizer(served.tokenizer, token_ids, params)
+        self._committer.detokenizers[request_id] = IncrementalDetokenizer(served.tokenizer, token_ids, params)
         leader = self.requests.get(shares_prompt_with) if shares_prompt_with is not None else None
         if leader is not None and leader.prompt_token_ids == token_ids:
             self._held.hold(request, prompt_computed(leader))
@@ -429,7 +323,7 @@ class Engine:
         self._held.drop(request_id)
         if request is not None and not request.status.finished:
             self.models[request.model].scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        self._detokenizers.pop(request_id, None)
+        self._committer.detokenizers.pop(request_id, None)
 
     def close(self) -> None:
         """Free what the engine holds on the device and the host (page pool, CUDA graphs, pinned buffers, the
@@ -440,7 +334,8 @@ class Engine:
             self.abort(request_id)
         self._in_flight = None
         if self.disk_tier is not None:
-            self._persist_tiers()
+            persist_tiers(self.disk_tier, self.device, self.pool, self.host_pool, self.storage,
+                          self.config.cache.l3_flush_timeout_s)
             self.disk_tier.close()
             self.disk_tier = None
         for served in self.models.values():
@@ -454,29 +349,8 @@ class Engine:
             self.trace.file.close()
             self.trace = None
         gc.collect()  # whatever still points at device tensors through a cycle
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear_workspaces is not None:  # cuBLAS's per-stream workspaces (the engine's streams are gone)
-                clear_workspaces()  # (only here: a captured graph of a model still loaded may use them)
-        _release_device_memory()
-
-    def _persist_tiers(self) -> None:
-        """Write the prefix cache's pages on the device and in host memory down to disk, so that a new server
-        starts warm (at most l3_cache_flush_timeout_s; what is left then is lost)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.disk_tier.poll()
-        pages = self.pool.cached_pages() + self.host_pool.cached_pages()
-        timeout = self.config.cache.l3_flush_timeout_s
-        done = self.disk_tier.persist([(self._page_bytes_on_host(where, page), content_hash, owner)
-                                       for where, page, content_hash, owner in pages], timeout)
-        logger.info("L3 cache: %d pages written down at shutdown%s", len(pages),
-                    "" if done else f" (not all within {timeout:g} s)")
-
-    def _page_bytes_on_host(self, where: str, page: int) -> torch.Tensor:
-        if where == "host":
-            return self.storage.host_pages[page]
-        return self.storage.device_pages[page].cpu()
+        release_cublas_workspaces()  # (only here: a captured graph of a model still loaded may use them)
+        release_device_memory()
 
     def __enter__(self) -> "Engine":
         return self
@@ -513,7 +387,7 @@ class Engine:
         urgent_first_token = False
         if plan:
             pending = self._launch(served, plan)
-            urgent_first_token = self._urgent_first_token(*self._step_priorities(plan))
+            urgent_first_token = self._urgent_first_token(plan)
             if not self.overlap:
                 self._in_flight = (served, plan, pending)
                 return outputs + self._finish_in_flight(placeholders=False)
@@ -529,45 +403,14 @@ class Engine:
     def _plan_next(self) -> tuple[ServedModel | None, StepPlan]:
         """The plan of the model that steps next (an empty plan if no model has anything to run now)."""
         self._num_steps += 1
-        if len(self.models) == 1:
-            served = self.default
-            return served, served.scheduler.plan()
-        order = self._step_order()
-        chosen, plan = None, StepPlan()
-        for served in order:
-            plan = served.scheduler.plan()
-            if plan:
-                chosen = served
-                break
-        for served in order:  # the models with work that did not step wait one step longer
-            served.skipped_steps = 0 if served is chosen else served.skipped_steps + 1
-        if chosen is not None:
-            chosen.last_step = self._num_steps
-        return chosen, plan
-
-    def _step_order(self) -> list[ServedModel]:
-        """The models with work, in the order they get to plan this step: one skipped for max_model_skip_steps
-        steps while it had work first (the longest skipped first), then by their most urgent request's effective
-        priority, then the one that stepped least recently (equal priorities take turns)."""
-        now = time.monotonic()
-        bound = self.config.max_model_skip_steps
-        keyed = []
-        for served in self.models.values():
-            top = served.scheduler.top_priority(now)
-            if top is None:
-                served.skipped_steps = 0  # no work: nothing to starve
-                continue
-            starving = served.skipped_steps >= bound
-            keyed.append(((not starving, -served.skipped_steps if starving else 0, -top, served.last_step), served))
-        keyed.sort(key=lambda item: item[0])
-        return [served for _, served in keyed]
+        return plan_next(self.models, self._num_steps, self.config.max_model_skip_steps)
 
     def _launch(self, served: ServedModel, plan: StepPlan) -> PendingStep:
         self.last_model = served.name
         self._mark_scheduled(plan)
         trace = None
         if self.trace:
-            _, top, first_token_top = self._step_priorities(plan)
+            _, top, first_token_top = step_priorities(plan, self.requests)
             trace = self.trace.begin(plan, top, first_token_top, self.last_plan_seconds)
         launch_started = time.perf_counter()
         pending = served.runner.launch(plan, self.requests)
@@ -579,34 +422,9 @@ class Engine:
             pending.trace = trace
         return pending
 
-    def _step_priorities(self, plan: StepPlan) -> tuple[int | None, int | None, int | None]:
-        """The lowest and highest priority among the step's requests, and the highest among those whose first
-        token it samples (None: no such request). One pass over the chunks, on every step: a step whose first
-        token outranks another request in it is committed at once (step())."""
-        lowest = top = first_token_top = None
-        for chunk in plan.chunks:
-            request = self.requests.get(chunk.request_id)
-            if request is None:
-                continue
-            priority = request.priority
-            if lowest is None or priority < lowest:
-                lowest = priority
-            if top is None or priority > top:
-                top = priority
-            if chunk.sample and request.num_output_tokens == 0 \
-                    and (first_token_top is None or priority > first_token_top):
-                first_token_top = priority
-        return lowest, top, first_token_top
-
-    def _urgent_first_token(self, lowest: int | None, top: int | None, first_token_top: int | None) -> bool:
-        """Whether the step samples the first token of a request that no request in it outranks and that
-        outranks some running request (in the step or waiting out of it): that step is committed at once."""
-        if first_token_top is None or first_token_top < top:
-            return False
-        if first_token_top > lowest:
-            return True
-        return any(r.priority < first_token_top for served in self.models.values()
-                   for r in served.scheduler.running.values())
+    def _urgent_first_token(self, plan: StepPlan) -> bool:
+        """Whether the step is committed at once (step_order.urgent_first_token)."""
+        return urgent_first_token(step_priorities(plan, self.requests), self.models.values())
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         now = time.monotonic()
@@ -639,257 +457,20 @@ class Engine:
         self._in_flight = None
         result = served.runner.collect(pending)
         if self.disk_tier is not None:
-            self._measure_prefill(plan)
-        outputs = self._commit(served, plan, result, pending.placeholders if placeholders else None)
+            self._prefill_rate.measure(plan)
+        outputs = self._committer.commit(served, plan, result, pending.placeholders if placeholders else None)
         elapsed = time.perf_counter() - started
         self.last_finish_seconds += elapsed
         if pending.trace is not None:
             self.trace.finished(pending.trace, elapsed)
         return outputs
 
-    def _measure_prefill(self, plan: StepPlan) -> None:
-        """The prefill rate the disk tier weighs a read against: prompt tokens a second of steps that are mostly
-        prefill (a step's time: from the previous step's results to its own, the device busy in between)."""
-        now = time.perf_counter()
-        last, self._last_result_time = self._last_result_time, now
-        tokens = sum(chunk.num_tokens for chunk in plan.chunks if not chunk.is_decode)
-        if last is None or tokens < PREFILL_RATE_MIN_TOKENS or now <= last:
-            return
-        rate = tokens / (now - last)
-        known = self.disk_tier.prefill_tokens_per_s
-        self.disk_tier.prefill_tokens_per_s = rate if known is None else 0.8 * known + 0.2 * rate
-
-    def _commit(self, served: ServedModel, plan: StepPlan, result: StepResult,
-                placeholders: list[int] | None) -> list[RequestOutput]:
-        outputs = []
-        for request_id, (start, entries) in result.prompt_logprobs.items():
-            if request_id in self.requests:
-                self._record_prompt_logprobs(served.tokenizer, self.requests[request_id], start, entries)
-        for index, (request_id, token_id) in enumerate(result.sampled.items()):
-            request = self.requests.get(request_id)
-            if request is None or request.status.finished:
-                continue  # finished or aborted while this step was in flight
-            if request_id in result.failed:
-                self._fail(served, request, result.failed[request_id])
-                continue
-            num_outputs = self._place_token(request, token_id, placeholders[index] if placeholders else None)
-            self._record_logprobs(served.tokenizer, request, token_id, result.logprobs.get(request_id))
-            status = self._check_stop(served, request, token_id, num_outputs)
-            if status is None:
-                streamed = request.num_streamed_tokens
-                if not request.sampling_params.final_only and (
-                        streamed == 0 or num_outputs - streamed >= self.config.stream_interval):
-                    outputs.append(self._output(request, self._unstreamed(request, token_id, num_outputs),
-                                                num_outputs))
-                continue
-            served.kv.commit(request)  # the pages this step filled stay reusable (on_step_done skips it now)
-            served.scheduler.finish(request, status)
-            outputs.append(self._output(request, self._unstreamed(request, token_id, num_outputs), num_outputs))
-            del self.requests[request_id]
-            del self._detokenizers[request_id]
-        served.scheduler.on_step_done(plan)
-        return outputs
-
-    def _fail(self, served: ServedModel, request: Request, reason: str) -> None:
-        """End one request whose step part raised (its neighbours go on); take_failures() reports it."""
-        served.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        del self.requests[request.request_id]
-        del self._detokenizers[request.request_id]
-        self._failures.append((request.request_id, reason))
-
     def take_failures(self) -> list[tuple[str, str]]:
         """(request id, reason) of the requests ended by a failure since the last call: no output comes for
         them; the caller tells their clients."""
-        failures, self._failures = self._failures, []
-        return failures
-
-    @staticmethod
-    def _unstreamed(request: Request, token_id: int, num_outputs: int) -> list[int]:
-        """The output tokens up to num_outputs not yet in an output (the latest one is token_id); marks them
-        streamed."""
-        streamed, request.num_streamed_tokens = request.num_streamed_tokens, num_outputs
-        if streamed == num_outputs - 1:
-            return [token_id]
-        first = request.num_prompt_tokens
-        return request.token_ids[first + streamed:first + num_outputs]
-
-    @staticmethod
-    def _place_token(request: Request, token_id: int, placeholder: int | None) -> int:
-        """Put the sampled token in place (replacing its placeholder); returns the output count up to it."""
-        if placeholder is None:
-            request.token_ids.append(token_id)
-            return request.num_output_tokens
-        index = len(request.token_ids) - 1
-        while request.token_ids[index] != placeholder:
-            index -= 1
-        request.token_ids[index] = token_id
-        return index + 1 - request.num_prompt_tokens
-
-    def _check_stop(self, served: ServedModel, request: Request, token_id: int,
-                    num_outputs: int) -> RequestStatus | None:
-        params = request.sampling_params
-        detok = self._detokenizers[request.request_id]
-        past_min = num_outputs >= params.min_tokens
-        stop_string = detok.add_token(token_id, check_stop=past_min)
-        if past_min:
-            if token_id in served.eos_token_ids and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if params.stop_token_ids and token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-            if stop_string is not None:
-                request.stop_reason = stop_string
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and num_outputs >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_prompt_tokens + num_outputs >= served.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _output(self, request: Request, new_token_ids: list[int], num_outputs: int) -> RequestOutput:
-        finished = request.status.finished
-        detok = self._detokenizers[request.request_id]
-        first = request.num_prompt_tokens
-        completion = CompletionOutput(
-            index=0, text=detok.text,
-            token_ids=list(request.token_ids[first:first + num_outputs]) if finished
-            else TokenView(request.token_ids, first, first + num_outputs),
-            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
-            logprobs=request.logprobs, finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, request.prompt_logprobs,
-                             [completion], finished, request.num_cached_tokens,
-                             delta_text=detok.take_delta(finished), delta_token_ids=new_token_ids)
-
-    def _record_logprobs(self, tokenizer: Any, request: Request, token_id: int, entries: dict | None) -> None:
-        if request.logprobs is None or entries is None:
-            return
-        _decode_entries(tokenizer, entries)
-        request.logprobs.append(entries)
-        request.cumulative_logprob += entries[token_id].logprob
-
-    def _record_prompt_logprobs(self, tokenizer: Any, request: Request, start: int, entries: list[dict]) -> None:
-        assert request.prompt_logprobs is not None
-        for offset, entry in enumerate(entries):
-            if start + offset == len(request.prompt_logprobs):  # skip positions recorded before a preemption
-                _decode_entries(tokenizer, entry)
-                request.prompt_logprobs.append(entry)
-
-    # -- set-up helpers ----------------------------------------------------------------------------
-    def _tokenize(self, served: ServedModel, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(served, prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if served.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give prompt_token_ids instead of text")
-            return prompt, served.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            return None, self._check_token_ids(served, prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    @staticmethod
-    def _check_token_ids(served: ServedModel, token_ids: Sequence[Any]) -> list[int]:
-        if not isinstance(token_ids, (list, tuple)) or not token_ids:
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-        vocab = served.model.arch.vocab_size
-        for t in token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is not an integer in [0, {vocab})")
-        return list(token_ids)
-
-    def _validate(self, served: ServedModel, token_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        check_against_vocab(params, served.model.arch.vocab_size)
-        if len(token_ids) >= served.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {served.max_model_len} "
-                             f"(at least one token must be left to generate)")
-        total = min(served.max_model_len, len(token_ids) + (params.max_tokens or served.max_model_len))
-        limit = self.pool.num_pages
-        if served.spec.max_pool_share is not None:
-            limit = max(1, int(served.spec.max_pool_share * self.pool.num_pages))
-        if served.kv.num_pages_for(total) > limit:
-            raise ValueError(f"the request needs up to {total} tokens of KV cache, more than the whole pool holds "
-                             f"for this model ({limit * served.kv.tokens_per_page})")
-
-    def _max_model_len(self, arch: ModelArchConfig) -> int:
-        limit = self.config.scheduler.max_model_len or arch.max_position_embeddings
-        if self.config.scheduler.max_model_len and limit > arch.max_position_embeddings:
-            raise ValueError(f"max_model_len {limit} exceeds the model's max_position_embeddings "
-                             f"{arch.max_position_embeddings}")
-        if arch.sliding_window and arch.sliding_window < limit:
-            logger.warning("sliding-window attention is not implemented; max_model_len capped to the window %d",
-                           arch.sliding_window)
-            limit = arch.sliding_window
-        return limit
-
-    def _graph_prefill_tokens(self, scheduler_config: SchedulerConfig) -> int:
-        """The largest prefill a graph is captured for: 0 (decode-only graphs) when graphs are off (a parallel
-        engine runs eager for now)."""
-        if self.config.enforce_eager or self.executor is not None:
-            return 0
-        return min(self.config.cuda_graph_max_prefill_tokens, scheduler_config.max_num_batched_tokens)
-
-    def _num_pages(self, loaded: list[PreparedModel]) -> int:
-        """The pool's size: --kv-cache-memory, else on the GPU what the utilization leaves after every model's
-        weights and run-time needs, else on the CPU what every model's sequences can use (1 GiB at most each)."""
-        cache = self.config.cache
-        budget = cache.kv_cache_memory_bytes
-        if budget is None:
-            if self.device.type == "cuda" and self.executor is not None:  # every rank profiles; the fewest pages
-                p = loaded[0]
-                return self.executor.gpu_num_pages(p.model, p.layout, p.options,
-                                                   p.scheduler_config.max_num_batched_tokens,
-                                                   p.scheduler_config.max_num_seqs, self._graph_prefill_tokens(
-                                                       p.scheduler_config) + p.scheduler_config.max_num_seqs,
-                                                   cache.gpu_memory_utilization)
-            if self.device.type == "cuda":
-                needs = [profile_model_memory(p.model, p.layout, p.options, p.scheduler_config.max_num_batched_tokens,
-                                              p.scheduler_config.max_num_seqs,
-                                              graph_tokens=self._graph_prefill_tokens(p.scheduler_config)
-                                              + p.scheduler_config.max_num_seqs)
-                         for p in loaded]
-                budget = gpu_pool_bytes(self.device, needs, cache.gpu_memory_utilization)
-            else:
-                budget = 0
-                for p in loaded:
-                    needed_pages = -(-p.max_model_len * p.scheduler_config.max_num_seqs // p.layout.tokens_per_page)
-                    budget += min(CacheConfig.CPU_DEFAULT_KV_BYTES, needed_pages * p.layout.page_bytes)
-        num_pages = budget // cache.page_bytes
-        if num_pages < 1:
-            raise ValueError(f"the KV cache budget of {budget} bytes holds no page of {cache.page_bytes} bytes")
-        return num_pages
-
-
-def _decode_entries(tokenizer: Any, entries: dict) -> None:
-    """Each logprob entry's token text (the model's tokenizer; none: left unset)."""
-    if tokenizer is not None:
-        for token_id, entry in entries.items():
-            entry.decoded_token = tokenizer.convert_ids_to_tokens(token_id)
+        return self._committer.take_failures()
 
 
 def _no_room_for(model: str | None) -> ValueError:
     return ValueError(f"not enough device memory to load {model!r} beside the models loaded; unload one or start "
                       f"with a smaller --gpu-memory-utilization / --kv-cache-memory")
-
-
-def _fingerprint(prepared: PreparedModel) -> str:
-    """The L3 files' fingerprint of a model: its name, weights (path, size and time of the file or directory),
-    formats and KV layout."""
-    spec, path = prepared.spec, prepared.spec.model
-    stat = os.stat(path) if path is not None and os.path.exists(path) else None
-    return fingerprint(prepared.name, path, stat and (stat.st_size, stat.st_mtime_ns), spec.load_format, spec.dtype,
-                       spec.quantization, prepared.model.dtype, prepared.layout)
-
-
-def _release_device_memory() -> None:
-    """Collect what still points at device tensors through a cycle and give the allocator's cache back."""
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()

@@ -1,4 +1,5 @@
-"""Size the GPU page pool: what `gpu_memory_utilization` allows, minus what the models need to run.
+"""Size the GPU page pool: what `gpu_memory_utilization` allows, minus what the models need to run; and give
+device memory back when models or the engine go.
 
     total * utilization  =  peak of a profiling step (every model's weights + the activations of the largest
                             batch of the model whose step needs most: one model steps at a time)
@@ -9,6 +10,7 @@
 """
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -93,3 +95,18 @@ def gpu_pool_bytes(device: torch.device, needs: list[ModelMemory], utilization: 
                          f"{'s need' if len(needs) > 1 else ' needs'} {(peak + reserve) / 2**30:.2f} GiB of "
                          f"{total / 2**30:.2f} GiB; raise it or lower max_num_batched_tokens")
     return budget
+
+
+def release_device_memory() -> None:
+    """Collect what still points at device tensors through a cycle and give the allocator's cache back."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def release_cublas_workspaces() -> None:
+    """cuBLAS's per-stream workspaces, once the engine's streams are gone."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()

@@ -50,7 +50,7 @@ class StepTrace:
     def begin(self, plan: StepPlan, top_priority: int | None, first_token_priority: int | None,
               plan_seconds: float) -> dict[str, Any]:
         """The step's shape, before its launch (which starts the device clock); the priorities as
-        Engine._step_priorities found them."""
+        step_order.step_priorities found them."""
         decodes = prefill_chunks = prefill_tokens = 0
         sampling_prefills = []
         for chunk in plan.chunks:

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from dflash2.config import CacheConfig, SchedulerConfig
-from dflash2.engine.engine import Engine, EngineConfig, PromptInput
+from dflash2.engine.admission import PromptInput
+from dflash2.engine.config import EngineConfig
+from dflash2.engine.engine import Engine
 from dflash2.engine.parallel_sampling import merge_samples, sample_params
 from dflash2.engine.served_model import ModelSpec
 from dflash2.parallel.config import ParallelConfig

@@ -3,10 +3,11 @@ drives them with messages, watches them, and stops them.
 
     Engine.__init__ ─► Executor(config): early checks ─► workers start (ProcessWorkers | RayWorkers) ─► each sets
                        its "joined" key in rank 0's store ─► every rank joins the process group ─► the watcher starts
-    Engine._load    ─► load_shard: Load to every rank; each reads the whole model and keeps its part
-    Engine pool     ─► gpu_num_pages (Profile: every rank profiles; the pool is the smallest rank's) and page_bytes
-    Engine._serve   ─► runner: Serve to every rank (each builds its WorkerRunner); rank 0's DriverRunner
+    prepare_model   ─► load_shard: Load to every rank; each reads the whole model and keeps its part
+    pool_num_pages  ─► gpu_num_pages (Profile: every rank profiles; the pool is the smallest rank's) and page_bytes
+    build_runner    ─► runner: Serve to every rank (each builds its WorkerRunner); rank 0's DriverRunner
     Engine.close    ─► shutdown: Stop, the workers end (or are killed), the group is left
+    (prepare_model, pool_num_pages, build_runner: the engine's, in engine/model_setup.py)
 
 Failure: a worker that exits, or whose heartbeat (a counter it bumps in rank 0's store twice a second) stops for
 heartbeat_timeout_s, fails the executor: `failure` says which and why (the server's /health reads it), every
@@ -39,7 +40,7 @@ from dflash2.parallel.shard import ShardPlan, check_fits, local_layout, shard_mo
 from dflash2.parallel.worker import WorkerConfig, heartbeat_key, joined_key, profile_pages
 
 if TYPE_CHECKING:
-    from dflash2.engine.engine import EngineConfig
+    from dflash2.engine.config import EngineConfig
 
 logger = logging.getLogger("dflash2")
 

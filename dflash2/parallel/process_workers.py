@@ -23,7 +23,7 @@ class ProcessWorkers:
     store_host = "127.0.0.1"
 
     def __init__(self, parallel: ParallelConfig, device: str) -> None:
-        from dflash2.engine.engine import resolve_device
+        from dflash2.engine.model_setup import resolve_device
 
         self.world_size = parallel.world_size
         first = resolve_device(device)

@@ -34,11 +34,11 @@ def test_a_second_8b_engine_starts_after_the_first_is_released(release):
 
 def test_a_large_gpu_gets_large_batches_by_default():
     from dflash2.config import DeviceDefaults
-    from dflash2.engine.engine import _device_scheduler_config
+    from dflash2.engine.model_setup import device_scheduler_config
     from dflash2.config import SchedulerConfig
 
     memory = torch.cuda.get_device_properties(0).total_memory
-    chosen = _device_scheduler_config(SchedulerConfig(), torch.device("cuda"))
+    chosen = device_scheduler_config(SchedulerConfig(), torch.device("cuda"))
     assert (chosen.max_num_seqs, chosen.max_num_batched_tokens, chosen.prefill_chunk_size) == (
         DeviceDefaults.for_device("cuda", memory).max_num_seqs,
         DeviceDefaults.for_device("cuda", memory).max_num_batched_tokens,

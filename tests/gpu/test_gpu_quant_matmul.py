@@ -332,7 +332,7 @@ def tiny_int4(tmp_path_factory):
 
 
 def test_int4_engine_matches_torch_backend(tiny_int4, monkeypatch):
-    import dflash2.engine.engine as engine_module
+    import dflash2.engine.model_setup as model_setup_module
     from dflash2 import LLM, SamplingParams
     from dflash2.loading.model_loader import load_model
 
@@ -343,7 +343,7 @@ def test_int4_engine_matches_torch_backend(tiny_int4, monkeypatch):
                   page_bytes=4096)
     runs = {}
     for backend in ("triton", "torch"):
-        monkeypatch.setattr(engine_module, "load_model",
+        monkeypatch.setattr(model_setup_module, "load_model",
                             lambda *args, backend=backend, **kw: load_model(*args, quant_backend=backend, **kw))
         llm = LLM(tiny_int4, **common)
         layer = llm.engine.model.module.layers[0].mlp.down_proj
@@ -380,7 +380,7 @@ def test_int4_gemv_norm_and_residual_add(n, k):
 def test_int4_engine_folds_norms(tiny_int4, monkeypatch):
     """The tiny int4 model's greedy tokens with each layer's norms and residual adds folded into its GEMVs
     (decode steps, CUDA graphs) equal the "torch" backend's."""
-    import dflash2.engine.engine as engine_module
+    import dflash2.engine.model_setup as model_setup_module
     from dflash2 import LLM, SamplingParams
     from dflash2.loading.model_loader import load_model
 
@@ -389,7 +389,7 @@ def test_int4_engine_folds_norms(tiny_int4, monkeypatch):
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
     runs = {}
     for backend in ("triton", "torch"):
-        monkeypatch.setattr(engine_module, "load_model",
+        monkeypatch.setattr(model_setup_module, "load_model",
                             lambda *args, backend=backend, **kw: load_model(*args, quant_backend=backend, **kw))
         llm = LLM(tiny_int4, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128,
                   kv_cache_memory="64MiB", page_bytes=4096)

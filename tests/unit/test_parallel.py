@@ -22,7 +22,8 @@ import torch
 from dflash2 import LLM, SamplingParams
 from dflash2.cli.main import main as dflash2_main
 from dflash2.config import ModelArchConfig
-from dflash2.engine.engine import Engine, EngineConfig
+from dflash2.engine.config import EngineConfig
+from dflash2.engine.engine import Engine
 from dflash2.engine.kv.layout import KVLayout
 from dflash2.layers.quant_linear import QuantLinear
 from dflash2.parallel.config import ParallelConfig

@@ -368,7 +368,7 @@ def test_decoder_layers_fold_norms_into_int4_gemvs(arch, tmp_path, monkeypatch):
     residual adds of every layer into the GEMVs generates the same greedy tokens as with the separate steps
     (fuses_norms patched off; Qwen3: its q/k norms still run after qkv); prefill steps (more rows than the GEMV
     takes) keep them separate."""
-    import dflash2.engine.engine as engine_module
+    import dflash2.engine.model_setup as model_setup_module
     from dflash2 import LLM, SamplingParams
     from dflash2.cli.main import main as dflash2_main
     from dflash2.loading.model_loader import load_model
@@ -379,7 +379,7 @@ def test_decoder_layers_fold_norms_into_int4_gemvs(arch, tmp_path, monkeypatch):
     build_tiny_model(arch, source)
     assert dflash2_main(["convert", "--model-path", source, "--output-path", out, "--dtype", "int4",
                          "--no-progress"]) == 0
-    monkeypatch.setattr(engine_module, "load_model",
+    monkeypatch.setattr(model_setup_module, "load_model",
                         lambda *args, **kw: load_model(*args, **{**kw, "quant_backend": "triton"}))
     prompts = [[5, 17, 99, 3, 250, 8], [40, 41, 42]]
     params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0)
