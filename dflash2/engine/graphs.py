@@ -43,7 +43,8 @@ from dflash2.kernels.attention_metadata import AttentionMetadata
 from dflash2.models.llama import ForwardContext
 
 if TYPE_CHECKING:
-    from dflash2.engine.runner import ModelRunner, _HostBatch
+    from dflash2.engine.host_batch import HostBatch
+    from dflash2.engine.runner import ModelRunner
 
 logger = logging.getLogger("dflash2")
 
@@ -120,7 +121,7 @@ class GraphShape:
         return sum(n for _, n in self.sections)
 
 
-def pack_inputs(shape: GraphShape, host: "_HostBatch", num_decodes: int, pad_slot: int, block_m: int,
+def pack_inputs(shape: GraphShape, host: "HostBatch", num_decodes: int, pad_slot: int, block_m: int,
                 future_base: int = 0) -> list[int]:
     """The step's host batch (decode rows first, then prefill chunks) laid out as `shape`'s input block."""
     d, p_real = num_decodes, len(host.token_ids) - num_decodes
@@ -195,7 +196,7 @@ class StepGraphs:
                     "captured" if capture else "built (not captured)", len(self.shapes),
                     sorted(decode_sizes), sorted(set(mixed_shapes)))
 
-    def shape_for(self, host: "_HostBatch", num_decodes: int) -> GraphShape | None:
+    def shape_for(self, host: "HostBatch", num_decodes: int) -> GraphShape | None:
         """The smallest graph this step fits, or None (run it eagerly)."""
         if host.logit_chunks:  # prompt logprobs read every row's hidden state
             return None
@@ -212,7 +213,7 @@ class StepGraphs:
         shape = self._by_size[(decodes, prefills, False)]
         return shape if len(host.segments) <= shape.max_segments else None
 
-    def run(self, shape: GraphShape, host: "_HostBatch", num_decodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, shape: GraphShape, host: "HostBatch", num_decodes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay `shape`'s graph for this step: logits [rows sampled, vocab] in host.sample_rows order, and
         their greedy tokens. Both are the graph's buffers, rewritten by its next replay."""
         copy_ints_(self.inputs, pack_inputs(shape, host, num_decodes, self.runner.pad_slot, self.block_m,

@@ -1,4 +1,4 @@
-"""ModelRunner: StepPlan -> device tensors -> model forward -> sampled tokens.
+"""ModelRunner: StepPlan -> device tensors -> model forward -> sampled tokens (the host lists: host_batch.py).
 
 Owns one model's side of the KV cache: each layer's typed view of the pool's bytes (PoolStorage, shared by
 every model of the engine), and the page table: one row per request slot,
@@ -24,6 +24,7 @@ import torch
 
 from dflash2.engine.graphs import StepGraphs
 from dflash2.engine.guided import TokenMask, TokenMasks
+from dflash2.engine.host_batch import HostBatch, order_chunks
 from dflash2.engine.kv.layout import KVLayout
 from dflash2.engine.plan import ScheduledChunk, StepPlan
 from dflash2.engine.storage import PoolStorage
@@ -151,7 +152,7 @@ class ModelRunner:
             return PendingStep([], [], None, None)
         self.update_page_table(plan.chunks)
         ordered, num_decodes = order_chunks(plan.chunks)
-        host = _HostBatch.build(ordered, num_decodes)
+        host = HostBatch.build(ordered, num_decodes)
         shape = self.graphs.shape_for(host, num_decodes) if self.graphs is not None else None
         greedy = None
         if shape is not None:
@@ -167,7 +168,7 @@ class ModelRunner:
                 pending.prompt_logprob_jobs.append(job)
         return pending
 
-    def forward_eager(self, host: "_HostBatch", num_decodes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_eager(self, host: HostBatch, num_decodes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's forward without a graph: hidden states of every row, and the sampled rows' logits."""
         token_ids = self._resolve(to_device(host.token_ids, torch.long, self.device), host.has_placeholders)
         meta = self._metadata(host, num_decodes)
@@ -224,7 +225,7 @@ class ModelRunner:
             return token_ids
         return resolve_placeholders(token_ids, self.future_tokens)
 
-    def _metadata(self, host: "_HostBatch", num_decodes: int) -> AttentionMetadata:
+    def _metadata(self, host: HostBatch, num_decodes: int) -> AttentionMetadata:
         device = self.device
         meta = AttentionMetadata(
             page_table=self.page_table,
@@ -350,56 +351,3 @@ class ModelRunner:
         logits = self.model.module.compute_logits(hidden[first_row:first_row + count])
         targets = request.prompt_token_ids[chunk.start + 1:chunk.start + 1 + count]
         return (chunk.request_id, chunk.start + 1, logits, targets, request.sampling_params.prompt_logprobs or 0)
-
-
-def order_chunks(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], int]:
-    """The flat batch's chunk order and its number of decode chunks: decodes first, longest context first (the
-    decode kernel starts programs in row order, so the longest sequences are not left running alone at the end of
-    the kernel; sorting ~256 rows costs tens of us a step), then the prefill chunks as planned."""
-    decodes: list[ScheduledChunk] = []
-    prefills: list[ScheduledChunk] = []
-    for chunk in chunks:
-        (decodes if chunk.is_decode else prefills).append(chunk)
-    decodes.sort(key=lambda c: -c.start)
-    return decodes + prefills, len(decodes)
-
-
-@dataclass
-class _HostBatch:
-    """The step's inputs as host lists, in flat-batch order."""
-
-    token_ids: list[int]
-    positions: list[int]
-    token_slots: list[int]
-    decode_lengths: list[int]
-    segments: list[PrefillSegment]
-    sample_rows: list[int]
-    sample_chunks: list[int]  # index into the ordered chunks
-    logit_chunks: list[tuple[int, int]]  # (chunk index, first row) of chunks wanting every logit
-    has_placeholders: bool
-
-    @staticmethod
-    def build(chunks: list[ScheduledChunk], num_decodes: int) -> "_HostBatch":
-        token_ids: list[int] = []
-        positions: list[int] = []
-        token_slots: list[int] = []
-        segments: list[PrefillSegment] = []
-        sample_rows: list[int] = []
-        sample_chunks: list[int] = []
-        logit_chunks: list[tuple[int, int]] = []
-        for index, chunk in enumerate(chunks):
-            first_row = len(token_ids)
-            token_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
-            token_slots.extend([chunk.slot] * chunk.num_tokens)
-            if chunk.sample:
-                sample_rows.append(len(token_ids) - 1)
-                sample_chunks.append(index)
-            if chunk.all_logits:
-                logit_chunks.append((index, first_row))
-            if index >= num_decodes:
-                segments.append(PrefillSegment(first_row, chunk.num_tokens, chunk.start + chunk.num_tokens, chunk.slot))
-        decode_lengths = [c.start + 1 for c in chunks[:num_decodes]]
-        has_placeholders = bool(token_ids) and min(token_ids) < 0
-        return _HostBatch(token_ids, positions, token_slots, decode_lengths, segments, sample_rows, sample_chunks,
-                          logit_chunks, has_placeholders)

@@ -20,7 +20,8 @@ import torch
 
 from dflash2.engine.kv.layout import KVLayout
 from dflash2.engine.plan import ScheduledChunk, StepPlan
-from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepResult, _HostBatch, order_chunks
+from dflash2.engine.host_batch import HostBatch, order_chunks
+from dflash2.engine.runner import ModelRunner, PendingStep, RunnerOptions, StepResult
 from dflash2.engine.storage import PoolStorage
 from dflash2.engine.transfer import to_device
 from dflash2.loading.model_loader import LoadedModel
@@ -38,7 +39,7 @@ def prompt_logit_rows(chunk: ScheduledChunk, num_prompt_tokens: int) -> int:
     return min(chunk.start + chunk.num_tokens, num_prompt_tokens - 1) - chunk.start
 
 
-def stage_forward(runner: ModelRunner, groups: RankGroups, host: _HostBatch, num_decodes: int) -> torch.Tensor | None:
+def stage_forward(runner: ModelRunner, groups: RankGroups, host: HostBatch, num_decodes: int) -> torch.Tensor | None:
     """This rank's stage of the forward: the final hidden states on the last stage; None on the others (their
     activations sent on to the next stage)."""
     module = runner.model.module
@@ -87,7 +88,7 @@ class DriverRunner(ModelRunner):
         with self.executor.step_failures():
             return super().collect(pending)
 
-    def forward_eager(self, host: _HostBatch, num_decodes: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward_eager(self, host: HostBatch, num_decodes: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.groups.pp_size == 1:
             return super().forward_eager(host, num_decodes)
         stage_forward(self, self.groups, host, num_decodes)  # the first stage: its activations go on
@@ -143,7 +144,7 @@ class WorkerRunner(ModelRunner):
             return
         self.update_page_table(plan.chunks)
         ordered, num_decodes = order_chunks(plan.chunks)
-        host = _HostBatch.build(ordered, num_decodes)
+        host = HostBatch.build(ordered, num_decodes)
         hidden = stage_forward(self, self.groups, host, num_decodes)
         num_sampled = len(host.sample_rows)
         if hidden is None:  # not the last stage

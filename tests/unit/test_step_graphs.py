@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.
 
 from dflash2.engine.graphs import GraphShape, StepGraphs, graph_batch_sizes, mixed_graph_shapes, pack_inputs  # noqa: E402
 from dflash2.engine.plan import ScheduledChunk  # noqa: E402
-from dflash2.engine.runner import _HostBatch  # noqa: E402
+from dflash2.engine.host_batch import HostBatch  # noqa: E402
 
 
 def test_mixed_graph_shapes_are_powers_of_two_up_to_the_limits():
@@ -43,7 +43,7 @@ def test_pack_inputs_pads_decode_rows_prefill_rows_segments_and_blocks():
         chunk("p0", 0, (11, 12, 13), slot=1, sample=False),  # first chunk of a longer prompt
         chunk("p1", 5, (21, 22), slot=2),  # last chunk: samples
     ]
-    host = _HostBatch.build(chunks, num_decodes=2)
+    host = HostBatch.build(chunks, num_decodes=2)
     shape = GraphShape.of(decodes=4, prefill_tokens=8, max_slots=3, block_m=2)  # S = 3, B = 4 + 3
     pad = 9
     packed = pack_inputs(shape, host, num_decodes=2, pad_slot=pad, block_m=2, future_base=3)
@@ -63,7 +63,7 @@ def test_pack_inputs_pads_decode_rows_prefill_rows_segments_and_blocks():
     )
     assert packed == expected
     decode_only = GraphShape.of(decodes=2, prefill_tokens=0, max_slots=3, block_m=2)
-    decodes = _HostBatch.build(chunks[:2], num_decodes=2)
+    decodes = HostBatch.build(chunks[:2], num_decodes=2)
     assert pack_inputs(decode_only, decodes, 2, pad, 2, future_base=3) == [-1, 70, 9, 4, 3, 0, 10, 5, 3]
 
 
