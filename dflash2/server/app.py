@@ -32,8 +32,9 @@ from dflash2.server.generation import RECEIVED_AT, ClientGone
 from dflash2.server.json_body import decode_json
 from dflash2.server.metrics import CONTENT_TYPE
 from dflash2.server.openai_api import INTERNAL_ERROR, create_chat_completion, create_completion, error_body
+from dflash2.server.body import parse_body
 from dflash2.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     GenerateRequest, TokenizeRequest, parse_body)
+                                     GenerateRequest, TokenizeRequest)
 from dflash2.server.state import NotReady, ServerState
 
 logger = logging.getLogger("dflash2.server")

@@ -7,39 +7,24 @@ here, and each is honoured or refused:
 - refused with a 400 naming it when it asks for what this server lacks (beam search, audio, ...; UNSUPPORTED): a client written for OpenAI or vLLM never gets a silent wrong answer.
 A field of neither API passes, and the server log names it once.
 
-Types are strict (a string is not a number), except that an integer field takes an integral float (2.0), as
-OpenAI's API does; NaN and infinities are refused. Ranges are SamplingParams.validate()'s.
+Types are strict (body.py: the base model, parse_body()). Ranges are SamplingParams.validate()'s.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from dflash2.sampling_params import MAX_PRIORITY, SamplingParams, check_against_vocab
 from dflash2.structured_outputs import StructuredOutputsParams
 from dflash2.server.bad_request import BadRequest
+from dflash2.server.body import Body, Int
 from dflash2.server.config import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from dflash2.server.structured_fields import structured_outputs_of
 from dflash2.server.tools import check_message_tool_calls
 from dflash2.server.unsupported import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, RESERVED_TEMPLATE_KWARGS, UNSUPPORTED
-
-logger = logging.getLogger("dflash2.server")
-
-_MAX_LOGGED_UNKNOWN = 256  # unknown field names logged (once each); past it, no more are logged
-
-
-def _integral(value: Any) -> Any:
-    """2.0 -> 2 (OpenAI's API takes it); 2.5 stays a float, which the strict int then refuses."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_integral)]
 
 
 @dataclass(frozen=True)
@@ -52,18 +37,7 @@ class RequestLimits:
     max_n: int = DEFAULT_MAX_N  # n and best_of at most
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-    unsupported: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
-
-    def check(self) -> None:
-        """BadRequest naming the first field that asks for what this server lacks."""
-        for name, (fine, why) in self.unsupported.items():
-            if not fine(getattr(self, name)):
-                raise BadRequest(f"'{name}': {why}", param=name)
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # accepted: no padding field is ever sent
     continuous_usage_stats: bool = False
@@ -73,7 +47,7 @@ class StreamOptions(_Body):
             raise BadRequest("'stream_options.continuous_usage_stats' is not supported", param="stream_options")
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(Body):
     unsupported: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = UNSUPPORTED
 
     model: str | None = None
@@ -231,12 +205,12 @@ class CompletionRequest(_SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: str
     content: str | list[TextPart] | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -343,7 +317,7 @@ class GenerateRequest(_SamplingFields):
         return {"logprobs": self.logprobs, **super().logprob_fields()}
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -355,48 +329,6 @@ class TokenizeRequest(_Body):
             raise BadRequest("give exactly one of prompt and messages", param="prompt")
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[Int]
-
-
-# -- validating a decoded body ----------------------------------------------------------------------
-def parse_body(model: type[_Body], data: Any) -> Any:
-    """Validate a decoded JSON body; BadRequest naming the first bad field."""
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
-    try:
-        body = model.model_validate(data)
-    except ValidationError as e:
-        raise BadRequest(*_describe(e)) from None
-    _log_unknown(model, data)
-    body.check()
-    if getattr(body, "stream_options", None) is not None:
-        body.stream_options.check()
-    return body
-
-
-_logged_unknown: set[str] = set()
-
-
-def _log_unknown(model: type[_Body], data: dict[str, Any]) -> None:
-    """Fields of neither API pass; the log names each once (at most _MAX_LOGGED_UNKNOWN names)."""
-    for name in data:
-        if name not in model.model_fields and name not in _logged_unknown \
-                and len(_logged_unknown) < _MAX_LOGGED_UNKNOWN:
-            _logged_unknown.add(name)
-            logger.warning("ignoring the request field %r, which this server does not know (logged once)", name[:100])
-
-
-def _describe(error: ValidationError) -> tuple[str, str | None]:
-    errors = error.errors()
-    first = errors[0]
-    field = str(first["loc"][0]) if first["loc"] else None
-    same_field = [e for e in errors if e["loc"] and str(e["loc"][0]) == field]
-    if first["type"] == "missing":
-        return f"'{field}' is required", field
-    if len(same_field) > 1:  # a union: every alternative failed
-        value = first.get("input")
-        return f"'{field}' has the wrong type ({type(value).__name__})", field
-    where = ".".join(str(part) for part in first["loc"]) or "body"
-    return f"'{where}': {first['msg']}", field

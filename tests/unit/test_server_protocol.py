@@ -5,8 +5,9 @@ import pytest
 
 from dflash2.server.json_body import decode_json
 from dflash2.structured_outputs import StructuredOutputsParams
+from dflash2.server.body import parse_body
 from dflash2.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                                     RequestLimits, parse_body)
+                                     RequestLimits)
 
 LIMITS = RequestLimits(vocab_size=1000, max_logprobs=20, max_prompts_per_request=4)
 CHAT = [{"role": "user", "content": "x"}]
