@@ -9,13 +9,14 @@ import pytest
 
 from dflash2.engine.sampler import Logprob
 from dflash2.request import CompletionOutput, RequestOutput
-from dflash2.server.engine_process import _HEADER, EngineProcess, EngineProcessSpec, _Frames, _Stream, _wire_output
+from dflash2.server.engine_process import EngineProcess, EngineProcessSpec, _Frames, _Stream
+from dflash2.server.process_loop import FRAME_HEADER, _wire_output
 from dflash2.server.observer import ObserverConfig
 
 
 def frame(message: tuple) -> bytes:
     payload = pickle.dumps(message)
-    return _HEADER.pack(len(payload)) + payload
+    return FRAME_HEADER.pack(len(payload)) + payload
 
 
 def test_frames_cut_at_every_byte_come_out_whole_and_in_order():
@@ -89,12 +90,12 @@ def test_commands_cross_as_frames_the_engine_reads_whole():
     from multiprocessing import Pipe
 
     from dflash2.server.engine_loop import Stop, Submit
-    from dflash2.server.engine_process import _frame, _ProcessLoop
+    from dflash2.server.process_loop import _ProcessLoop, encode_frame
 
     commands_in, commands_out = Pipe(duplex=False)
     loop = _ProcessLoop(EngineProcessSpec(lambda: None, ObserverConfig(), None, None, "info", False), commands_in,
                         None)
-    frame = _frame(("submit", "r", {"prompt_token_ids": list(range(40_000))}, None, 5, 1.0, 2.0, None, None))
+    frame = encode_frame(("submit", "r", {"prompt_token_ids": list(range(40_000))}, None, 5, 1.0, 2.0, None, None))
     assert len(frame) > 65_536  # more than a pipe's buffer
 
     def write_in_pieces() -> None:
@@ -119,7 +120,7 @@ def test_a_tokenizer_that_does_not_pickle_is_a_load_error_that_says_so():
 
     import pytest
 
-    from dflash2.server.engine_process import _ProcessLoop
+    from dflash2.server.process_loop import _ProcessLoop
 
     results_in, results_out = Pipe(duplex=False)
     loop = _ProcessLoop(EngineProcessSpec(lambda: None, ObserverConfig(), None, None, "info", False), None,
@@ -143,7 +144,7 @@ def test_metrics_render_under_a_short_switch_interval_and_restore_it():
     from prometheus_client import CollectorRegistry, Counter
     from prometheus_client.exposition import generate_latest
 
-    from dflash2.server.engine_process import RENDER_SWITCH_INTERVAL_S, _QuickSwitchRegistry
+    from dflash2.server.process_loop import RENDER_SWITCH_INTERVAL_S, _QuickSwitchRegistry
 
     registry = CollectorRegistry()
     Counter("dflash2_test_total", "a counter", registry=registry).inc(3)
@@ -177,8 +178,8 @@ def test_gated_metrics_render_takes_each_family_only_while_the_loop_waits(monkey
     from prometheus_client import CollectorRegistry, Counter, Gauge
     from prometheus_client.exposition import generate_latest
 
-    from dflash2.server import engine_process
-    from dflash2.server.engine_process import _QuickSwitchRegistry
+    from dflash2.server import process_loop
+    from dflash2.server.process_loop import _QuickSwitchRegistry
 
     registry = CollectorRegistry()
     Counter("dflash2_test_total", "a counter", registry=registry).inc(3)
@@ -192,7 +193,7 @@ def test_gated_metrics_render_takes_each_family_only_while_the_loop_waits(monkey
                 states.append(loop_waits.is_set())
                 yield family
 
-    monkeypatch.setattr(engine_process, "RENDER_WAIT_LIMIT_S", 60.0)
+    monkeypatch.setattr(process_loop, "RENDER_WAIT_LIMIT_S", 60.0)
     texts = []
     render = threading.Thread(target=lambda: texts.append(generate_latest(_QuickSwitchRegistry(Watched(), loop_waits))))
     render.start()
@@ -202,7 +203,7 @@ def test_gated_metrics_render_takes_each_family_only_while_the_loop_waits(monkey
     assert texts == [generate_latest(registry)] and states == [True, True]
 
     # past the limit, a render finishes without the loop waiting (a loop that never waits still gets scraped)
-    monkeypatch.setattr(engine_process, "RENDER_WAIT_LIMIT_S", 0.0)
+    monkeypatch.setattr(process_loop, "RENDER_WAIT_LIMIT_S", 0.0)
     loop_waits.clear()
     states.clear()
     assert generate_latest(_QuickSwitchRegistry(Watched(), loop_waits)) == generate_latest(registry)
