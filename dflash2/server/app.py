@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import dflash2
 from dflash2.engine.served_model import ModelSpec
 from dflash2.server import restart
-from dflash2.server.engine_loop import EngineError, QueueFull
+from dflash2.server.engine_messages import EngineError, QueueFull
 from dflash2.server.generate_api import generate
 from dflash2.server.generation import RECEIVED_AT, ClientGone
 from dflash2.server.json_body import decode_json

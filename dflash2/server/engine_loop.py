@@ -5,7 +5,7 @@
     LoadModel / UnloadModel ──► weights read on a loader thread, attached between steps; an unload drains its
                                model's requests (or ends them: force) ──► answer() with the new EngineInfo
 
-It owns the Engine, which is not thread-safe: nothing else touches it after loading. Two transports subclass it
+The commands, EngineInfo and the errors are engine_messages.py's. It owns the Engine, which is not thread-safe: nothing else touches it after loading. Two transports subclass it
 and say how commands come in and a refusal, an output or a failure reaches the HTTP side (the hooks at the
 end):
 - EngineThread (engine_thread.py): a thread of the server's process, handing results to the asyncio loop;
@@ -28,16 +28,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from dflash2.engine.served_model import ModelSpec
 from dflash2.parallel.errors import WorkerFailed
 
 from dflash2.request import Request, RequestOutput
-from dflash2.sampling_params import SamplingParams
+from dflash2.server.engine_messages import (Abort, DescribeModels, EndAll, EngineError, EngineInfo, LoadModel,
+                                            QueueFull, Stop, Submit, UnloadModel)
 from dflash2.server.gc_pauses import settle_collector
-from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
+from dflash2.server.observer import RequestObserver, Tracked
 
 logger = logging.getLogger("dflash2.server")
 
@@ -47,105 +46,7 @@ RATE_WINDOW_S = 30.0  # the drain rate counts the finishes of the engine's last 
 
 
 ENGINE_FAILED = "the engine failed while running this request (the server log has the error)"
-
-
-class EngineError(RuntimeError):
-    """The engine failed while running a request (a bug, or the device failed); the request is lost."""
-
-
-class QueueFull(Exception):
-    """--max-queue-len requests are already waiting (503 with Retry-After)."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the HTTP side reads of one loaded model (it never changes while the model is loaded)."""
-
-    model_name: str
-    vocab_size: int
-    max_model_len: int
-    tokenizer: Any  # None: the model has no tokenizer (clients send token ids)
-    weights: str  # its weight formats, as the logs say them
-    kv_cache_dtype: str
-
-    @classmethod
-    def of(cls, served: Any) -> ModelInfo:
-        card = served.describe()
-        return cls(served.name, served.model.arch.vocab_size, served.max_model_len, served.tokenizer,
-                   card["weights"], card["kv_cache_dtype"])
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """The loaded models, in load order (a new EngineInfo replaces it when one loads or unloads)."""
-
-    models: dict[str, ModelInfo]
-
-    @classmethod
-    def of(cls, engine: Any) -> EngineInfo:
-        return cls({name: ModelInfo.of(served) for name, served in engine.models.items()})
-
-    @property
-    def default(self) -> ModelInfo:
-        """The first model (the only one, on a single-model server)."""
-        return next(iter(self.models.values()))
-
-
-@dataclass
-class Submit:
-    request_id: str
-    prompt: dict[str, Any]
-    params: SamplingParams
-    priority: int
-    outputs: Any = None  # where the transport delivers this request's outputs (EngineThread: an asyncio.Queue)
-    accepted: Any = None  # how the transport answers the submission (EngineThread: an asyncio.Future)
-    timing: StreamTiming | None = None
-    submitted_at: float = field(default_factory=time.monotonic)
-    model: str | None = None  # None: the only model loaded
-    shares_prompt_with: str | None = None  # another sample of the same prompt (Engine.add_request)
-
-
-@dataclass
-class Abort:
-    request_id: str
-
-
-@dataclass
-class LoadModel:
-    spec: ModelSpec
-    reply: Any = None  # how the transport answers (EngineThread: an asyncio.Future; the process: a number)
-
-
-@dataclass
-class UnloadModel:
-    name: str
-    force: bool = False  # end its requests now instead of letting them finish
-    reply: Any = None
-
-
-@dataclass
-class EndAll:
-    """End every request in the engine with this message (the server's drain ran out of time)."""
-
-    message: str
-
-
-@dataclass
-class DescribeModels:
-    """Each model's formats and current KV use (/v1/models)."""
-
-    reply: Any = None
-
-
 MODEL_UNLOADED = "the model was unloaded while this request ran"
-
-
-class Stop:
-    pass
 
 
 class EngineLoop:

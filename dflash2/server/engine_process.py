@@ -42,7 +42,8 @@ from typing import Any
 
 from dflash2.request import CompletionOutput, RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import RETRY_AFTER_RANGE_S, EngineError, EngineInfo, QueueFull
+from dflash2.server.engine_loop import RETRY_AFTER_RANGE_S
+from dflash2.server.engine_messages import EngineError, EngineInfo, QueueFull
 from dflash2.server.observer import ObserverConfig, StreamTiming
 from dflash2.server.process_loop import FRAME_HEADER, encode_frame, run_engine_process
 

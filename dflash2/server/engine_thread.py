@@ -24,8 +24,9 @@ from typing import Any
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
 from dflash2.engine.served_model import ModelSpec
-from dflash2.server.engine_loop import (IDLE_WAIT_S, Abort, DescribeModels, EndAll, EngineError, EngineInfo,
-                                        EngineLoop, LoadModel, QueueFull, Stop, Submit, UnloadModel)
+from dflash2.server.engine_loop import IDLE_WAIT_S, EngineLoop
+from dflash2.server.engine_messages import (Abort, DescribeModels, EndAll, EngineError, EngineInfo, LoadModel,
+                                            QueueFull, Stop, Submit, UnloadModel)
 from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 
 

@@ -18,7 +18,7 @@ from starlette.requests import Request as HTTPRequest
 from dflash2.engine.parallel_sampling import pick_best, sample_params
 from dflash2.request import RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import EngineError
+from dflash2.server.engine_messages import EngineError
 from dflash2.server.engine_process import EngineProcess
 from dflash2.server.engine_thread import EngineThread
 from dflash2.server.observer import StreamTiming

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from dflash2.cpu_threads import use_engine_threads, use_one_thread
 from dflash2.server.app import build_app
 from dflash2.server.config import ServerConfig
-from dflash2.server.engine_loop import EngineError
+from dflash2.server.engine_messages import EngineError
 from dflash2.server.engine_process import EngineProcess, EngineProcessSpec
 from dflash2.server.engine_thread import EngineThread
 from dflash2.server.gc_pauses import SERVER_GC_PAUSE_METRIC, GcPauses, settle_collector

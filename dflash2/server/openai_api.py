@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from dflash2.request import RequestOutput
 from dflash2.server.generation import Generation, StreamTimeout
-from dflash2.server.engine_loop import EngineError
+from dflash2.server.engine_messages import EngineError
 from dflash2.server.protocol import ChatCompletionRequest, CompletionRequest
 from dflash2.server.state import ModelHandle, ServerState
 from dflash2.server.tools import ToolRequest, choose_parser

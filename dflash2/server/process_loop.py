@@ -20,8 +20,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dflash2.request import RequestOutput
-from dflash2.server.engine_loop import (IDLE_WAIT_S, Abort, DescribeModels, EndAll, EngineError, EngineInfo,
-                                        EngineLoop, LoadModel, QueueFull, Stop, Submit, UnloadModel)
+from dflash2.server.engine_loop import IDLE_WAIT_S, EngineLoop
+from dflash2.server.engine_messages import (Abort, DescribeModels, EndAll, EngineError, EngineInfo, LoadModel,
+                                            QueueFull, Stop, Submit, UnloadModel)
 from dflash2.server.observer import StreamTiming, Tracked
 
 if TYPE_CHECKING:

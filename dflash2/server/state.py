@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from dflash2.server.config import ServerConfig
-from dflash2.server.engine_loop import EngineInfo, ModelInfo
+from dflash2.server.engine_messages import EngineInfo, ModelInfo
 from dflash2.server.engine_process import EngineProcess
 from dflash2.server.engine_thread import EngineThread
 from dflash2.server.fim import fim_prompt, fim_token_ids

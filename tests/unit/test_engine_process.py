@@ -89,7 +89,7 @@ def test_commands_cross_as_frames_the_engine_reads_whole():
     import threading
     from multiprocessing import Pipe
 
-    from dflash2.server.engine_loop import Stop, Submit
+    from dflash2.server.engine_messages import Stop, Submit
     from dflash2.server.process_loop import _ProcessLoop, encode_frame
 
     commands_in, commands_out = Pipe(duplex=False)

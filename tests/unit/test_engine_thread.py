@@ -12,7 +12,7 @@ import pytest
 from dflash2.engine.kv.page_pool import PagePool
 from dflash2.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import EngineError, QueueFull
+from dflash2.server.engine_messages import EngineError, QueueFull
 from dflash2.server.engine_thread import EngineThread
 from dflash2.server.metrics import GpuReading, ServerMetrics, priority_class
 from dflash2.server.observer import ObserverConfig, RequestObserver

@@ -44,7 +44,7 @@ def test_the_server_wraps_each_prompt_or_answers_400_for_a_model_without_fim():
     import pytest
 
     from dflash2.server.config import ServerConfig
-    from dflash2.server.engine_loop import ModelInfo
+    from dflash2.server.engine_messages import ModelInfo
     from dflash2.server.protocol import BadRequest
     from dflash2.server.state import ModelHandle
 

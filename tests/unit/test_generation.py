@@ -5,7 +5,7 @@ import asyncio
 
 from dflash2.request import CompletionOutput, RequestOutput
 from dflash2.sampling_params import SamplingParams
-from dflash2.server.engine_loop import EngineError
+from dflash2.server.engine_messages import EngineError
 from dflash2.server.generation import Generation, StreamTimeout
 
 
@@ -128,7 +128,7 @@ def test_a_requests_prompts_go_to_the_engine_at_once_not_one_per_step():
 
 
 def test_one_refused_prompt_aborts_the_others_and_a_bad_prompt_outranks_a_full_queue():
-    from dflash2.server.engine_loop import QueueFull
+    from dflash2.server.engine_messages import QueueFull
     from dflash2.server.protocol import BadRequest
 
     engine = SlowEngine({"r-1": QueueFull("full", 3), "r-2": ValueError("the prompt has 2000 tokens")})

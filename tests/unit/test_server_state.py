@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from dflash2.server.config import ServerConfig
-from dflash2.server.engine_loop import EngineInfo, ModelInfo
+from dflash2.server.engine_messages import EngineInfo, ModelInfo
 from dflash2.server.protocol import BadRequest
 from dflash2.server.state import PromptBound, ServerState
 
