@@ -55,7 +55,7 @@ from dflash2.engine.runner import ModelRunner, PendingStep
 from dflash2.engine.sampler import make_generator
 from dflash2.engine.scheduler import Scheduler
 from dflash2.engine.served_model import ModelSpec, PreparedModel, ServedModel
-from dflash2.engine.step_order import plan_next, step_priorities, urgent_first_token
+from dflash2.engine.step_order import first_token_is_urgent, plan_next, step_priorities
 from dflash2.engine.storage import PoolStorage
 from dflash2.engine.step_trace import StepTrace
 from dflash2.loading.model_loader import LoadedModel
@@ -423,8 +423,8 @@ class Engine:
         return pending
 
     def _urgent_first_token(self, plan: StepPlan) -> bool:
-        """Whether the step is committed at once (step_order.urgent_first_token)."""
-        return urgent_first_token(step_priorities(plan, self.requests), self.models.values())
+        """Whether the step is committed at once (step_order.first_token_is_urgent)."""
+        return first_token_is_urgent(step_priorities(plan, self.requests), self.models.values())
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         now = time.monotonic()

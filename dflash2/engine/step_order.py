@@ -76,7 +76,7 @@ def step_priorities(plan: StepPlan, requests: Mapping[str, Request]) -> tuple[in
     return lowest, top, first_token_top
 
 
-def urgent_first_token(priorities: tuple[int | None, int | None, int | None],
+def first_token_is_urgent(priorities: tuple[int | None, int | None, int | None],
                        models: Iterable[ServedModel]) -> bool:
     """Whether the step (its step_priorities()) samples the first token of a request that no request in it
     outranks and that outranks some running request (in the step or waiting out of it): that step is committed
