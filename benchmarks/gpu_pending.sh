@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU runs issues 43-48 wait for, three device calls of < 10 min each (PART=1, 2, 3), in this order:
+#   PART=1: every GPU test (tests/gpu: fused MoE, NCCL TP=1, structured output, server gauges, ...), structured
+#           output's cost (benchmarks/structured_output.py, issue 48), W7 at the device defaults with a step trace
+#           (issue 44: where the time goes) if time is left
+#   PART=2: W4 multi-turn, settings none, l2, l2_l3 (issue 43)
+#   PART=3: the fused MoE kernel's tune, W6 bf16 and int4 experts on the tuned table (issue 45)
+# Carry [".bench", ".whl"]. Prepare them here first:
+#   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+#         (same pip download flags; add --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64)
+#   .bench: workloads.py (from ../shared/bench), w7.jsonl (`workloads.py sharegpt-like --out .bench/w7.jsonl`),
+#           smol_tok/ (`.venv/bin/python benchmarks/structured_output.py --save-bundled-tokenizer .bench/smol_tok`)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || { echo "error: installing .whl/*.whl failed (is .whl in carry?)"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+case "${PART:-1}" in
+1)
+  timeout 270 python3 -m pytest -q -p no:cacheprovider --durations=15 tests/gpu > "$OUT/gpu_tests.log" 2>&1
+  echo "== tests/gpu exit $?"; grep -E "passed|failed|error|FAILED|ERROR" "$OUT/gpu_tests.log" | tail -25
+  timeout 110 python3 benchmarks/structured_output.py --tokenizer .bench/smol_tok --output "$OUT/so.json" \
+    > "$OUT/so.log" 2>&1
+  echo "== structured output exit $?"; grep -E '"ratio|"tok_s|"syncs' "$OUT/so.log" | head -20
+  [ $SECONDS -gt 420 ] && { echo "W7 skipped at ${SECONDS}s"; exit 0; }
+  DFLASH2_STEP_TRACE=/tmp/w7steps.jsonl timeout $((560 - SECONDS)) python3 benchmarks/w7_throughput.py \
+    --data .bench/w7.jsonl > "$OUT/w7.json" 2> "$OUT/w7.err"
+  echo "== W7 exit $?"; grep -E 'tok_s|max_num|preempt' "$OUT/w7.json"
+  python3 benchmarks/step_trace_report.py /tmp/w7steps.jsonl > "$OUT/w7_steps.json" 2>&1
+  head -c 2500 "$OUT/w7_steps.json" ;;
+2)
+  df -h /tmp | tail -1; rm -rf /tmp/l3; mkdir -p /tmp/l3
+  timeout 575 python3 benchmarks/multi_turn.py --l3-dir /tmp/l3 --l3-size 32GiB --workloads-py .bench/workloads.py \
+    --log-dir /tmp/w4logs --output "$OUT/w4.json" > "$OUT/w4.log" 2>&1
+  echo "== W4 exit $?"; tail -c 3000 "$OUT/w4.log" ;;
+3)
+  cp dflash2/kernels/triton/fused_moe_tuned.py "$OUT/fused_moe_tuned.py"
+  timeout 150 python3 benchmarks/moe_kernel_tune.py --models qwen3-30b-a3b --bits 16,4 --budget-s 120 \
+    --table "$OUT/fused_moe_tuned.py" --output "$OUT/tune.json" > "$OUT/tune.log" 2>&1
+  echo "== tune exit $?"; tail -3 "$OUT/tune.log"
+  cp "$OUT/fused_moe_tuned.py" dflash2/kernels/triton/fused_moe_tuned.py  # W6 runs on the tuned table
+  timeout 160 python3 benchmarks/moe.py --output "$OUT/w6_bf16.json" > "$OUT/w6_bf16.log" 2>&1
+  echo "== W6 bf16 exit $?"; tail -c 1200 "$OUT/w6_bf16.log"
+  timeout 130 python3 benchmarks/moe.py --quantization int4 --output "$OUT/w6_int4.json" > "$OUT/w6_int4.log" 2>&1
+  echo "== W6 int4 experts exit $?"; tail -c 1200 "$OUT/w6_int4.log" ;;
+esac
