@@ -16,7 +16,7 @@ from dflash2.cli.args import add_engine_flags, add_flag, engine_kwargs
 from dflash2.engine.served_model import ModelSpec
 from dflash2.units import parse_bytes
 from dflash2.server.config import (DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_QUEUE_LEN,
-                                   DEFAULT_MAX_REQUEST_BYTES, ServerConfig)
+                                   DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_MAX_REQUEST_BYTES, ServerConfig)
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API)")
@@ -70,6 +70,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
              help="waiting requests beyond this many get 503 with Retry-After; each prompt of a request counts "
                   f"(default: {DEFAULT_MAX_QUEUE_LEN})")
+    add_flag(parser, "--max-queue-wait", type=float, default=DEFAULT_MAX_QUEUE_WAIT_S, metavar="SECONDS",
+             help="a request expected to wait longer than this (the requests ahead of it at the recent finish "
+                  f"rate) gets 503 with Retry-After; 0: no bound (default: {DEFAULT_MAX_QUEUE_WAIT_S:g})")
     add_flag(parser, "--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
              help="a /v1/completions request with more prompts gets 400 "
                   f"(default: {DEFAULT_MAX_PROMPTS_PER_REQUEST})")
@@ -241,6 +244,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         streaming_timeout_ms=args.streaming_timeout_ms, metrics_port=args.metrics_port,
                         disable_log_requests=args.disable_log_requests, disable_log_stats=args.disable_log_stats,
                         log_tokens=args.log_tokens, log_level=args.log_level, max_queue_len=args.max_queue_len,
+                        max_queue_wait_s=args.max_queue_wait or None,
                         max_prompts_per_request=args.max_prompts_per_request, max_logprobs=args.max_logprobs,
                         max_n=args.max_n, chat_template=read_chat_template(args.chat_template),
                         tool_call_parser=args.tool_call_parser, single_process=args.single_process, num_threads=args.num_threads,

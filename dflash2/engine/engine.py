@@ -277,6 +277,11 @@ class Engine:
     def num_waiting(self) -> int:
         return sum(len(served.scheduler.waiting) for served in self.models.values()) + len(self._held)
 
+    def num_waiting_ahead(self, request: Request) -> int | None:
+        """How many requests wait before this one in its model's line (None: it is not waiting there)."""
+        served = self.models.get(request.model)
+        return None if served is None else served.scheduler.waiting.num_ahead(request)
+
     @property
     def num_preemptions(self) -> int:
         return sum(served.scheduler.num_preemptions for served in self.models.values())

@@ -45,6 +45,11 @@ class WaitingQueue:
         entry = self._keys.pop(request_id)
         del self._line[bisect.bisect_left(self._line, entry)]
 
+    def num_ahead(self, request: Request) -> int | None:
+        """How many waiting requests stand before this one in the kept line (None: it is not waiting)."""
+        entry = self._keys.get(request.request_id)
+        return None if entry is None else bisect.bisect_left(self._line, entry)
+
     def arrival(self, request: Request) -> int:
         """A waiting request's arrival number (its place in line among equal priorities)."""
         return self._keys[request.request_id][1]

@@ -13,6 +13,7 @@ DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
 # Waiting requests hold their prompts' token ids (and the HTTP side as many submissions on their way): 1024
 # covers a 1000-request burst, as benchmarks send, and bounds what a flood can pile up
 DEFAULT_MAX_QUEUE_LEN = 1024
+DEFAULT_MAX_QUEUE_WAIT_S = 120.0  # under the usual client timeouts (300 s in dflash2 bench, 600 s in openai's)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -32,6 +33,7 @@ class ServerConfig:
     log_level: str = "info"
     stats_interval_s: float = 10.0  # how often the engine thread logs a stats line
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN  # waiting requests beyond this get 503 + Retry-After
+    max_queue_wait_s: float | None = DEFAULT_MAX_QUEUE_WAIT_S  # a request expected to wait longer gets 503 too
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # logprobs / top_logprobs / prompt_logprobs above get 400
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST  # a completions request with more gets 400
     max_n: int = DEFAULT_MAX_N  # n or best_of above gets 400
@@ -60,6 +62,8 @@ class ServerConfig:
             raise ValueError(f"--streaming-timeout-ms must be >= 1, got {self.streaming_timeout_ms}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:
+            raise ValueError(f"the wait bound must be > 0 s or None, got {self.max_queue_wait_s}")
         if self.max_queue_len is not None and self.max_queue_len < 1:
             raise ValueError(f"--max-queue-len must be >= 1, got {self.max_queue_len}")
         if self.max_logprobs < 0:

@@ -17,6 +17,11 @@ The queue bound (`max_queue_len`): the loop refuses a request when that many are
 (preempted ones included), and the HTTP side refuses one at once when that many submissions are still on their
 way (the loop is busy with a long step). So at most 2 x max_queue_len requests are held besides the running
 ones, however fast clients send. Priority does not bypass the bound.
+
+The wait bound (`max_queue_wait_s`): a count cannot say how long a line takes to drain (a thousand waiting
+requests are a second on a GPU and an hour on two CPU cores), so the loop also refuses a request whose expected
+wait exceeds it: the requests ahead of it in its line (those of higher priority or earlier arrival) at the
+engine's recent finish rate. An urgent request skips a line of less urgent ones and is not refused for them.
 """
 from __future__ import annotations
 
@@ -52,8 +57,9 @@ MODEL_UNLOADED = "the model was unloaded while this request ran"
 class EngineLoop:
     def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver],
                  max_queue_len: int | None = None, max_held_requests: int | None = None,
-                 step_timeout_s: float | None = None) -> None:
+                 step_timeout_s: float | None = None, max_queue_wait_s: float | None = None) -> None:
         self._engine_factory = engine_factory
+        self.max_queue_wait_s = max_queue_wait_s  # refuse a request expected to wait longer (None: no bound)
         self.step_timeout_s = step_timeout_s  # the watchdog's bound on one step (None: no watchdog)
         self._step_started: float | None = None  # while a step runs (the watchdog reads it)
         self._stuck: list[str] | None = None  # the requests of a step the watchdog gave up on
@@ -154,9 +160,29 @@ class EngineLoop:
         except ValueError as e:
             self.settle(command, e)
             return
+        if self._refused_for_wait(command, request, now):
+            return
         self._tracked[command.request_id] = Tracked(request, command.outputs, command.submitted_at, command.priority,
                                                     timing=command.timing)
         self.settle(command, None)
+
+    def _refused_for_wait(self, command: Submit, request: Request, now: float) -> bool:
+        """Take the just-added request back and refuse it if the line ahead of it drains slower than the wait
+        bound allows."""
+        if self.max_queue_wait_s is None:
+            return False
+        ahead = self.engine.num_waiting_ahead(request)
+        if not ahead:
+            return False
+        wait_s = self._drain_seconds(ahead, now)
+        if wait_s <= self.max_queue_wait_s:
+            return False
+        self.engine.abort(request.request_id)
+        self.retry_after_s = self._drain_estimate_s(ahead, now)
+        self.settle(command, QueueFull(
+            f"{ahead} requests are ahead of this one, about {wait_s:.0f} s of waiting at the recent finish rate "
+            f"(--max-queue-wait {self.max_queue_wait_s:g}); retry later", self.retry_after_s))
+        return True
 
     def _abort(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
@@ -308,13 +334,17 @@ class EngineLoop:
         of one batch finish in the same step, and 64 finishes at one instant read as an infinite rate (the
         Retry-After of 1 s that a burst saw while draining took 8.6 s)."""
         low, high = RETRY_AFTER_RANGE_S
+        return max(low, min(high, math.ceil(self._drain_seconds(num_waiting, now))))
+
+    def _drain_seconds(self, num_waiting: int, now: float) -> float:
+        """_drain_estimate_s before rounding and clamping."""
         window_start = max(now - RATE_WINDOW_S, self._busy_since if self._busy_since is not None else now)
         while self._finish_times and self._finish_times[0] < window_start:
             self._finish_times.popleft()
         busy_s = now - window_start
         if not self._finish_times:  # nothing finished in busy_s seconds: at least as long again
-            return max(low, min(high, math.ceil(busy_s)))
-        return max(low, min(high, math.ceil(num_waiting * busy_s / len(self._finish_times))))
+            return busy_s
+        return num_waiting * busy_s / len(self._finish_times)
 
     def _fail_all(self, error: EngineError) -> None:
         failed = []

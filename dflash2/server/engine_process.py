@@ -64,6 +64,7 @@ class EngineProcessSpec:
     metrics_host: str = "127.0.0.1"
     max_held_requests: int | None = None  # running, paused and waiting (EngineLoop)
     num_threads: int | None = None  # torch threads here (None: the physical cores available; cpu_threads)
+    max_queue_wait_s: float | None = None  # EngineLoop's wait bound
     step_timeout_s: float | None = None  # the watchdog's bound on one step (EngineLoop)
 
 

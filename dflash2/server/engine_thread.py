@@ -33,8 +33,9 @@ from dflash2.server.observer import RequestObserver, StreamTiming, Tracked
 class EngineThread(EngineLoop):
     def __init__(self, engine_factory: Callable[[], Any], observer_factory: Callable[[Any], RequestObserver],
                  max_queue_len: int | None = None, max_held_requests: int | None = None,
-                 step_timeout_s: float | None = None) -> None:
-        super().__init__(engine_factory, observer_factory, max_queue_len, max_held_requests, step_timeout_s)
+                 step_timeout_s: float | None = None, max_queue_wait_s: float | None = None) -> None:
+        super().__init__(engine_factory, observer_factory, max_queue_len, max_held_requests, step_timeout_s,
+                         max_queue_wait_s)
         self.unhealthy: str | None = None  # why /health answers 503 (the watchdog), None when it need not
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # event loop -> engine thread
         self._num_submitting = 0  # submissions in the command queue, not yet taken or refused (event loop)

@@ -54,7 +54,8 @@ def build_state(config: ServerConfig, engine_factory: Callable[[], Any]) -> Serv
         return RequestObserver(engine, metrics, observer_settings)
 
     return ServerState(config, EngineThread(engine_factory, make_observer, config.max_queue_len,
-                                            config.max_held_requests, config.step_timeout_s), registry)
+                                            config.max_held_requests, config.step_timeout_s,
+                                            config.max_queue_wait_s), registry)
 
 
 def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any]) -> ServerState:
@@ -64,7 +65,7 @@ def build_process_state(config: ServerConfig, engine_factory: Callable[[], Any])
                              config.max_queue_len, config.log_level, request_log=_request_log_on(config),
                              metrics_port=config.metrics_port, metrics_host=config.host,
                              max_held_requests=config.max_held_requests, num_threads=config.num_threads,
-                             step_timeout_s=config.step_timeout_s)
+                             step_timeout_s=config.step_timeout_s, max_queue_wait_s=config.max_queue_wait_s)
     registry = CollectorRegistry()
 
     def on_ready() -> None:

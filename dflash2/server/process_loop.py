@@ -95,7 +95,7 @@ class _ProcessLoop(EngineLoop):
 
     def __init__(self, spec: EngineProcessSpec, commands: Any, results: Any) -> None:
         super().__init__(spec.engine_factory, self._make_observer, spec.max_queue_len, spec.max_held_requests,
-                         spec.step_timeout_s)
+                         spec.step_timeout_s, spec.max_queue_wait_s)
         self.spec = spec
         self.commands_in = commands  # the commands pipe (a Connection)
         self._poller: Any = None  # select.poll() on the commands pipe: whether a command (or its end) is there
