@@ -40,11 +40,11 @@ def save_bundled_tokenizer(directory: str) -> None:
 
 def model_directory(preset: str, tokenizer_dir: str, into: str) -> str:
     """A checkpoint directory with the preset's architecture, the tokenizer's vocabulary size, no weights."""
+    from transformers import AutoTokenizer
+
     from dflash2.models import registry
 
     arch = registry.preset(preset)
-    from transformers import AutoTokenizer
-
     vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": arch.hidden_size,
