@@ -254,7 +254,8 @@ class RequestObserver:
         m.kv_pages_cached.set(kv.num_cached)
         seen = self._seen.setdefault((served.name, id(served)), {})  # loaded again: counts from zero
         counts = {"num_preemptions": scheduler.num_preemptions, "num_swap_outs": scheduler.num_swap_outs,
-                  "num_spills": kv.num_spills,                  "swapped_bytes": scheduler.swapped_bytes, "prefix_cache_queries": kv.num_prefix_queries,
+                  "num_spills": kv.num_spills, "swapped_bytes": scheduler.swapped_bytes,
+                  "prefix_cache_queries": kv.num_prefix_queries,
                   "prefix_cache_hits": kv.num_prefix_hits}
         for attribute, count in counts.items():
             _inc_by_delta(getattr(m, attribute), count - seen.get(attribute, 0))
