@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from gguf import ExpertGatingFuncType, GGUFReader
+from gguf import ExpertGatingFuncType
 from gguf.gguf_reader import ReaderTensor
 
 from dflash2.config import MOE_ARCHITECTURES, ModelArchConfig, RopeConfig
+from dflash2.loading.gguf_reader import SkimGGUFReader, string_array_length
 from dflash2.loading.gguf_tensors import ROPE_FREQS_TENSOR, dequantize_tensor
 
 # GGUF `general.architecture` -> Hugging Face architecture; a `llama` file with experts is Mixtral.
@@ -36,7 +37,7 @@ _MIXTRAL = "MixtralForCausalLM"
 _RENORMALIZES_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 
-def gguf_architecture(reader: GGUFReader) -> str:
+def gguf_architecture(reader: SkimGGUFReader) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -45,7 +46,7 @@ def gguf_architecture(reader: GGUFReader) -> str:
     return arch
 
 
-def arch_config(reader: GGUFReader, arch: str) -> ModelArchConfig:
+def arch_config(reader: SkimGGUFReader, arch: str) -> ModelArchConfig:
     """Build the architecture from `{arch}.*` and `tokenizer.ggml.*` metadata and the tensor list."""
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     hidden_size = int(_required(reader, f"{arch}.embedding_length"))
@@ -77,7 +78,7 @@ def arch_config(reader: GGUFReader, arch: str) -> ModelArchConfig:
     )
 
 
-def _moe_fields(reader: GGUFReader, arch: str, tensors: dict[str, ReaderTensor], num_layers: int
+def _moe_fields(reader: SkimGGUFReader, arch: str, tensors: dict[str, ReaderTensor], num_layers: int
                 ) -> dict[str, Any]:
     """The mixture-of-experts fields of ModelArchConfig; {} for a dense network (no `{arch}.expert_count`)."""
     num_experts = int(_field(reader, f"{arch}.expert_count") or 0)
@@ -116,7 +117,7 @@ def _rows(tensors: dict[str, ReaderTensor], kind: str) -> int:
     return 0
 
 
-def _rope_config(reader: GGUFReader, arch: str) -> RopeConfig:
+def _rope_config(reader: SkimGGUFReader, arch: str) -> RopeConfig:
     """RoPE from `{arch}.rope.*`; a `rope_freqs.weight` tensor means llama3-style per-frequency divisors."""
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     original_context = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 8192))
@@ -137,36 +138,36 @@ def _rope_config(reader: GGUFReader, arch: str) -> RopeConfig:
     )
 
 
-def _rope_freq_factors(reader: GGUFReader) -> tuple[float, ...] | None:
+def _rope_freq_factors(reader: SkimGGUFReader) -> tuple[float, ...] | None:
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
             return tuple(float(x) for x in dequantize_tensor(tensor).reshape(-1).tolist())
     return None
 
 
-def _vocab_size(reader: GGUFReader, arch: str) -> int:
+def _vocab_size(reader: SkimGGUFReader, arch: str) -> int:
     vocab_size = _field(reader, f"{arch}.vocab_size")
     if vocab_size is not None:
         return int(vocab_size)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ValueError(f"GGUF file has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-    return len(tokens.data)
+    return string_array_length(tokens)
 
 
-def _eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
+def _eos_token_ids(reader: SkimGGUFReader) -> tuple[int, ...]:
     # Chat GGUFs often mark the end-of-turn token separately (llama3's <|eot_id|>); both end generation.
     ids = (_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id"))
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _field(reader: SkimGGUFReader, key: str, default: Any = None) -> Any:
     """A metadata value, or `default` when the file lacks the key."""
     found = reader.fields.get(key)
     return default if found is None else found.contents()
 
 
-def _required(reader: GGUFReader, key: str) -> Any:
+def _required(reader: SkimGGUFReader, key: str) -> Any:
     value = _field(reader, key)
     if value is None:
         raise ValueError(f"GGUF metadata key {key!r} is missing")

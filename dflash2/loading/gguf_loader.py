@@ -1,6 +1,6 @@
 """Read a GGUF checkpoint: the architecture from its metadata, the weights with Hugging Face names.
 
-    GGUF file --GGUFReader (memory-mapped)--+--> metadata (gguf_config) ----------------> ModelArchConfig
+    GGUF file --SkimGGUFReader (mmapped)----+--> metadata (gguf_config) ----------------> ModelArchConfig
                                             +--> one tensor --dequantize--> fp32 (stacked gate + up experts: one)
                                                    --un-permute q/k (llama only)--> (hf_name, tensor)
                                             +--> (native path, gguf_native) Q4_0/Q4_1 blocks --repack--> int4 g32
@@ -20,11 +20,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from dflash2.config import ModelArchConfig
 from dflash2.loading.gguf_config import GGUF_ARCHITECTURES, arch_config, gguf_architecture
 from dflash2.loading.gguf_native import BLOCK, NATIVE_BITS, native_format, native_quant_config, q4_as_int4
+from dflash2.loading.gguf_reader import SkimGGUFReader
 from dflash2.loading.gguf_tensors import (
     PERMUTED_ARCHITECTURES,
     ROPE_FREQS_TENSOR,
@@ -53,7 +54,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._reader = GGUFReader(path)
+        self._reader = SkimGGUFReader(path)
         self.gguf_architecture = gguf_architecture(self._reader)
         check_tensors(self._reader.tensors)
         self.arch_config = arch_config(self._reader, self.gguf_architecture)

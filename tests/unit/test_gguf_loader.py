@@ -502,3 +502,36 @@ def test_bundled_gguf_tokenizer() -> None:
     assert ids and tokenizer.decode(ids) == "Hello world"
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert "<|im_start|>user\nhi<|im_end|>" in prompt
+
+
+def test_skim_reader_reads_what_gguf_reads_without_splitting_arrays() -> None:
+    """SkimGGUFReader on the bundled file: the same fields, types, tensors and data offset as gguf's GGUFReader;
+    every field but an array of strings has the same contents (arrays of numbers whole); an array of strings
+    (vocabulary, merges, languages) is counted, its items unread."""
+    from dflash2.loading.gguf_reader import SkimGGUFReader, string_array_length
+
+    path = bundled_model_path()
+    skim, full = SkimGGUFReader(path), gguf.GGUFReader(path)
+    assert list(skim.fields) == list(full.fields) and skim.data_offset == full.data_offset
+    strings = []
+    for name, field in full.fields.items():
+        assert skim.fields[name].types == field.types, name
+        if field.types[0] == gguf.GGUFValueType.ARRAY and field.types[-1] == gguf.GGUFValueType.STRING:
+            strings.append(name)
+            assert string_array_length(skim.fields[name]) == len(field.data) and skim.fields[name].contents() == []
+        else:
+            assert skim.fields[name].contents() == field.contents(), name
+    assert strings == ["general.languages", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"]
+    assert len(skim.fields["tokenizer.ggml.token_type"].contents()) == 49152
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in skim.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in full.tensors]
+
+
+def test_skim_reader_refuses_a_string_array_past_the_end(tmp_path: Path) -> None:
+    path = _write_gguf(tmp_path / "tiny.gguf", "llama", _all_f32_tensors("llama", HEAD_DIM, with_output=True))
+    data = bytearray(Path(path).read_bytes())
+    at = data.index(b"tokenizer.ggml.tokens") + len("tokenizer.ggml.tokens") + 4 + 4 + 8  # the first string
+    data[at:at + 8] = (1 << 40).to_bytes(8, "little")  # its length: far past the end
+    Path(path).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="runs past the end of the file"):
+        GGUFCheckpoint(path)
