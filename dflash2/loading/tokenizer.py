@@ -95,15 +95,18 @@ def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
             logger.warning("the cached tokenizer in %s did not load (%s); converting %s again", cached, e, path)
     directory, filename = os.path.split(path)
     tokenizer = _from_pretrained(directory, gguf_file=filename)
+    staging = None
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(cached))
         tokenizer.save_pretrained(staging)
         shutil.rmtree(cached, ignore_errors=True)
-        os.replace(staging, cached)  # whole or not at all: a process reading it never sees half a folder
+        # Whole or not at all: a reader never sees half a folder. Two processes converting at once (the server
+        # and its engine process, the first time): the second one's rename fails, and its copy is dropped.
+        os.replace(staging, cached)
     except OSError as e:
         logger.info("the tokenizer of %s is not cached (%s): the next start converts it again", path, e)
-        if "staging" in locals():
+        if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
     return tokenizer
 

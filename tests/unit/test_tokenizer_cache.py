@@ -60,3 +60,20 @@ def test_an_unwritable_cache_only_costs_the_conversion(tmp_path: Path, monkeypat
     tokenizer = load_tokenizer(bundled_model_path())
     assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
     assert blocker.read_text() == "a file where the cache folder would be"
+
+
+def test_two_processes_converting_at_once_both_load_and_leave_one_whole_entry(tmp_path: Path) -> None:
+    """As a server and its engine process do on their first start: both convert, one rename wins."""
+    import subprocess
+    import sys
+
+    script = ("from dflash2.loading.tokenizer import bundled_model_path, load_tokenizer; "
+              "print(load_tokenizer(bundled_model_path()).encode('Hello world'))")
+    env = {**os.environ, "DFLASH2_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    printed = [run.communicate(timeout=300)[0].strip() for run in runs]
+    assert [run.returncode for run in runs] == [0, 0] and printed[0] == printed[1] != ""
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    assert not entry.name.startswith(".staging-")
+    assert str(_from_pretrained(str(entry)).encode("Hello world")) == printed[0]
