@@ -342,12 +342,14 @@ class GpuSampler:
         except Exception:  # noqa: BLE001 - no pynvml, or NVML cannot start
             read = lambda: cuda_memory_reading(self.device)  # noqa: E731
             interval_s = max(self.interval_s, self.FALLBACK_INTERVAL_S)
-        while not self.stopped.wait(interval_s):
+        while True:  # a reading at once (the first token log lines carry gpu_sm_util), then every interval
             try:
                 self.last = read()
                 self.metrics.set_gpu(self.last)
             except Exception:  # noqa: BLE001 - a gauge reading must never take the server down
                 logger.exception("reading the GPU gauges failed; they stop updating")
+                return
+            if self.stopped.wait(interval_s):
                 return
 
     def stop(self) -> None:

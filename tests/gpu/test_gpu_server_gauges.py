@@ -16,7 +16,7 @@ def server():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     process = ServerProcess("--model", "qwen3-0.6b", "--load-format", "dummy", "--kv-cache-memory", "1GiB",
-                            "--log-tokens", "--api-key", API_KEY).start()
+                            "--max-model-len", "4096", "--log-tokens", "--api-key", API_KEY).start()
     yield process
     process.cleanup()
 
