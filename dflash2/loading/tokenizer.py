@@ -105,7 +105,7 @@ def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         # and its engine process, the first time): the second one's rename fails, and its copy is dropped.
         os.replace(staging, cached)
     except OSError as e:
-        logger.info("the tokenizer of %s is not cached (%s): the next start converts it again", path, e)
+        logger.info("the tokenizer of %s was not saved in the cache (%s)", path, e)  # (or another process's was)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
     return tokenizer
