@@ -5,6 +5,9 @@
 #           (issue 44: where the time goes) if time is left
 #   PART=2: W4 multi-turn, settings none, l2, l2_l3 (issue 43)
 #   PART=3: the fused MoE kernel's tune, W6 bf16 and int4 experts on the tuned table (issue 45)
+#   PART=4: W7 with the step trace (sums by step kind, decode batch sizes, time windows), then W7 with 100 steps
+#           under the profiler (top kernels): where issue 44's time goes
+#   PART=2 takes W4_SETTINGS (default none,l2,l2_l3) and W4_TIMEOUT (default 575)
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 #         (same pip download flags; add --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64)
@@ -32,7 +35,8 @@ case "${PART:-1}" in
   head -c 2500 "$OUT/w7_steps.json" ;;
 2)
   df -h /tmp | tail -1; rm -rf /tmp/l3; mkdir -p /tmp/l3
-  timeout 575 python3 benchmarks/multi_turn.py --l3-dir /tmp/l3 --l3-size 32GiB --workloads-py .bench/workloads.py \
+  timeout "${W4_TIMEOUT:-575}" python3 benchmarks/multi_turn.py --settings "${W4_SETTINGS:-none,l2,l2_l3}" \
+    --l3-dir /tmp/l3 --l3-size 32GiB --workloads-py .bench/workloads.py \
     --log-dir /tmp/w4logs --output "$OUT/w4.json" > "$OUT/w4.log" 2>&1
   echo "== W4 exit $?"; tail -c 3000 "$OUT/w4.log" ;;
 3)
@@ -45,4 +49,15 @@ case "${PART:-1}" in
   echo "== W6 bf16 exit $?"; tail -c 1200 "$OUT/w6_bf16.log"
   timeout 130 python3 benchmarks/moe.py --quantization int4 --output "$OUT/w6_int4.json" > "$OUT/w6_int4.log" 2>&1
   echo "== W6 int4 experts exit $?"; tail -c 1200 "$OUT/w6_int4.log" ;;
+4)
+  rm -f /tmp/w7steps.jsonl
+  DFLASH2_STEP_TRACE=/tmp/w7steps.jsonl timeout 200 python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl \
+    > "$OUT/w7.json" 2> "$OUT/w7.err"
+  echo "== W7 exit $?"; grep -E '"out_tok_s|"seconds|preempt' "$OUT/w7.json"
+  python3 benchmarks/step_trace_report.py /tmp/w7steps.jsonl --window-from "$OUT/w7.json" > "$OUT/w7_steps.json" 2>&1
+  cp /tmp/w7steps.jsonl "$OUT/w7steps.jsonl"
+  timeout 200 python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl --profile-steps 100 \
+    --profile-after-steps 300 > "$OUT/w7_prof.json" 2> "$OUT/w7_prof.err"
+  echo "== W7 profiled exit $?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['profile']; \
+print(json.dumps({k: v for k, v in d.items() if k != 'top'})); [print(t) for t in d['top'][:25]]" "$OUT/w7_prof.json" ;;
 esac

@@ -64,6 +64,8 @@ COUNTERS = {"dflash2_prefix_cache_queries_total": "queries", "dflash2_prefix_cac
             "dflash2_num_preemptions_total": "preemptions", "dflash2_cache_evictions_total": "evictions"}
 TIER_HITS = "dflash2_kv_cache_tier_hit_tokens_total"  # labelled tier="device" | "host" | "disk"
 TIERS = ("device", "host", "disk")
+TIER_BYTES = {"dflash2_kv_tier_bytes_written_total": "written", "dflash2_kv_tier_bytes_read_total": "read"}
+L3_READ_US = "dflash2_l3_cache_avg_latency_us"
 TARGET_TTFT_RATIO = 5.0
 TARGET_THROUGHPUT_RATIO = 2.0
 GPU_DEFAULTS = {"model": "llama-3-8b", "load_format": "dummy", "dtype": "bfloat16", "kv_cache_memory": "8GiB"}
@@ -204,14 +206,18 @@ async def replay(turns: list[Turn], url: str, concurrency: int,
 
 
 def scrape_counters(url: str) -> dict[str, float]:
-    """COUNTERS and the tier hits ("tier_device", ...) from /metrics, summed over labels; absent ones left out."""
+    """COUNTERS, the tier hits ("tier_device", ...), the bytes each way per tier ("written_disk", ...) and the disk
+    tier's mean read time from /metrics, summed over labels; absent ones left out."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
         for sample in family.samples:
-            key = f"tier_{sample.labels.get('tier')}" if sample.name == TIER_HITS else COUNTERS.get(sample.name)
+            tier = sample.labels.get("tier")
+            key = (f"tier_{tier}" if sample.name == TIER_HITS else f"{TIER_BYTES[sample.name]}_{tier}"
+                   if sample.name in TIER_BYTES else "l3_read_us" if sample.name == L3_READ_US
+                   else COUNTERS.get(sample.name))
             if key is not None:
                 values[key] = values.get(key, 0.0) + sample.value
     return values
@@ -334,7 +340,10 @@ def cache_report(before: dict[str, float], after: dict[str, float]) -> dict[str,
 
     return {**{key: delta[key] for key in COUNTERS.values()}, "hit_ratio": share(delta["hits"]),
             "tier_hit_tokens": {tier: delta[f"tier_{tier}"] for tier in TIERS},
-            "tier_hit_ratio": {tier: share(delta[f"tier_{tier}"]) for tier in TIERS}}
+            "tier_hit_ratio": {tier: share(delta[f"tier_{tier}"]) for tier in TIERS},
+            "tier_bytes": {kind: {tier: after[f"{kind}_{tier}"] - before.get(f"{kind}_{tier}", 0.0)
+                                  for tier in TIERS if f"{kind}_{tier}" in after} for kind in TIER_BYTES.values()},
+            "l3_avg_read_us": after.get("l3_read_us")}
 
 
 def compare(setting: str, report: dict[str, Any], results: list[RequestResult], none_report: dict[str, Any],

@@ -91,3 +91,17 @@ def test_a_spilled_request_keeps_its_pages_as_cached_ones_pinned_until_written()
     pool.unpin(1)  # written
     assert pool.allocate(1) == [1] and pool.lookup(b"x") is None
     pool.check()
+
+
+def test_pages_ahead_with_a_limit_resumes_where_it_stopped():
+    """A write queue with room for two pages takes the next two to leave; the pages past them are named by the
+    next call, not skipped for the lap."""
+    pool = HostPagePool(6)
+    pool.store([(bytes([i]), "m") for i in range(6)])  # the cursor is back at 0: page 0 leaves first
+    assert pool.pages_ahead(6, limit=2) == [(0, b"\x00", "m"), (1, b"\x01", "m")]
+    assert pool.pages_ahead(6, limit=0) == []
+    assert pool.pages_ahead(6, limit=3) == [(2, b"\x02", "m"), (3, b"\x03", "m"), (4, b"\x04", "m")]
+    pool.store([(b"new", "m")])  # takes page 0 (its old page evicted): page 5 leaves next, then the new page
+    assert pool.pages_ahead(6) == [(5, b"\x05", "m"), (0, b"new", "m")]
+    assert pool.pages_ahead(6) == []
+    pool.check()

@@ -36,12 +36,16 @@ VERSION = 1
 HEADER = struct.Struct("<5sH32sB64sQQ")
 SUFFIX = ".page"
 PROGRESS_FROM = 10_000  # files: a rebuild of more shows a progress bar
+MAX_PENDING_WRITES = 1024  # pages queued for writing at most (each one pinned in host memory until written)
+WRITE_THREADS = 4
+READ_THREADS = 4
 
 Key = tuple[str, bytes]  # (fingerprint, content hash)
 
 
 class DiskStore:
-    def __init__(self, directory: str, capacity_bytes: int, page_bytes: int, max_pending_writes: int = 256) -> None:
+    def __init__(self, directory: str, capacity_bytes: int, page_bytes: int,
+                 max_pending_writes: int = MAX_PENDING_WRITES) -> None:
         """Pages of `page_bytes` under `directory` (which must exist and be writable), `capacity_bytes` in all."""
         self.directory = Path(directory)
         if not self.directory.is_dir():
@@ -59,8 +63,9 @@ class DiskStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[Key, None] = OrderedDict()  # pages on disk, LRU first
         self._writing: dict[Key, Future] = {}
-        self._writer = ThreadPoolExecutor(2, thread_name_prefix="dflash2-l3-write")
-        self._reader = ThreadPoolExecutor(4, thread_name_prefix="dflash2-l3-read")
+        self.read_threads = READ_THREADS
+        self._writer = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="dflash2-l3-write")
+        self._reader = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="dflash2-l3-read")
         self.writes_disabled = False
         self.num_corrupt = 0
         self.num_writes_skipped = 0  # pages not written: the write queue was full
@@ -123,6 +128,11 @@ class DiskStore:
             self.num_evictions += 1
 
     # -- writing ------------------------------------------------------------------------------------------
+    @property
+    def write_room(self) -> int:
+        """Pages put() takes now before its queue is full (0 while writing is off)."""
+        return 0 if self.writes_disabled else max(0, self.max_pending_writes - len(self._writing))
+
     def put(self, fingerprint: str, content_hash: bytes, payload: Any,
             ready: Callable[[], None] | None = None, bounded: bool = True) -> Future | None:
         """Write a page in the background: `payload` (bytes-like, page_bytes long) is read on the writer thread,

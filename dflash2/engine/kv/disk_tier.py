@@ -1,10 +1,11 @@
 """DiskTier: the L3 tier between host pages and the DiskStore's files, for every model of one pool.
 
-    down: the host pages next to leave host memory (L2: within WRITE_AHEAD_PAGES ahead of its ring cursor) are
-          written to disk in the background, each pinned (never evicted) until its write is in; the writers wait
-          for the device copies queued so far first. So a page leaving host memory is on disk already (unless
-          writing was off, or behind by more than the queue holds), and each page is written once, when it is
-          about to leave, not each time it comes down. A paused request spilled when host memory is full of
+    down: the host pages are written to disk in the background in the order they will leave host memory (L2:
+          its ring order from the cursor on), as many as the write queue has room for at each step (the scan
+          resumes where it stopped, so a full queue delays a page, it does not skip it); each is pinned (never
+          evicted) until its write is in; the writers wait for the device copies queued so far first. So a page
+          leaving host memory is on disk already (unless writing was off, or the writers fell a whole lap behind),
+          and each page is written once, not each time it comes down. A paused request spilled when host memory is full of
           swapped pages (KVManager.spill) has its pages written with the next write_ahead, pinned until then.
     up:   a waiting request whose prefix goes on past host memory into files starts a fetch: host pages are
           reserved (loading) and the files are read into them by reader threads, checked; the scheduler admits
@@ -12,7 +13,8 @@
           host hit), or at its deadline, computing what was not read.
 
 Only the scheduler's thread calls these methods; the threads report through `_done`, drained by poll().
-Whether a fetch pays is worth_loading(): the measured read time of a page against the measured prefill rate.
+Whether a fetch pays is worth_loading(): the measured read time of a page (the reader threads reading side by side)
+against the measured prefill rate.
 """
 from __future__ import annotations
 
@@ -31,7 +33,6 @@ from dflash2.engine.kv.host_pool import HostPagePool
 MIN_DEADLINE_S = 0.05
 DEADLINE_FACTOR = 4.0
 DEFAULT_READ_S = 0.002  # a page's read, for a deadline until reads have been timed
-WRITE_AHEAD_PAGES = 256  # host pages ahead of the ring cursor written down (the write queue holds as many)
 
 
 def fingerprint(*parts: object) -> str:
@@ -87,7 +88,7 @@ class DiskTier:
                 self.host_pool.unpin(page)
             return
         pages = [(page, self.host_pool.hash_of(page), self.host_pool.owner_of(page)) for page in spilled]
-        pages += self.host_pool.pages_ahead(WRITE_AHEAD_PAGES)
+        pages += self.host_pool.pages_ahead(self.host_pool.num_pages, max(0, self.store.write_room - len(pages)))
         if not pages:
             return
         ready = self._copy_done()
@@ -111,11 +112,13 @@ class DiskTier:
         latency = self.store.avg_read_latency_s
         if self.prefill_tokens_per_s is None or latency is None:
             return True  # nothing measured yet: read (the reads measure themselves)
-        return num_pages * latency < num_tokens / self.prefill_tokens_per_s
+        rounds = -(-num_pages // self.store.read_threads)  # the readers take the pages side by side
+        return rounds * latency < num_tokens / self.prefill_tokens_per_s
 
-    def _read_s(self) -> float:
+    def _read_s(self, num_pages: int) -> float:
+        """The expected time to read `num_pages` pages, the readers side by side."""
         latency = self.store.avg_read_latency_s
-        return DEFAULT_READ_S if latency is None else latency
+        return -(-num_pages // self.store.read_threads) * (DEFAULT_READ_S if latency is None else latency)
 
     def fetch(self, request_id: str, owner: str | None, hashes: list[bytes], now: float) -> bool:
         """Bring the request's disk pages (in prefix order) up to host memory; True while its reads are going and
@@ -133,7 +136,7 @@ class DiskTier:
                 future = self.store.get(self._fingerprints[owner], content_hash, self.host_pages[page].numpy())
                 future.add_done_callback(
                     lambda f, h=content_hash, p=page, o=owner: self._done.put(("read", p, (h, o, _succeeded(f)))))
-            expected = len(hashes) * self._read_s()
+            expected = self._read_s(len(hashes))
             current = self._fetches[request_id] = Fetch(hashes, now + max(MIN_DEADLINE_S, DEADLINE_FACTOR * expected))
         if now < current.deadline and any(h in self._loading for h in current.hashes):
             return True

@@ -21,9 +21,9 @@ W3 a swap of ~40 pages had come to ~10 runs from a last-in-first-out free list (
 
 Room for cached pages is made in ring order: a cursor walks the pages, taking free ones and evicting the cached
 ones it meets (skipping swapped, loading and pinned ones), so the pages of one store are consecutive (one copy)
-and the oldest cached pages are the ones just ahead of the cursor. With a disk tier those are written down ahead
-of the cursor (pages_ahead), so a page leaving host memory is on disk already: each page is written at most once,
-when it is about to leave, not every time it comes down. (An LRU over host pages had scattered each batch over
+and the oldest cached pages are the ones just ahead of the cursor. With a disk tier the cached pages are written
+down in ring order from the cursor on (pages_ahead: the next to leave first), as fast as the writers take them, so
+a page leaving host memory is on disk already: each page is written at most once, not every time it comes down. (An LRU over host pages had scattered each batch over
 many runs: ~0.5 ms of copy calls a swap, W3 on the H100.)
 """
 from __future__ import annotations
@@ -135,16 +135,20 @@ class HostPagePool:
         self._taken[page] = True
         self._num_free -= 1
 
-    def pages_ahead(self, window: int) -> list[tuple[int, bytes, str | None]]:
+    def pages_ahead(self, window: int, limit: int | None = None) -> list[tuple[int, bytes, str | None]]:
         """(page, hash, owner) of the cached pages within `window` ring positions ahead of the cursor that are
-        neither pinned nor known to be on disk, each reported once per lap: the next to leave host memory."""
+        neither pinned nor known to be on disk, in ring order (the next to leave first), each reported once per
+        lap; at most `limit` of them: the scan stops after the last one reported, so the pages past it are
+        reported by a later call (if the cursor has not passed them by then)."""
         end = self._position + min(window, self.num_pages)
         found = []
-        for position in range(max(self._scanned, self._position), end):
+        position = max(self._scanned, self._position)
+        while position < end and (limit is None or len(found) < limit):
             page = position % self.num_pages
+            position += 1
             if page in self._cached and page not in self._pinned and not self._on_disk[page]:
                 found.append((page, self._hash_of[page], self._owner[page]))
-        self._scanned = max(self._scanned, end)
+        self._scanned = max(self._scanned, position)
         return found
 
     def mark_on_disk(self, page: int) -> None:
