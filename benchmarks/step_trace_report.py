@@ -4,7 +4,7 @@
     python3 benchmarks/step_trace_report.py $OUT/steps.jsonl [--since-ms T] [--until-ms T] [--window-from W7_JSON]
 
 Kinds: every step; decode-only steps; steps with prefill (by prefill tokens: <= 256, <= 1024, more); steps
-with swaps; steps sampling an urgent first token (first_token_priority >= --urgent, default 1000). For each:
+with swaps; steps replaying a CUDA graph or run eagerly (graph_replay, eager); steps sampling an urgent first token (first_token_priority >= --urgent, default 1000). For each:
 count, and p50 / p99 / max of device_ms (CUDA), plan_ms, launch_ms, finish_ms, the gap to the next step's
 plan (host time between steps) and the step's wall time; the sums of device_ms and of wall time, and their
 shares of the whole window's sums.
@@ -46,6 +46,8 @@ def kinds(record: dict[str, Any], urgent: int) -> list[str]:
         names.append("with_swaps")
     if (record["first_token_priority"] or 0) >= urgent:
         names.append("urgent_first_token")
+    if "graph" in record:  # traces from before the field have neither
+        names.append("eager" if record["graph"] is None else "graph_replay")
     return names
 
 

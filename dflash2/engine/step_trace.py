@@ -12,6 +12,9 @@ Off unless DFLASH2_STEP_TRACE names a file (appended to). Each line, written whe
                     is timed when the device reaches it, so a step queued behind another one starts its clock
                     when that one ends); null on the CPU
     decodes, prefill_chunks, prefill_tokens
+    graph           the CUDA graph the step replayed, [decode rows, prefill rows] padded; null: it ran eagerly
+    decode_context_tokens
+                    the decode rows' context lengths, summed (what their attention reads)
     swap_out_pages, swap_in_pages, preempted
     top_priority    the highest priority among the step's requests
     first_token_priority
@@ -74,8 +77,10 @@ class StepTrace:
             record["_events"][0].record()
         return record
 
-    def launched(self, record: dict[str, Any], launch_seconds: float) -> None:
+    def launched(self, record: dict[str, Any], launch_seconds: float, graph: tuple[int, int] | None = None,
+                 decode_context_tokens: int = 0) -> None:
         record["launch_ms"] = round(launch_seconds * 1e3, 3)
+        record["graph"], record["decode_context_tokens"] = graph, decode_context_tokens
         if self.cuda:
             record["_events"][1].record()
 
