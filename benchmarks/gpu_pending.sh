@@ -6,7 +6,7 @@
 #   PART=2: W4 multi-turn, settings none, l2, l2_l3 (issue 43)
 #   PART=3: the fused MoE kernel's tune, W6 bf16 and int4 experts on the tuned table (issue 45)
 #   PART=4: W7 with the step trace (sums by step kind, decode batch sizes, time windows), then W7 with 100 steps
-#           under the profiler (top kernels): where issue 44's time goes
+#           under the profiler (top kernels): where issue 44's time goes; then W7 at 1024 seqs / 16384 tokens
 #   PART=2 takes W4_SETTINGS (default none,l2,l2_l3) and W4_TIMEOUT (default 575)
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
@@ -59,5 +59,11 @@ case "${PART:-1}" in
   timeout 200 python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl --profile-steps 100 \
     --profile-after-steps 300 > "$OUT/w7_prof.json" 2> "$OUT/w7_prof.err"
   echo "== W7 profiled exit $?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['profile']; \
-print(json.dumps({k: v for k, v in d.items() if k != 'top'})); [print(t) for t in d['top'][:25]]" "$OUT/w7_prof.json" ;;
+print(json.dumps({k: v for k, v in d.items() if k != 'top'})); [print(t) for t in d['top'][:25]]" "$OUT/w7_prof.json"
+  rm -f /tmp/w7steps_1024.jsonl
+  DFLASH2_STEP_TRACE=/tmp/w7steps_1024.jsonl timeout 200 python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl \
+    --max-num-seqs 1024 --max-num-batched-tokens 16384 > "$OUT/w7_1024.json" 2> "$OUT/w7_1024.err"
+  echo "== W7 1024 seqs exit $?"; grep -E '"out_tok_s|"seconds|preempt' "$OUT/w7_1024.json"
+  python3 benchmarks/step_trace_report.py /tmp/w7steps_1024.jsonl --window-from "$OUT/w7_1024.json" \
+    > "$OUT/w7_1024_steps.json" 2>&1 ;;
 esac

@@ -10,6 +10,9 @@
                                    stored at the pair's row -> per_slot [T k, H]
     4. per_slot.view(T, k, H).sum(1)   the k slots of a token (no atomics: every pair has its own row)
 
+A few pairs (decode; fused_moe_configs.py's SMALL) take fused_moe_small.py instead: no blocks, a program a pair and
+a tile of columns, in two launches with the same rounding.
+
 Weights (formats.py's layouts with a leading expert dimension, read packed; each tile is dequantized in
 registers, never a whole expert):
     bits 16   w [E, N, K] in x's dtype
@@ -193,6 +196,10 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     if num_tokens == 0:
         return torch.empty_like(x)
     gate_up_config, down_config = moe_config(num_experts, hidden, inter, bits, num_tokens, top_k, config)
+    if gate_up_config.get("SMALL"):
+        from dflash2.kernels.triton.fused_moe_small import fused_moe_small  # it imports this module's helpers
+
+        return fused_moe_small(x, gate_up, down, topk_weights, topk_ids, bits, gate_up_config, down_config)
     block_m = gate_up_config["BLOCK_M"]
     layout = align_by_expert(topk_ids, num_experts, block_m)
     num_blocks = layout.block_experts.numel()
@@ -216,11 +223,15 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     return per_slot.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
-def _tile_args(bits: int, group: int, config: dict) -> dict:
-    """BLOCK_K as T pieces of GS columns: 4/6 bits, pieces no wider than a group (one scale each)."""
-    block_k = config["BLOCK_K"]
+def pieces(bits: int, group: int, block_k: int) -> tuple[int, int]:
+    """(GS, T): BLOCK_K as T pieces of GS columns; 4/6 bits, pieces no wider than a group (one scale each)."""
     gs = min(block_k, group) if bits in (4, 6) else block_k
-    return {"BITS": bits, "GROUP": group, "GS": gs, "T": block_k // gs, "BLOCK_M": config["BLOCK_M"],
+    return gs, block_k // gs
+
+
+def _tile_args(bits: int, group: int, config: dict) -> dict:
+    gs, t = pieces(bits, group, config["BLOCK_K"])
+    return {"BITS": bits, "GROUP": group, "GS": gs, "T": t, "BLOCK_M": config["BLOCK_M"],
             "BLOCK_N": config["BLOCK_N"], "GROUP_M": config["GROUP_M"]}
 
 
