@@ -6,7 +6,8 @@
 #   PART=2: W4 multi-turn, settings none, l2, l2_l3 (issue 43)
 #   PART=3: the fused MoE kernel's tune, W6 bf16 and int4 experts on the tuned table (issue 45)
 #   PART=4: W7 with the step trace (sums by step kind, decode batch sizes, time windows), then W7 with 100 steps
-#           under the profiler (top kernels): where issue 44's time goes; then W7 at 1024 seqs / 16384 tokens
+#           under the profiler (top kernels): where issue 44's time goes; then W7 at 1024 seqs / 16384 tokens;
+#           then W7 over HTTP (dflash2 serve, dflash2 bench at 1000 in flight: issue 44 item 2)
 #   PART=2 takes W4_SETTINGS (default none,l2,l2_l3) and W4_TIMEOUT (default 575)
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
@@ -65,5 +66,17 @@ print(json.dumps({k: v for k, v in d.items() if k != 'top'})); [print(t) for t i
     --max-num-seqs 1024 --max-num-batched-tokens 16384 > "$OUT/w7_1024.json" 2> "$OUT/w7_1024.err"
   echo "== W7 1024 seqs exit $?"; grep -E '"out_tok_s|"seconds|preempt' "$OUT/w7_1024.json"
   python3 benchmarks/step_trace_report.py /tmp/w7steps_1024.jsonl --window-from "$OUT/w7_1024.json" \
-    > "$OUT/w7_1024_steps.json" 2>&1 ;;
+    > "$OUT/w7_1024_steps.json" 2>&1
+  [ $SECONDS -gt 380 ] && { echo "W7 over HTTP skipped at ${SECONDS}s"; exit 0; }
+  python3 -m dflash2.cli.main serve --model llama-3-8b --load-format dummy --port 8011 --disable-log-requests \
+    > "$OUT/w7_serve.log" 2>&1 &
+  server=$!
+  for _ in $(seq 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health')" 2>/dev/null && break; sleep 1; done
+  python3 -m dflash2.cli.main bench --url http://127.0.0.1:8011 --endpoint /generate --dataset .bench/w7.jsonl \
+    --num-prompts 64 --max-tokens 8 --ignore-eos --concurrency 64 --no-progress > /dev/null 2>&1  # warm-up
+  timeout 150 python3 -m dflash2.cli.main bench --url http://127.0.0.1:8011 --endpoint /generate \
+    --dataset .bench/w7.jsonl --num-prompts 1000 --ignore-eos --concurrency 1000 --no-progress \
+    --output "$OUT/w7_http.json" > "$OUT/w7_http.log" 2>&1
+  echo "== W7 over HTTP exit $?"; tail -c 1500 "$OUT/w7_http.log"
+  kill $server; wait $server ;;
 esac

@@ -4,11 +4,15 @@ bucket of tokens, time candidate configs of the whole fused_moe call and write t
 
     PYTHONPATH=$PWD python3 benchmarks/moe_kernel_tune.py [--models qwen3-30b-a3b,olmoe] [--tokens 1,16,256] \
         [--bits 16,4] [--budget-s 1200] [--output tune.json] [--table path.py] [--no-write]
-    TRITON_INTERPRET=1 python3 benchmarks/moe_kernel_tune.py --cpu-smoke     (CPU: a tiny shape, two configs)
+    TRITON_INTERPRET=1 python3 benchmarks/moe_kernel_tune.py --cpu-smoke     (CPU: a tiny shape, two configs a phase)
 
-Two phases per case: (1) configs shared by both GEMMs (BLOCK_M from the rows an expert gets), (2) the down GEMM's
-own BLOCK_N / BLOCK_K / warps / stages at the winner's BLOCK_M. The gate_up entry (E, 2I, H, bits, bucket) takes
-phase 1's winner, the down entry (E, H, I, bits, bucket) phase 2's. A config whose output is more than 1% off the
+Two phases per case: (1) configs shared by both GEMMs (BLOCK_M from the rows an expert gets; the default first, then
+the table's current entries), (2) the down GEMM's own BLOCK_N / BLOCK_K / warps / stages at the winner's BLOCK_M;
+phase 1 stops at PHASE_1_SHARE of the case's budget. The gate_up entry (E, 2I, H, bits, bucket) takes
+phase 1's winner, the down entry (E, H, I, bits, bucket) phase 2's. Up to SMALL_TUNE_MAX_PAIRS (token, slot) pairs
+the small path (fused_moe_small.py) competes too: phase 1 also times its configs ("SMALL": 1, with BLOCK_N /
+BLOCK_K / SPLIT_K / warps), the blocks' configs carry "SMALL": 0, and phase 2 varies the winner's path;
+so the table's entry at a bucket says which path its calls take. A config whose output is more than 1% off the
 default config's is dropped (a fast wrong config must not win). Timing as in gemv_bench.py: one CUDA graph of
 many calls, cycling through ROUTINGS random routings so that the experts read are mostly cold in L2.
 """
@@ -35,18 +39,26 @@ from benchmarks import gemv_bench  # noqa: E402
 from benchmarks.common import print_tune  # noqa: E402
 from dflash2.kernels.triton import fused_moe_tuned  # noqa: E402
 from dflash2.kernels.triton.fused_moe import fused_moe  # noqa: E402
-from dflash2.kernels.triton.fused_moe_configs import default_config, token_bucket  # noqa: E402
+from dflash2.kernels.triton.fused_moe_configs import (KEYS, SMALL_DEFAULT, SMALL_KEYS, default_config,  # noqa: E402
+                                                       small_by_default, token_bucket, tuned_config)
 
 MODELS = {  # E, k, H, I
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "mixtral-8x7b": (8, 2, 4096, 14336),
     "olmoe": (64, 8, 2048, 1024),
 }
-TOKENS = (1, 16, 64, 256, 1024, 4096)
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 GROUP_SIZE = 128  # int4 / int6 (--cpu-smoke: 32)
 ROUTINGS = 8
 TILES = [(32, 128), (64, 64), (64, 128), (128, 64), (128, 128), (32, 256)]  # BLOCK_N, BLOCK_K
 WARPS_STAGES = [(4, 3), (4, 4), (8, 3), (4, 2)]
+# the small path: searched up to this many pairs (qwen3 / olmoe: 16 tokens), a program's rows x columns of K
+SMALL_TUNE_MAX_PAIRS = 128
+SMALL_TILES = [(16, 256), (32, 256), (16, 512), (8, 512), (32, 128)]
+SMALL_DOWN_TILES = [(32, 256), (16, 256), (64, 256), (32, 128), (64, 128), (16, 512)]
+SPLITS = (1, 2, 4)
+SMALL_WARPS = (4, 8)
+PHASE_1_SHARE = 2 / 3  # of a case's budget: phase 2 keeps the rest
 
 
 def block_ms(rows_per_expert: float) -> list[int]:
@@ -60,17 +72,59 @@ def block_ms(rows_per_expert: float) -> list[int]:
 
 
 def shared_configs(num_experts: int, top_k: int, num_tokens: int) -> list[dict[str, int]]:
-    """Phase 1's candidates: the default for the shape first."""
+    """Phase 1's candidates (the default for the shape goes first, from tune_case): the blocks' configs, and up to
+    SMALL_TUNE_MAX_PAIRS pairs the small path's, those first where it is the default."""
     rows = num_tokens * top_k / num_experts
     group_ms = [1] if rows <= 16 else [8, 1]
-    return [{"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "num_warps": w, "num_stages": s}
-            for m, (n, k), (w, s), g in itertools.product(block_ms(rows), TILES, WARPS_STAGES, group_ms)]
+    searched = num_tokens * top_k <= SMALL_TUNE_MAX_PAIRS
+    blocks = [{"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "num_warps": w, "num_stages": s,
+               **({"SMALL": 0} if searched else {})}
+              for m, (n, k), (w, s), g in itertools.product(block_ms(rows), TILES, WARPS_STAGES, group_ms)]
+    if not searched:
+        return blocks
+    small = [{"SMALL": 1, **config} for config in small_configs(SMALL_TILES)]
+    return small + blocks if small_by_default(num_experts, num_tokens, top_k) else blocks + small
 
 
-def down_configs() -> list[dict[str, int]]:
-    """Phase 2's candidates: the down GEMM's own tiles (BLOCK_M is the layout's, shared)."""
+def small_configs(tiles: list[tuple[int, int]]) -> list[dict[str, int]]:
+    """The small path's keys of one GEMM over `tiles`, SPLITS and SMALL_WARPS, a tile's splits together."""
+    return [{"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split, "num_warps": w}
+            for w, (n, k), split in itertools.product(SMALL_WARPS, tiles, SPLITS)]
+
+
+def down_configs(small: bool) -> list[dict[str, int]]:
+    """Phase 2's candidates: the down GEMM's own tiles (BLOCK_M is the layout's, shared; the path the gate_up's)."""
+    if small:
+        return small_configs(SMALL_DOWN_TILES)
     return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s} for (n, k), (w, s)
             in itertools.product(TILES, WARPS_STAGES)]
+
+
+def default_candidate(num_experts: int, top_k: int, hidden: int, inter: int, num_tokens: int) -> dict[str, Any]:
+    """The config a call takes with no table: the small path's default, or the blocks' default for the gate_up
+    shape (with "SMALL": 0 where the small path is searched too)."""
+    if small_by_default(num_experts, num_tokens, top_k):
+        return dict(SMALL_DEFAULT)
+    searched = num_tokens * top_k <= SMALL_TUNE_MAX_PAIRS
+    return {**default_config(num_experts, 2 * inter, hidden, num_tokens, top_k), **({"SMALL": 0} if searched else {})}
+
+
+def table_candidate(num_experts: int, top_k: int, hidden: int, inter: int, bits: int, num_tokens: int
+                    ) -> dict[str, Any] | None:
+    """The table's entries for the case (the last tune's winner, at this bucket or below) as one call's config, so
+    that it competes again; None without one. An entry without SMALL is the blocks'."""
+    gate_up = tuned_config(num_experts, 2 * inter, hidden, bits, num_tokens)
+    if gate_up is None:
+        return None
+    small = bool(gate_up.get("SMALL"))
+    keys = SMALL_KEYS if small else KEYS
+    config = {key: gate_up[key] for key in keys if key in gate_up}
+    if small or num_tokens * top_k <= SMALL_TUNE_MAX_PAIRS:
+        config["SMALL"] = int(small)
+    down = tuned_config(num_experts, hidden, inter, bits, num_tokens) or {}
+    if bool(down.get("SMALL")) == small:
+        config["down"] = {key: down[key] for key in keys if key in down and key not in ("SMALL", "BLOCK_M")}
+    return config
 
 
 def random_experts(bits: int, num_experts: int, n: int, k: int, device: str, dtype: torch.dtype
@@ -148,22 +202,25 @@ def tune_case(name: str, bits: int, num_tokens: int, device: str, dtype: torch.d
     num_experts, top_k, hidden, inter = model = MODELS[name]
     case = {"model": name, "bits": bits, "T": num_tokens}
     call, nbytes = moe_call(model, bits, num_tokens, device, dtype)
-    default = default_config(num_experts, 2 * inter, hidden, num_tokens, top_k)
+    default = default_candidate(num_experts, top_k, hidden, inter, num_tokens)
     expected = call(0, None).float()
-    deadline = time.time() + budget_s
+    started = time.time()
+    deadline = started + budget_s
     rows = []
-    candidates = [default] + [c for c in shared_configs(num_experts, top_k, num_tokens) if c != default]
+    table = table_candidate(num_experts, top_k, hidden, inter, bits, num_tokens)
+    candidates = [default] + ([table] if table and table != default else [])
+    candidates += [c for c in shared_configs(num_experts, top_k, num_tokens) if c not in candidates]
     for config in candidates[:limit]:
-        if time.time() > deadline:
+        if time.time() > started + PHASE_1_SHARE * budget_s:
             break
         row = measure({**case, "phase": "shared"}, call, config, expected, nbytes)
         rows += [row] if row else []
     if not rows:
         return rows, None
     best = min(rows, key=lambda r: r["us"])
-    shared = best["config"]
+    shared = {key: value for key, value in best["config"].items() if key != "down"}
     best_down = best
-    for down in down_configs()[:limit]:
+    for down in down_configs(bool(shared.get("SMALL")))[:limit]:
         if time.time() > deadline:
             break
         row = measure({**case, "phase": "down"}, call, {**shared, "down": down}, expected, nbytes)
@@ -226,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         MODELS["tiny"] = (4, 2, 64, 32)
         global GROUP_SIZE
         GROUP_SIZE = 32
-        models, tokens = ["tiny"], [3]
+        models, tokens = ["tiny"], [1, 3]  # the small path's default, then the blocks'
         if args.table == fused_moe_tuned.__file__:  # never the real table
             args.table = os.path.join(tempfile.mkdtemp(), "fused_moe_tuned.py")
     cases = [(m, int(b), t) for m in models for b in bits_list.split(",") for t in tokens]

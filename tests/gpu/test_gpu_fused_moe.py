@@ -68,6 +68,31 @@ def test_qwen3_shapes_match_reference(bits, group_size):
         assert error < 1e-2, (num_tokens, error)
 
 
+@pytest.mark.parametrize("bits, group_size", [(16, None), (8, None), (4, 128), (6, 128)])
+def test_qwen3_small_path_matches_reference(bits, group_size):
+    """The decode path (fused_moe_small.py) at its default and at split / narrow configs, against the reference and
+    against the blocks' path (the same rounding: the two differ by float32 summation order only)."""
+    from dflash2.kernels.triton.fused_moe import fused_moe
+    from dflash2.models.moe import experts_by_group
+
+    num_experts, top_k, hidden, inter = QWEN3
+    args, gate_up, down = _moe_args(bits, group_size, num_experts, hidden, inter)
+    w_gate_up, w_down = args.pop("w_gate_up"), args.pop("w_down")
+    configs = [None, {"SMALL": 1, "SPLIT_K": 4, "down": {"SPLIT_K": 2}},
+               {"SMALL": 1, "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 2, "num_warps": 8}]
+    for num_tokens in (1, 3, 4):
+        x = torch.randn(num_tokens, hidden, generator=torch.Generator(device="cuda").manual_seed(num_tokens),
+                        device="cuda").bfloat16()
+        weights, ids = _routing(num_tokens, num_experts, top_k, seed=num_tokens)
+        ids[~(ids == 7).any(dim=1), -1] = 7  # every token on expert 7 (distinct experts a token still)
+        expected = experts_by_group(x.float(), gate_up, down, weights, ids)
+        blocks = fused_moe(x, w_gate_up, w_down, weights, ids, config={"SMALL": 0}, **args)
+        for config in configs:
+            got = fused_moe(x, w_gate_up, w_down, weights, ids.int(), config=config, **args)
+            assert _relative_error(got, expected) < 1e-2, (num_tokens, config)
+            assert _relative_error(got, blocks.float()) < 5e-3, (num_tokens, config)
+
+
 def test_mixtral_shape_matches_reference():
     from dflash2.kernels.triton.fused_moe import fused_moe
     from dflash2.models.moe import experts_by_group
@@ -98,20 +123,24 @@ def test_experts_module_runs_the_kernel():
     assert _relative_error(experts(x, weights, ids), expected) < 1e-2
 
 
-@pytest.mark.parametrize("bits, group_size", [(16, None), (4, 128)])
-def test_cuda_graph_replay_matches_eager(bits, group_size):
-    """Captured once for 24 tokens, replayed after the router's outputs and x change in place: the same as eager
-    calls on the new inputs (the layout, the grid and the allocations do not depend on the routing)."""
+@pytest.mark.parametrize("bits, group_size, num_tokens, config", [
+    (16, None, 24, None), (4, 128, 24, None),
+    (16, None, 2, {"SMALL": 1, "SPLIT_K": 2}),  # the small path's split tickets across replays
+    (4, 128, 1, None),
+])
+def test_cuda_graph_replay_matches_eager(bits, group_size, num_tokens, config):
+    """Captured once, replayed after the router's outputs and x change in place: the same as eager calls on the new
+    inputs (the layout, the grid and the allocations do not depend on the routing)."""
     from dflash2.kernels.triton.fused_moe import fused_moe
 
     num_experts, top_k, hidden, inter = QWEN3
     args, _, _ = _moe_args(bits, group_size, num_experts, hidden, inter)
     w_gate_up, w_down = args.pop("w_gate_up"), args.pop("w_down")
-    x = torch.randn(24, hidden, device="cuda").bfloat16()
-    weights, ids = _routing(24, num_experts, top_k, seed=0)
+    x = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+    weights, ids = _routing(num_tokens, num_experts, top_k, seed=0)
 
     def call() -> torch.Tensor:
-        return fused_moe(x, w_gate_up, w_down, weights, ids, **args)
+        return fused_moe(x, w_gate_up, w_down, weights, ids, config=config, **args)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -122,9 +151,9 @@ def test_cuda_graph_replay_matches_eager(bits, group_size):
     with torch.cuda.graph(graph):
         out = call()
     for seed in range(1, 4):
-        new_weights, new_ids = _routing(24, num_experts, top_k, seed=seed)
-        if seed == 3:  # every token on experts 0 .. k-1: two full blocks each, the other experts empty
-            new_ids = torch.arange(top_k, device="cuda").expand(24, top_k).contiguous()
+        new_weights, new_ids = _routing(num_tokens, num_experts, top_k, seed=seed)
+        if seed == 3:  # every token on experts 0 .. k-1 (24 tokens: two full blocks each), the others empty
+            new_ids = torch.arange(top_k, device="cuda").expand(num_tokens, top_k).contiguous()
         weights.copy_(new_weights)
         ids.copy_(new_ids)
         x.copy_(torch.randn_like(x))

@@ -21,8 +21,14 @@ from dflash2.models.moe import experts_by_group  # noqa: E402
 from dflash2.quantization.formats import WeightFormat, dequantize  # noqa: E402
 from dflash2.quantization.quantize import quantize  # noqa: E402
 
-# one program a block of rows for each GEMM at these widths (the interpreter's time goes by programs)
-WIDE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 1}
+# one program a block of rows for each GEMM at these widths (the interpreter's time goes by programs); the blocks'
+# path even where the small one is the default
+WIDE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 1, "SMALL": 0}
+# the small path (fused_moe_small.py): one program a pair for each GEMM at hidden 64, intermediate 32; SPLIT two K
+# steps of the gate_up GEMM and of the down GEMM in two programs each (3 asked, 2 steps), the down's 64 columns in
+# two tiles
+SMALL = {"SMALL": 1, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4}
+SPLIT = {**SMALL, "BLOCK_K": 32, "SPLIT_K": 2, "down": {"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 3}}
 NAMES = {"gate_up": ("gate_up_scales", "gate_up_zeros"), "down": ("down_scales", "down_zeros")}
 
 
@@ -126,6 +132,59 @@ def test_ragged_shapes_and_configs(bits, group_size, hidden, inter, config):
     check(6, 4, 2, bits, group_size, hidden=hidden, inter=inter, config=config)
 
 
+@pytest.mark.parametrize("num_tokens, top_k, bits, group_size, config, routing_kw", [
+    (1, 8, 16, None, SMALL, {}),
+    (3, 8, 16, None, SMALL, {"favourite": 5}),  # every token on expert 5: pairs of three tokens share it
+    (3, 8, 16, None, SPLIT, {"favourite": 5}),
+    (3, 4, 8, None, SPLIT, {}),
+    (3, 8, 4, 32, SMALL, {"favourite": 5}),  # K steps of two groups
+    (1, 8, 4, 32, SPLIT, {}),
+    (3, 4, 6, 32, SPLIT, {"favourite": 5}),
+    (1, 8, 6, 32, None, {}),  # the default config: T k = 8 <= E = 16 takes the small path
+])
+def test_small_path_matches_reference(num_tokens, top_k, bits, group_size, config, routing_kw):
+    check(num_tokens, 16, top_k, bits, group_size, config=config, **routing_kw)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden, inter, config", [
+    (2, 4, 1, 64, 32, SMALL),  # one slot, one K share: no tickets, the rows stored directly
+    (2, 4, 1, 64, 32, SPLIT),
+    # K tails (H = 80 is 2.5 steps of 32; I = 48 three of 16, cut into 2 shares) and column tiles past the end
+    (3, 8, 2, 80, 48, {**SPLIT, "BLOCK_N": 32, "down": {"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2}}),
+    (3, 8, 2, 64, 32, {**SMALL, "BLOCK_N": 4, "down": {"BLOCK_N": 8}}),  # tiles narrower than tl.dot takes
+])
+def test_small_path_shapes_and_configs(num_tokens, num_experts, top_k, hidden, inter, config):
+    check(num_tokens, num_experts, top_k, hidden=hidden, inter=inter, config=config)
+
+
+@pytest.mark.parametrize("bits, group_size, dtype, weights_dtype, ids_dtype", [
+    (16, None, torch.bfloat16, torch.float32, torch.int64),
+    (8, None, torch.float16, torch.float16, torch.int32),
+    (4, 32, torch.bfloat16, torch.bfloat16, torch.int32),
+])
+def test_small_path_half_precision(bits, group_size, dtype, weights_dtype, ids_dtype):
+    check(2, 16, 4, bits, group_size, dtype=dtype, config=SPLIT, weights_dtype=weights_dtype, ids_dtype=ids_dtype,
+          favourite=2)
+
+
+def test_small_path_skips_the_alignment_and_leaves_its_counters_zero(monkeypatch):
+    """The default at T k = 8 of 16 experts: no moe_align launch; split tickets reset, so a second call (and the
+    blocks' path) agree."""
+    from dflash2.kernels.triton import fused_moe as module
+    from dflash2.kernels.triton.gemv_parts import split_counters
+
+    args, _, _ = moe_inputs(4, 32, 16, 64, 32, torch.float32)
+    w_gate_up, w_down = args.pop("w_gate_up"), args.pop("w_down")
+    x = torch.randn(1, 64)
+    weights, ids = routing(1, 16, 8, seed=2)
+    blocks = fused_moe(x, w_gate_up, w_down, weights, ids, config=WIDE, **args)
+    monkeypatch.setattr(module, "align_by_expert", None)
+    first = fused_moe(x, w_gate_up, w_down, weights, ids, config={"SPLIT_K": 2}, **args)
+    assert int(split_counters(x.device, 1).abs().sum()) == 0
+    assert torch.equal(fused_moe(x, w_gate_up, w_down, weights, ids, config={"SPLIT_K": 2}, **args), first)
+    torch.testing.assert_close(first, blocks, atol=3e-5, rtol=1e-5)
+
+
 def test_repeated_calls_agree():
     """Nothing depends on uninitialized memory (the layout's, the intermediate's)."""
     args, _, _ = moe_inputs(4, 32, 4, 64, 32, torch.float32)
@@ -164,7 +223,11 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="w_gate_up: bits=16"):
         fused_moe(x, torch.randn(4, 64, 64, dtype=torch.bfloat16), torch.randn(4, 64, 32), weights, ids)
     with pytest.raises(ValueError, match="powers of two >= 16"):
-        fused_moe(x, w_gate_up, w_down, weights, ids, config={"BLOCK_M": 8}, **args)
+        fused_moe(x, w_gate_up, w_down, weights, ids, config={"BLOCK_M": 8, "SMALL": 0}, **args)
+    with pytest.raises(ValueError, match="small-path"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, config={"SMALL": 1, "BLOCK_N": 24}, **args)
+    with pytest.raises(ValueError, match="small-path"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, config={"SMALL": 1, "down": {"SPLIT_K": 0}}, **args)
 
 
 # -- the alignment alone ---------------------------------------------------------------------------------
@@ -225,6 +288,55 @@ def test_config_lookup(monkeypatch):
     gate_up, down = fmc.moe_config(8, 32, 32, 4, 64, 2, {"BLOCK_M": 16, "down": {"BLOCK_N": 32}})
     assert gate_up == {**gate_up_entry, "BLOCK_M": 16}
     assert down == {**down_entry, "BLOCK_M": 16, "BLOCK_N": 32}
+
+
+def test_small_path_dispatch(monkeypatch):
+    """The path: the call's SMALL, else the gate_up entry's at the bucket (or the nearest below), else the default
+    (T k <= 32 and <= E); the small path's keys from the call, the table's small entry, or SMALL_DEFAULT."""
+    monkeypatch.setattr(fmc, "TUNED_CONFIGS", {})
+    gate_up, down = fmc.moe_config(16, 64, 32, 16, 1, 8)  # 8 pairs of 16 experts
+    assert gate_up == down == fmc.SMALL_DEFAULT
+    assert fmc.moe_config(128, 2048, 768, 16, 4, 8)[0]["SMALL"] == 1  # qwen3-30b-a3b: 32 pairs
+    assert "SMALL" not in fmc.moe_config(128, 2048, 768, 16, 5, 8)[0]  # 40 pairs
+    assert "SMALL" not in fmc.moe_config(4, 64, 32, 16, 3, 2)[0]  # 6 pairs of 4 experts
+    assert fmc.moe_config(4, 64, 32, 16, 3, 2, {"SMALL": 1})[0]["SMALL"] == 1
+    assert "SMALL" not in fmc.moe_config(16, 64, 32, 16, 1, 8, {"SMALL": 0})[0]
+    gate_up, down = fmc.moe_config(16, 64, 32, 16, 1, 8, {"BLOCK_N": 8, "down": {"SPLIT_K": 2}})
+    assert (gate_up["BLOCK_N"], gate_up["SPLIT_K"], down["BLOCK_N"], down["SPLIT_K"]) == (8, 1, 8, 2)
+    small_entry = {"SMALL": 1, "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 2, "num_warps": 8}
+    blocks_entry = {**fmc.default_config(16, 64, 64, 16, 8), "SMALL": 0}
+    monkeypatch.setattr(fmc, "TUNED_CONFIGS", {(16, 64, 64, 16, 1): small_entry, (16, 64, 32, 16, 1): small_entry,
+                                               (16, 64, 64, 16, 2): blocks_entry, (16, 64, 32, 16, 2): blocks_entry,
+                                               (16, 64, 64, 16, 8): fmc.default_config(16, 64, 64, 16, 4)})
+    assert fmc.moe_config(16, 64, 32, 16, 1, 4) == (small_entry, small_entry)
+    assert fmc.moe_config(16, 64, 32, 16, 2, 4)[0] == blocks_entry  # 8 pairs, but the table says blocks
+    assert fmc.moe_config(16, 64, 32, 16, 3, 4)[0] == blocks_entry  # bucket 4: the entry at 2
+    # 16 pairs and an entry from before the small path (no SMALL): the default rule, and the small defaults
+    assert fmc.moe_config(16, 64, 32, 16, 8, 2)[0] == fmc.SMALL_DEFAULT
+
+
+def test_tune_searches_the_small_path_for_few_pairs(monkeypatch):
+    from benchmarks import moe_kernel_tune as tune
+
+    decode = tune.shared_configs(128, 8, 1)
+    assert decode[0]["SMALL"] == 1 and any(c["SMALL"] == 0 and c["BLOCK_M"] == 16 for c in decode)
+    assert {c["SPLIT_K"] for c in decode if c["SMALL"]} == set(tune.SPLITS)
+    sixteen = tune.shared_configs(128, 8, 16)
+    assert sixteen[0]["SMALL"] == 0 and any(c["SMALL"] for c in sixteen)  # 128 pairs: searched, blocks first
+    assert all("SMALL" not in c for c in tune.shared_configs(128, 8, 64))
+    assert tune.default_candidate(128, 8, 2048, 768, 1)["SMALL"] == 1
+    assert all("SPLIT_K" in c for c in tune.down_configs(True))
+    assert all("SPLIT_K" not in c for c in tune.down_configs(False))
+    # the table's entries compete again: an old one (no SMALL) as the blocks', a small one as the small path's
+    blocks = fmc.default_config(128, 1536, 2048, 1, 8)
+    small = {"SMALL": 1, "BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 2, "num_warps": 8}
+    monkeypatch.setattr(fmc, "TUNED_CONFIGS", {(128, 1536, 2048, 16, 1): blocks, (128, 2048, 768, 16, 1): blocks,
+                                               (128, 1536, 2048, 16, 2): small, (128, 2048, 768, 16, 2): small})
+    assert tune.table_candidate(128, 8, 2048, 768, 16, 1) == {
+        **blocks, "SMALL": 0, "down": {key: value for key, value in blocks.items() if key != "BLOCK_M"}}
+    assert tune.table_candidate(128, 8, 2048, 768, 16, 3) == {
+        **small, "down": {key: value for key, value in small.items() if key != "SMALL"}}
+    assert tune.table_candidate(128, 8, 2048, 768, 8, 1) is None
 
 
 def test_tune_writes_the_table(tmp_path):

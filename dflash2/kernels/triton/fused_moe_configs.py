@@ -9,11 +9,11 @@ the columns (neighbouring programs share weight tiles in L2), num_warps, num_sta
      "down": {"BLOCK_N": 64, ...}}
 
 The small path (fused_moe_small.py: a program a (token, slot) pair and BLOCK_N columns, no blocks of rows) takes
-"SMALL": 1 and, a GEMM, BLOCK_N (any power of two), BLOCK_K, SPLIT_K (programs sharing a tile along K), num_warps
-and num_stages; the gate_up config's SMALL picks the path for both GEMMs:
+"SMALL": 1 and, a GEMM, BLOCK_N (any power of two), BLOCK_K, SPLIT_K (programs sharing a tile along K) and
+num_warps (no num_stages: its loads feed no tl.dot, and Triton 3.6 pipelines none of them); the gate_up config's
+SMALL picks the path for both GEMMs:
 
-    {"SMALL": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2,
-     "down": {"BLOCK_N": 32}}
+    {"SMALL": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "down": {"BLOCK_N": 32}}
 
 The table (fused_moe_tuned.TUNED_CONFIGS) is keyed by one GEMM's weight shape [E, N, K], bits and a bucket of
 tokens; a call takes each GEMM's entry at its bucket, else at the nearest tuned bucket below, else the default.
@@ -26,7 +26,7 @@ import triton
 from dflash2.kernels.triton.fused_moe_tuned import TUNED_CONFIGS
 
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-SMALL_KEYS = ("SMALL", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+SMALL_KEYS = ("SMALL", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
 MAX_BUCKET = 4096
 # Rows an expert gets on average (T k / E) -> BLOCK_M: decode and small batches waste little of a 16-row block (the
 # MMA's smallest), and their GEMMs are bound by the weights' bytes; more rows, larger tiles that reuse each weight
@@ -36,11 +36,11 @@ _MEDIUM = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "num_warps
 _LARGE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 # The small path reads its expert's rows once a pair, where the blocks read each selected expert once: it is the
 # default while pairs seldom share an expert (T k <= E) and few enough that the blocks are mostly padding (T k <=
-# 32: decode of up to 4 tokens at top-8; the tune's SMALL entries decide past that). Untuned starting points: each
-# gate_up program reads 2 x 16 rows (gate, up) of H, each down program 32 rows of I.
+# 32: decode of up to 4 tokens at top-8; the tune's SMALL entries decide past that). An untuned starting point for
+# both GEMMs: at qwen3-30b-a3b's T = 1, 384 gate_up programs of 2 x 16 rows (gate, up) and 1,024 down programs,
+# 128 and 72 registers (sm_90, Triton 3.6), 16 and 8 KB of loads in flight a program.
 SMALL_MAX_PAIRS = 32
-_SMALL_PATH = {"gate_up": {"SMALL": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
-               "down": {"SMALL": 1, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}}
+SMALL_DEFAULT = {"SMALL": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4}
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -79,8 +79,7 @@ def moe_config(num_experts: int, hidden: int, inter: int, bits: int, num_tokens:
     small = next((bool(source["SMALL"]) for source in (config, gate_up_entry) if source and "SMALL" in source),
                  small_by_default(num_experts, num_tokens, top_k))
     if small:
-        return (_small(_SMALL_PATH["gate_up"], gate_up_entry, config),
-                _small(_SMALL_PATH["down"], down_entry, given_down))
+        return _small(gate_up_entry, config), _small(down_entry, given_down)
 
     def pick(n: int, k: int, entry: dict | None, given: dict | None) -> dict[str, int]:
         base = entry if entry and not entry.get("SMALL") else default_config(num_experts, n, k, num_tokens, top_k)
@@ -92,15 +91,15 @@ def moe_config(num_experts: int, hidden: int, inter: int, bits: int, num_tokens:
     return _checked(gate_up), _checked(down)
 
 
-def _small(default: dict[str, int], entry: dict | None, given: dict | None) -> dict[str, int]:
-    """A small-path config: the given keys over the table's small entry (or the default)."""
-    base = entry if entry and entry.get("SMALL") else default
-    config = {key: {**default, **base, **(given or {})}[key] for key in SMALL_KEYS}
+def _small(entry: dict | None, given: dict | None) -> dict[str, int]:
+    """A small-path config: the given keys over the table's small entry (or SMALL_DEFAULT)."""
+    base = entry if entry and entry.get("SMALL") else SMALL_DEFAULT
+    config = {key: {**SMALL_DEFAULT, **base, **(given or {})}[key] for key in SMALL_KEYS}
     config["SMALL"] = 1
     tiles = [config[key] for key in ("BLOCK_N", "BLOCK_K")]
     if any(t & (t - 1) for t in tiles) or config["BLOCK_K"] < 16 or min(config[k] for k in SMALL_KEYS[1:]) < 1:
         raise ValueError(f"a small-path fused MoE config needs BLOCK_N and BLOCK_K powers of two (BLOCK_K >= 16), "
-                         f"SPLIT_K, num_warps and num_stages >= 1; got {config}")
+                         f"SPLIT_K and num_warps >= 1; got {config}")
     return config
 
 
