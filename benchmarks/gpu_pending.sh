@@ -81,7 +81,7 @@ print(json.dumps({k: v for k, v in d.items() if k != 'top'})); [print(t) for t i
   echo "== W7 over HTTP exit $?"; tail -c 1500 "$OUT/w7_http.log"
   kill $server; wait $server ;;
 5)  # one call with little device time left: the MoE small path's GPU tests, W7 traced and profiled, W4
-  timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_fused_moe.py > "$OUT/moe_tests.log" 2>&1
+  timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_fused_moe.py > "$OUT/moe_tests.log" 2>&1
   echo "== fused MoE GPU tests exit $?"; tail -5 "$OUT/moe_tests.log"
   rm -f /tmp/w7steps.jsonl
   DFLASH2_STEP_TRACE=/tmp/w7steps.jsonl timeout 120 python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl \
@@ -92,7 +92,8 @@ print(json.dumps({k: v for k, v in d.items() if k != 'top'})); [print(t) for t i
   python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['profile']; \
 print(json.dumps({k: v for k, v in d.items() if k != 'top'})); [print(t) for t in d['top'][:25]]" "$OUT/w7_prof.json"
   df -h /tmp | tail -1; rm -rf /tmp/l3; mkdir -p /tmp/l3
-  timeout $((575 - SECONDS)) python3 benchmarks/multi_turn.py --settings none,l2_l3 --l3-dir /tmp/l3 --l3-size 32GiB \
+  timeout $((${LIMIT:-575} - SECONDS)) python3 benchmarks/multi_turn.py --settings "${W4_SETTINGS:-none,l2_l3}" \
+    --l3-dir /tmp/l3 --l3-size 32GiB \
     --workloads-py .bench/workloads.py --log-dir /tmp/w4logs --output "$OUT/w4.json" > "$OUT/w4.log" 2>&1
   echo "== W4 exit $?"; tail -c 2500 "$OUT/w4.log" ;;
 esac
