@@ -201,43 +201,40 @@ class DiskStore:
         return self._reader.submit(self._read, (fingerprint, content_hash), into)
 
     def _read(self, key: Key, into: Any) -> bytes | bool | None:
+        """The file's header, then its payload read straight into `into` (or a new buffer): no copy in between."""
         path = self._path(key)
         started = time.perf_counter()
+        payload = memoryview(bytearray(self.page_bytes) if into is None else into).cast("B")
         try:
-            data = path.read_bytes()
+            with open(path, "rb", buffering=0) as f:
+                header = f.read(HEADER.size)
+                length = _read_into(f, payload) if len(header) == HEADER.size else 0
+                past_end = f.read(1)
         except OSError:
             with self._lock:
                 self._index.pop(key, None)
             return None
-        payload = self._checked(key, data)
+        ok = length == self.page_bytes and not past_end and self._checked(key, header, payload)
         with self._lock:
-            if payload is None:
+            if not ok:
                 self._index.pop(key, None)
                 self.num_corrupt += 1
             else:
                 if key in self._index:
                     self._index.move_to_end(key)
-                self.bytes_read += len(data)
+                self.bytes_read += HEADER.size + length
                 self.num_reads += 1
                 self.read_seconds += time.perf_counter() - started
-        if payload is None:
+        if not ok:
             logger.warning("L3 cache file %s failed its check; removed (a miss)", path.name)
             _remove(path)
             return None
-        if into is None:
-            return bytes(payload)
-        memoryview(into).cast("B")[:] = payload
-        return True
+        return bytes(payload) if into is None else True
 
-    def _checked(self, key: Key, data: bytes) -> memoryview | None:
-        if len(data) != self.file_bytes:
-            return None
-        magic, version, fingerprint, hash_length, stored_hash, length, checksum = HEADER.unpack_from(data)
-        payload = memoryview(data)[HEADER.size:]
-        if (magic, version, fingerprint) != (MAGIC, VERSION, key[0].encode()) or length != len(payload) \
-                or stored_hash[:hash_length] != key[1] or xxhash.xxh64_intdigest(payload) != checksum:
-            return None
-        return payload
+    def _checked(self, key: Key, header: bytes, payload: memoryview) -> bool:
+        magic, version, fingerprint, hash_length, stored_hash, length, checksum = HEADER.unpack(header)
+        return ((magic, version, fingerprint) == (MAGIC, VERSION, key[0].encode()) and length == len(payload)
+                and stored_hash[:hash_length] == key[1] and xxhash.xxh64_intdigest(payload) == checksum)
 
     @property
     def avg_read_latency_s(self) -> float | None:
@@ -246,6 +243,17 @@ class DiskStore:
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
+
+
+def _read_into(f: Any, buffer: memoryview) -> int:
+    """Fill `buffer` from an unbuffered file (a read may return less than asked); the bytes read."""
+    done = 0
+    while done < len(buffer):
+        count = f.readinto(buffer[done:])
+        if not count:
+            break
+        done += count
+    return done
 
 
 def _writer_alive(temporary: Path) -> bool:
