@@ -7,7 +7,7 @@ from __future__ import annotations
 
 TUNED_CONFIGS: dict[tuple[int, int, int, int, int], dict[str, int]] = {
     # qwen3-30b-a3b gate_up, T 1: the call 38.41 us (default 38.41)
-    (128, 1536, 2048, 4, 1): {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
+    (128, 1536, 2048, 4, 1): {"SMALL": 0, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
     # qwen3-30b-a3b gate_up, T 16: the call 179.57 us (default 179.57)
     (128, 1536, 2048, 4, 16): {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
     # qwen3-30b-a3b gate_up, T 64: the call 279.53 us (default 279.53)
@@ -19,7 +19,7 @@ TUNED_CONFIGS: dict[tuple[int, int, int, int, int], dict[str, int]] = {
     # qwen3-30b-a3b gate_up, T 4096: the call 1462.62 us (default 1485.55)
     (128, 1536, 2048, 4, 4096): {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
     # qwen3-30b-a3b gate_up, T 1: the call 51.44 us (default 55.98)
-    (128, 1536, 2048, 16, 1): {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
+    (128, 1536, 2048, 16, 1): {"SMALL": 0, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
     # qwen3-30b-a3b gate_up, T 16: the call 319.81 us (default 320.32)
     (128, 1536, 2048, 16, 16): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 8, "num_stages": 3},
     # qwen3-30b-a3b gate_up, T 64: the call 476.73 us (default 476.73)
@@ -31,7 +31,7 @@ TUNED_CONFIGS: dict[tuple[int, int, int, int, int], dict[str, int]] = {
     # qwen3-30b-a3b gate_up, T 4096: the call 1334.2 us (default 1344.79)
     (128, 1536, 2048, 16, 4096): {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
     # qwen3-30b-a3b down, T 1: the call 38.41 us (default 38.41)
-    (128, 2048, 768, 4, 1): {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
+    (128, 2048, 768, 4, 1): {"SMALL": 0, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
     # qwen3-30b-a3b down, T 16: the call 179.57 us (default 179.57)
     (128, 2048, 768, 4, 16): {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
     # qwen3-30b-a3b down, T 64: the call 279.53 us (default 279.53)
@@ -43,7 +43,7 @@ TUNED_CONFIGS: dict[tuple[int, int, int, int, int], dict[str, int]] = {
     # qwen3-30b-a3b down, T 4096: the call 1462.62 us (default 1485.55)
     (128, 2048, 768, 4, 4096): {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
     # qwen3-30b-a3b down, T 1: the call 51.44 us (default 55.98)
-    (128, 2048, 768, 16, 1): {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
+    (128, 2048, 768, 16, 1): {"SMALL": 0, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
     # qwen3-30b-a3b down, T 16: the call 319.81 us (default 320.32)
     (128, 2048, 768, 16, 16): {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 8, "num_stages": 3},
     # qwen3-30b-a3b down, T 64: the call 476.73 us (default 476.73)
