@@ -9,6 +9,7 @@
 #           under the profiler (top kernels): where issue 44's time goes; then W7 at 1024 seqs / 16384 tokens;
 #           then W7 over HTTP (dflash2 serve, dflash2 bench at 1000 in flight: issue 44 item 2)
 #   PART=5: the fused MoE GPU tests, W7 traced with 100 profiled steps, W4 none and l2_l3 (one call)
+#   PART=6: the fused MoE small path timed by the tune at T 1-16 (bits 16, 4), then W6 bf16 and int4 on that table
 #   PART=2 takes W4_SETTINGS (default none,l2,l2_l3) and W4_TIMEOUT (default 575)
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
@@ -98,4 +99,14 @@ print(json.dumps({k: v for k, v in d.items() if k != 'top'})); [print(t) for t i
   cp /tmp/w7steps.jsonl "$OUT/w7steps.jsonl"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['profile']; \
 print(json.dumps({k: v for k, v in d.items() if k != 'top'})); [print(t) for t in d['top'][:25]]" "$OUT/w7_prof.json" ;;
+6)  # issue 45's small path timed: the tune at decode sizes (both paths compete), then W6 on the new table
+  cp dflash2/kernels/triton/fused_moe_tuned.py "$OUT/fused_moe_tuned.py"
+  timeout 240 python3 benchmarks/moe_kernel_tune.py --models qwen3-30b-a3b --bits 16,4 --tokens 1,2,4,8,16 \
+    --budget-s 210 --table "$OUT/fused_moe_tuned.py" --output "$OUT/tune.json" > "$OUT/tune.log" 2>&1
+  echo "== tune exit $?"; tail -1 "$OUT/tune.log" | cut -c1-3000
+  cp "$OUT/fused_moe_tuned.py" dflash2/kernels/triton/fused_moe_tuned.py
+  timeout 160 python3 benchmarks/moe.py --output "$OUT/w6_bf16.json" > "$OUT/w6_bf16.log" 2>&1
+  echo "== W6 bf16 exit $?"; tail -c 1200 "$OUT/w6_bf16.log"
+  timeout 130 python3 benchmarks/moe.py --quantization int4 --output "$OUT/w6_int4.json" > "$OUT/w6_int4.log" 2>&1
+  echo "== W6 int4 exit $?"; tail -c 1200 "$OUT/w6_int4.log" ;;
 esac
