@@ -15,7 +15,6 @@ JSON out (stdout, and --output).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import sync  # noqa: E402
+from benchmarks.common import device_name, print_report, sync  # noqa: E402
 from benchmarks.roofline import device_bytes_per_s, moe_step_weight_bytes  # noqa: E402
 from dflash2 import LLM, SamplingParams  # noqa: E402
 
@@ -135,7 +134,7 @@ def main() -> None:
     load_s = time.perf_counter() - started
     vocab = llm.engine.model.arch.vocab_size
     result = {"workload": "w6", "engine": "dflash2", "model": args.model if not args.cpu_smoke else "tiny qwen3_moe",
-              "dtype": options["dtype"], "quantization": args.quantization, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "dtype": options["dtype"], "quantization": args.quantization, "device": device_name(),
               "load_s": round(load_s, 1), "anchor": ANCHOR}
     if "batch1" not in args.skip:
         result["batch1"] = batch_one(llm, args, vocab)
@@ -143,11 +142,7 @@ def main() -> None:
         result["concurrent"] = concurrent(llm, args, vocab)
         result["target_met"] = result["concurrent"]["output_tok_s"] >= ANCHOR["output_tok_s"] and (
             result.get("batch1", {}).get("fraction_of_roofline") or 0) >= 0.8
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    print_report(result, args.output)
 
 
 if __name__ == "__main__":

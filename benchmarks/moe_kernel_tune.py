@@ -71,12 +71,17 @@ def block_ms(rows_per_expert: float) -> list[int]:
     return [64, 128, 32]
 
 
+def small_searched(num_tokens: int, top_k: int) -> bool:
+    """Whether the small path competes for this many tokens (its pairs up to SMALL_TUNE_MAX_PAIRS)."""
+    return num_tokens * top_k <= SMALL_TUNE_MAX_PAIRS
+
+
 def shared_configs(num_experts: int, top_k: int, num_tokens: int) -> list[dict[str, int]]:
     """Phase 1's candidates (the default for the shape goes first, from tune_case): the blocks' configs, and up to
     SMALL_TUNE_MAX_PAIRS pairs the small path's, those first where it is the default."""
     rows = num_tokens * top_k / num_experts
     group_ms = [1] if rows <= 16 else [8, 1]
-    searched = num_tokens * top_k <= SMALL_TUNE_MAX_PAIRS
+    searched = small_searched(num_tokens, top_k)
     blocks = [{"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "num_warps": w, "num_stages": s,
                **({"SMALL": 0} if searched else {})}
               for m, (n, k), (w, s), g in itertools.product(block_ms(rows), TILES, WARPS_STAGES, group_ms)]
@@ -105,7 +110,7 @@ def default_candidate(num_experts: int, top_k: int, hidden: int, inter: int, num
     shape (with "SMALL": 0 where the small path is searched too)."""
     if small_by_default(num_experts, num_tokens, top_k):
         return dict(SMALL_DEFAULT)
-    searched = num_tokens * top_k <= SMALL_TUNE_MAX_PAIRS
+    searched = small_searched(num_tokens, top_k)
     return {**default_config(num_experts, 2 * inter, hidden, num_tokens, top_k), **({"SMALL": 0} if searched else {})}
 
 
@@ -119,7 +124,7 @@ def table_candidate(num_experts: int, top_k: int, hidden: int, inter: int, bits:
     small = bool(gate_up.get("SMALL"))
     keys = SMALL_KEYS if small else KEYS
     config = {key: gate_up[key] for key in keys if key in gate_up}
-    if small or num_tokens * top_k <= SMALL_TUNE_MAX_PAIRS:
+    if small or small_searched(num_tokens, top_k):
         config["SMALL"] = int(small)
     down = tuned_config(num_experts, hidden, inter, bits, num_tokens) or {}
     if bool(down.get("SMALL")) == small:

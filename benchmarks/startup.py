@@ -6,7 +6,6 @@ answers 200, each with an empty tokenizer cache (the first start on a machine) a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import print_report  # noqa: E402
 from dflash2.bench.server_process import ServerProcess  # noqa: E402
 
 GENERATE = [sys.executable, "-m", "dflash2.cli.main", "generate", "--prompt", "The capital of France is",
@@ -49,11 +49,7 @@ def main() -> None:
             env = {**os.environ, "DFLASH2_CACHE_DIR": cache}
             cold = measure(env)
             results[name] = {"empty_tokenizer_cache": cold, "filled": [measure(env) for _ in range(args.repeats)]}
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    print_report(results, args.output)
 
 
 if __name__ == "__main__":

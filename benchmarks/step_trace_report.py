@@ -4,10 +4,10 @@
     python3 benchmarks/step_trace_report.py $OUT/steps.jsonl [--since-ms T] [--until-ms T] [--window-from W7_JSON]
 
 Kinds: every step; decode-only steps; steps with prefill (by prefill tokens: <= 256, <= 1024, more); steps
-with swaps; steps replaying a CUDA graph or run eagerly (graph_replay, eager); steps sampling an urgent first token (first_token_priority >= --urgent, default 1000). For each:
-count, and p50 / p99 / max of device_ms (CUDA), plan_ms, launch_ms, finish_ms, the gap to the next step's
-plan (host time between steps) and the step's wall time; the sums of device_ms and of wall time, and their
-shares of the whole window's sums.
+with swaps; steps replaying a CUDA graph or run eagerly (graph_replay, eager); steps sampling an urgent first
+token (first_token_priority >= --urgent, default 1000). For each: count, and p50 / p99 / max of device_ms
+(CUDA), plan_ms, launch_ms, finish_ms, the gap to the next step's plan (host time between steps) and the step's
+wall time; the sums of device_ms and of wall time, and their shares of the whole window's sums.
 
 A step's wall time is from its plan to the next step's plan (the last step's: to its results); the walls add
 up to the window's span, so wall shares say where the run's time went. device_ms adds up to the time the

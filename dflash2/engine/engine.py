@@ -423,7 +423,7 @@ class Engine:
             self.disk_tier.write_ahead()
         self.last_launch_seconds = time.perf_counter() - launch_started
         if trace is not None:
-            self.trace.launched(trace, self.last_launch_seconds, *served.runner.last_step_shape)
+            self.trace.launched(trace, self.last_launch_seconds, served.runner.last_graph)
             pending.trace = trace
         return pending
 

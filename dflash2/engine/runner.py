@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash2.engine.graphs import StepGraphs
+from dflash2.engine.graphs import GraphShape, StepGraphs
 from dflash2.engine.guided import TokenMask, TokenMasks
 from dflash2.engine.host_batch import HostBatch, order_chunks
 from dflash2.engine.kv.layout import KVLayout
@@ -90,7 +90,7 @@ class ModelRunner:
         self.layout = layout
         self.options = options
         self.device = model.device
-        self.last_step_shape: tuple[tuple[int, int] | None, int] = (None, 0)  # launch's: for the step trace
+        self.last_graph: GraphShape | None = None  # the graph launch() replayed (None: eager), for the step trace
         self.storage = storage if storage is not None else PoolStorage(num_pages, layout.page_bytes,
                                                                        options.num_host_pages, self.device)
         self.num_pages = self.storage.num_pages
@@ -149,15 +149,14 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: StepPlan, requests: Mapping[str, Request]) -> PendingStep:
         self.storage.swap(plan.swap_out, plan.swap_in)
-        self.last_step_shape = (None, 0)  # (the graph replayed, or None: eager; the decode rows' context tokens)
+        self.last_graph = None
         if not plan.chunks:
             return PendingStep([], [], None, None)
         self.update_page_table(plan.chunks)
         ordered, num_decodes = order_chunks(plan.chunks)
         host = HostBatch.build(ordered, num_decodes)
         shape = self.graphs.shape_for(host, num_decodes) if self.graphs is not None else None
-        self.last_step_shape = ((shape.decodes, shape.prefill_tokens) if shape is not None else None,
-                                sum(host.decode_lengths))
+        self.last_graph = shape
         greedy = None
         if shape is not None:
             logits, greedy = self.graphs.run(shape, host, num_decodes)

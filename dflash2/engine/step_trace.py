@@ -30,11 +30,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
 from dflash2.engine.plan import StepPlan
+
+if TYPE_CHECKING:
+    from dflash2.engine.graphs import GraphShape
 
 ENV = "DFLASH2_STEP_TRACE"
 
@@ -54,11 +57,12 @@ class StepTrace:
               plan_seconds: float) -> dict[str, Any]:
         """The step's shape, before its launch (which starts the device clock); the priorities as
         step_order.step_priorities found them."""
-        decodes = prefill_chunks = prefill_tokens = 0
+        decodes = prefill_chunks = prefill_tokens = decode_context_tokens = 0
         sampling_prefills = []
         for chunk in plan.chunks:
             if chunk.is_decode:
                 decodes += 1
+                decode_context_tokens += chunk.start + 1
             else:
                 prefill_chunks += 1
                 prefill_tokens += chunk.num_tokens
@@ -69,6 +73,7 @@ class StepTrace:
             "t_ms": round((planned - self.started) * 1e3, 3), "mono_s": round(planned, 6),
             "plan_ms": round(plan_seconds * 1e3, 3), "launch_ms": None, "finish_ms": None, "device_ms": None,
             "decodes": decodes, "prefill_chunks": prefill_chunks, "prefill_tokens": prefill_tokens,
+            "decode_context_tokens": decode_context_tokens,
             "swap_out_pages": len(plan.swap_out), "swap_in_pages": len(plan.swap_in),
             "preempted": len(plan.preempted), "top_priority": top_priority,
             "first_token_priority": first_token_priority, "sampling_prefills": sampling_prefills}
@@ -77,10 +82,10 @@ class StepTrace:
             record["_events"][0].record()
         return record
 
-    def launched(self, record: dict[str, Any], launch_seconds: float, graph: tuple[int, int] | None = None,
-                 decode_context_tokens: int = 0) -> None:
+    def launched(self, record: dict[str, Any], launch_seconds: float, graph: GraphShape | None = None) -> None:
+        """`graph`: the GraphShape the runner replayed (None: the step ran eagerly)."""
         record["launch_ms"] = round(launch_seconds * 1e3, 3)
-        record["graph"], record["decode_context_tokens"] = graph, decode_context_tokens
+        record["graph"] = None if graph is None else [graph.decodes, graph.prefill_tokens]
         if self.cuda:
             record["_events"][1].record()
 

@@ -8,8 +8,9 @@ with LRU eviction over every fingerprint, and found again by a new process (the 
 A file is written to `<name>.<pid>.tmp` and renamed, so a file cut by a kill mid-write is never under its final
 name; at startup the `.tmp` files of processes no longer alive are removed. Two processes may share a directory (a
 server and the successor a SIGUSR2 restart starts beside it): a page the other one writes later is found at its
-first lookup (`contains` looks on disk when the index misses) and joins this store's index. A read whose header or checksum does not match is a miss: the file is removed
-and counted (`num_corrupt`). An I/O error while writing (a full disk, a read-only directory) turns writing off with
+first lookup (`contains` looks on disk when the index misses) and joins this store's index. A read (the header,
+then the payload straight into the caller's buffer) whose header or checksum does not match is a miss: the file is
+removed and counted (`num_corrupt`). An I/O error while writing (a full disk, a read-only directory) turns writing off with
 one log line (`writes_disabled`); reads go on.
 """
 from __future__ import annotations

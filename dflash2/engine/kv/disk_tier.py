@@ -5,8 +5,9 @@
           resumes where it stopped, so a full queue delays a page, it does not skip it); each is pinned (never
           evicted) until its write is in; the writers wait for the device copies queued so far first. So a page
           leaving host memory is on disk already (unless writing was off, or the writers fell a whole lap behind),
-          and each page is written once, not each time it comes down. A paused request spilled when host memory is full of
-          swapped pages (KVManager.spill) has its pages written with the next write_ahead, pinned until then.
+          and each page is written once, not each time it comes down. A paused request spilled when host memory is
+          full of swapped pages (KVManager.spill) has its pages written with the next write_ahead, pinned until
+          then.
     up:   a waiting request whose prefix goes on past host memory into files starts a fetch: host pages are
           reserved (loading) and the files are read into them by reader threads, checked; the scheduler admits
           the request once its reads are in (poll: the pages are then cached in host memory and come up like any
@@ -109,14 +110,13 @@ class DiskTier:
     # -- up ------------------------------------------------------------------------------------------
     def worth_loading(self, num_pages: int, num_tokens: int) -> bool:
         """Whether reading `num_pages` pages is expected to be faster than computing their `num_tokens` tokens."""
-        latency = self.store.avg_read_latency_s
-        if self.prefill_tokens_per_s is None or latency is None:
+        if self.prefill_tokens_per_s is None or self.store.avg_read_latency_s is None:
             return True  # nothing measured yet: read (the reads measure themselves)
-        rounds = -(-num_pages // self.store.read_threads)  # the readers take the pages side by side
-        return rounds * latency < num_tokens / self.prefill_tokens_per_s
+        return self._read_s(num_pages) < num_tokens / self.prefill_tokens_per_s
 
     def _read_s(self, num_pages: int) -> float:
-        """The expected time to read `num_pages` pages, the readers side by side."""
+        """The expected time to read `num_pages` pages, the readers taking them side by side (DEFAULT_READ_S a
+        page until reads have been timed)."""
         latency = self.store.avg_read_latency_s
         return -(-num_pages // self.store.read_threads) * (DEFAULT_READ_S if latency is None else latency)
 

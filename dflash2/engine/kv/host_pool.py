@@ -23,8 +23,8 @@ Room for cached pages is made in ring order: a cursor walks the pages, taking fr
 ones it meets (skipping swapped, loading and pinned ones), so the pages of one store are consecutive (one copy)
 and the oldest cached pages are the ones just ahead of the cursor. With a disk tier the cached pages are written
 down in ring order from the cursor on (pages_ahead: the next to leave first), as fast as the writers take them, so
-a page leaving host memory is on disk already: each page is written at most once, not every time it comes down. (An LRU over host pages had scattered each batch over
-many runs: ~0.5 ms of copy calls a swap, W3 on the H100.)
+a page leaving host memory is on disk already: each page is written at most once, not every time it comes down.
+(An LRU over host pages had scattered each batch over many runs: ~0.5 ms of copy calls a swap, W3 on the H100.)
 """
 from __future__ import annotations
 

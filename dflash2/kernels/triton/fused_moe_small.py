@@ -72,7 +72,11 @@ def _split_total(ws_ptrs, split_size, mask, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def _store_hidden(gate, up, hidden_ptrs, mask):
+def _store_hidden(gate, up, hidden_ptrs, mask, s_ptr, cols64, I, stride_sn, BITS: tl.constexpr):
+    """SiLU(gate) * up of the finished sums (times the row scales at 8 bits), rounded to the hidden's dtype."""
+    if BITS == 8:
+        gate *= tl.load(s_ptr + cols64 * stride_sn).to(tl.float32)
+        up *= tl.load(s_ptr + (cols64 + I) * stride_sn).to(tl.float32)
     dtype = hidden_ptrs.dtype.element_ty
     tl.store(hidden_ptrs, _silu_mul(gate.to(dtype), up.to(dtype)), mask=mask)
 
@@ -120,10 +124,7 @@ def _small_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, hidden_ptr, ws_ptr, cnt_pt
     up = tl.sum(up, axis=1)
     hidden_ptrs = hidden_ptr + pair.to(tl.int64) * stride_hm + cols
     if SPLIT_K == 1:
-        if BITS == 8:
-            gate *= tl.load(s_ptr + cols64 * stride_sn).to(tl.float32)
-            up *= tl.load(s_ptr + (cols64 + I) * stride_sn).to(tl.float32)
-        _store_hidden(gate, up, hidden_ptrs, col_ok)
+        _store_hidden(gate, up, hidden_ptrs, col_ok, s_ptr, cols64, I, stride_sn, BITS)
     else:
         split_size = num_pairs * 2 * I
         ws_ptrs = ws_ptr + pair.to(tl.int64) * 2 * I + cols
@@ -132,10 +133,7 @@ def _small_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, hidden_ptr, ws_ptr, cnt_pt
         if ticket == SPLIT_K - 1:
             gate = _split_total(ws_ptrs, split_size, col_ok, SPLIT_K)
             up = _split_total(ws_ptrs + I, split_size, col_ok, SPLIT_K)
-            if BITS == 8:
-                gate *= tl.load(s_ptr + cols64 * stride_sn).to(tl.float32)
-                up *= tl.load(s_ptr + (cols64 + I) * stride_sn).to(tl.float32)
-            _store_hidden(gate, up, hidden_ptrs, col_ok)
+            _store_hidden(gate, up, hidden_ptrs, col_ok, s_ptr, cols64, I, stride_sn, BITS)
             _reset_ticket(cnt_ptr + pid)
 
 
