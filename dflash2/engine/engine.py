@@ -283,6 +283,11 @@ class Engine:
         return None if served is None else served.scheduler.waiting.num_ahead(request)
 
     @property
+    def num_running(self) -> int:
+        """Requests in service: admitted to a step and not finished, preempted or waiting."""
+        return sum(len(served.scheduler.running) for served in self.models.values())
+
+    @property
     def num_preemptions(self) -> int:
         return sum(served.scheduler.num_preemptions for served in self.models.values())
 

@@ -22,6 +22,10 @@ The wait bound (`max_queue_wait_s`): a count cannot say how long a line takes to
 requests are a second on a GPU and an hour on two CPU cores), so the loop also refuses a request whose expected
 wait exceeds it: the requests ahead of it in its line (those of higher priority or earlier arrival) at the
 engine's recent finish rate. An urgent request skips a line of less urgent ones and is not refused for them.
+Early in a burst that count reads low (only the shortest requests have finished yet: W7's 1000 requests at once
+were refused as "207 s" of waiting for a line that drained in 15 s), so the rate is also taken by Little's law
+(the requests running over their mean time in service), and the faster of the two is used: a bound that refuses
+only what is surely too long.
 """
 from __future__ import annotations
 
@@ -69,6 +73,8 @@ class EngineLoop:
         self.max_queue_len = max_queue_len
         self.max_held_requests = max_held_requests  # running, paused and waiting (--max-num-seqs beside --max-batch-size)
         self._finish_times: collections.deque[float] = collections.deque()  # within RATE_WINDOW_S
+        # (finish time, seconds from its first step to its finish) of the finishes within RATE_WINDOW_S
+        self._service_times: collections.deque[tuple[float, float]] = collections.deque()
         self._busy_since: float | None = None  # when a request last came to an idle engine
         self.retry_after_s = RETRY_AFTER_RANGE_S[0]  # the latest drain estimate
         self._tracked: dict[str, Tracked] = {}
@@ -313,17 +319,22 @@ class EngineLoop:
             deliveries.append((tracked, output))
             if output.finished:
                 del self._tracked[output.request_id]
-                self._note_finish(now)
+                started = tracked.request.first_scheduled_time
+                self._note_finish(now, None if started is None else now - started)
                 self.observer.on_finished(tracked, output.outputs[0].finish_reason or "stop", now)
         if deliveries:
             # Most urgent first: their handlers wake first, so their tokens go out first on a busy loop.
             deliveries.sort(key=lambda d: -d[0].request.priority)
             self.deliver(deliveries)
 
-    def _note_finish(self, now: float) -> None:
+    def _note_finish(self, now: float, service_s: float | None = None) -> None:
         self._finish_times.append(now)
         while self._finish_times[0] < now - RATE_WINDOW_S:
             self._finish_times.popleft()
+        if service_s is not None:
+            self._service_times.append((now, service_s))
+            while self._service_times[0][0] < now - RATE_WINDOW_S:
+                self._service_times.popleft()
 
     def _drain_estimate_s(self, num_waiting: int, now: float) -> int:
         """Seconds for the `num_waiting` requests to drain at the finish rate of the engine's last busy seconds
@@ -344,7 +355,13 @@ class EngineLoop:
         busy_s = now - window_start
         if not self._finish_times:  # nothing finished in busy_s seconds: at least as long again
             return busy_s
-        return num_waiting * busy_s / len(self._finish_times)
+        per_finish = busy_s / len(self._finish_times)
+        while self._service_times and self._service_times[0][0] < window_start:
+            self._service_times.popleft()
+        if self._service_times:  # Little's law: R requests in service for S s on average finish one per S / R s
+            mean_service_s = sum(s for _, s in self._service_times) / len(self._service_times)
+            per_finish = min(per_finish, mean_service_s / max(1, self.engine.num_running))
+        return num_waiting * per_finish
 
     def _fail_all(self, error: EngineError) -> None:
         failed = []

@@ -35,3 +35,21 @@ def test_nothing_finished_yet_waits_at_least_as_long_as_the_engine_has_been_busy
     assert loop._drain_estimate_s(50, now=0.2) == 1
     assert loop._drain_estimate_s(50, now=12.5) == 13
     assert loop._drain_estimate_s(50, now=RATE_WINDOW_S * 10) == 30
+
+
+def test_early_in_a_burst_the_rate_of_the_requests_in_service_counts():
+    """At 3 s into a burst only 10 short requests have finished (one per 0.3 s); 512 running requests with 2.5 s
+    in service each finish about 205 a second (Little's law), so 392 waiting drain in about 2 s, not 118."""
+    from types import SimpleNamespace
+
+    loop = loop_busy_since(0.0)
+    for i in range(10):
+        loop._note_finish(2.5 + i * 0.05)  # no service times: the finish count alone
+    loop.engine = SimpleNamespace(num_running=512)
+    assert loop._drain_estimate_s(392, now=3.0) == 60  # 117.6 s, clamped
+    assert loop._drain_seconds(392, now=3.0) == 392 * 3.0 / 10
+    loop._service_times.extend((2.5 + i * 0.05, 2.5) for i in range(10))
+    assert loop._drain_seconds(392, now=3.0) == 392 * 2.5 / 512
+    assert loop._drain_estimate_s(392, now=3.0) == 2
+    loop.engine = SimpleNamespace(num_running=1)  # one in service: the finish count is the faster rate
+    assert loop._drain_seconds(392, now=3.0) == 392 * 3.0 / 10
