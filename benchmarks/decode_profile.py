@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's (default: the batch, at least 4); W7's 512 gives its graph buckets")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--timeline", default=None, help="write the last step's kernels here (JSON lines)")
@@ -48,7 +50,7 @@ def main() -> None:
                         help="the last this many steps in the timeline (2: the boundary between two steps' graphs)")
     args = parser.parse_args()
     quantize_dummy_weights(args.weights)
-    llm = LLM(args.model, load_format="dummy", device=args.device, max_num_seqs=max(4, args.batch),
+    llm = LLM(args.model, load_format="dummy", device=args.device, max_num_seqs=args.max_num_seqs or max(4, args.batch),
               max_model_len=args.prompt_len + 3 * args.steps + 64, enable_prefix_caching=False)
     engine = llm.engine
     generator = torch.Generator().manual_seed(0)
@@ -112,6 +114,7 @@ def report(events: list[tuple[float, float, str]], args, wall_ms: float) -> None
     if args.timeline:
         write_timeline(events, args.steps, args.timeline, args.timeline_steps)
     print(json.dumps({"model": args.model, "weights": args.weights, "batch": args.batch, "prefill": args.prefill,
+                      "max_num_seqs": args.max_num_seqs,
                       "prompt_len": args.prompt_len, "steps": args.steps, "wall_ms_per_step": round(wall_ms, 3),
                       "kernel_us_per_step": round(sum(r["us_per_step"] for r in kernels), 1),
                       "kernel_launches_per_step": round(sum(r["calls_per_step"] for r in kernels), 1),

@@ -10,6 +10,8 @@
 #           then W7 over HTTP (dflash2 serve, dflash2 bench at 1000 in flight: issue 44 item 2)
 #   PART=5: the fused MoE GPU tests, W7 traced with 100 profiled steps, W4 none and l2_l3 (one call)
 #   PART=6: the fused MoE small path timed by the tune at T 1-16 (bits 16, 4), then W6 bf16 and int4 on that table
+#   PART=7: issue 44's decode floor: decode steps profiled at 1, 32 and 300 rows (W7's 512-seq graph buckets, long
+#           contexts), W7 offline traced, then W7 over HTTP beside it; everything in $OUT/part7.tar.gz
 #   PART=2 takes W4_SETTINGS (default none,l2,l2_l3) and W4_TIMEOUT (default 575)
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
@@ -109,4 +111,28 @@ print(json.dumps({k: v for k, v in d.items() if k != 'top'})); [print(t) for t i
   echo "== W6 bf16 exit $?"; tail -c 1200 "$OUT/w6_bf16.log"
   timeout 130 python3 benchmarks/moe.py --quantization int4 --output "$OUT/w6_int4.json" > "$OUT/w6_int4.log" 2>&1
   echo "== W6 int4 exit $?"; tail -c 1200 "$OUT/w6_int4.log" ;;
+7)  # issue 44: why a W7 decode step of 33 rows took 11.9 ms where one row takes 5.4; offline and HTTP side by side
+  mkdir -p /tmp/p7
+  for bp in 1:1200 32:1200 300:500; do
+    timeout 120 python3 benchmarks/decode_profile.py --batch ${bp%%:*} --prompt-len ${bp##*:} --max-num-seqs 512 \
+      --steps 20 --timeline /tmp/p7/timeline_${bp%%:*}.jsonl > /tmp/p7/decode_${bp%%:*}.json 2> /tmp/p7/decode_${bp%%:*}.err
+    echo "== decode profile ${bp} exit $?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
+print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['exposed'][:12]]" /tmp/p7/decode_${bp%%:*}.json
+  done
+  DFLASH2_STEP_TRACE=/tmp/p7/w7steps.jsonl timeout 150 python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl \
+    > /tmp/p7/w7.json 2> /tmp/p7/w7.err
+  echo "== W7 exit $?"; grep -E '"out_tok_s|"seconds|preempt' /tmp/p7/w7.json
+  python3 benchmarks/step_trace_report.py /tmp/p7/w7steps.jsonl --window-from /tmp/p7/w7.json > /tmp/p7/w7_steps.json 2>&1
+  python3 -m dflash2.cli.main serve --model llama-3-8b --load-format dummy --port 8011 --disable-log-requests \
+    > /tmp/p7/w7_serve.log 2>&1 &
+  server=$!
+  for _ in $(seq 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health')" 2>/dev/null && break; sleep 1; done
+  python3 -m dflash2.cli.main bench --url http://127.0.0.1:8011 --endpoint /generate --dataset .bench/w7.jsonl \
+    --num-prompts 64 --max-tokens 8 --ignore-eos --concurrency 64 --no-progress > /dev/null 2>&1  # warm-up
+  timeout 150 python3 -m dflash2.cli.main bench --url http://127.0.0.1:8011 --endpoint /generate \
+    --dataset .bench/w7.jsonl --num-prompts 1000 --ignore-eos --concurrency 1000 --no-progress \
+    --output /tmp/p7/w7_http.json > /tmp/p7/w7_http.log 2>&1
+  echo "== W7 over HTTP exit $?"; tail -c 1500 /tmp/p7/w7_http.log
+  kill $server; wait $server
+  tar czf "$OUT/part7.tar.gz" -C /tmp p7 ;;
 esac

@@ -21,6 +21,11 @@ Off unless DFLASH2_STEP_TRACE names a file (appended to). Each line, written whe
                     the highest priority among requests whose first token this step samples (null: none)
     sampling_prefills
                     the request ids of the prefill chunks that sample (a prompt's last chunk)
+    compiled        the Triton kernels compiled while the step launched, each as Triton names it with its
+                    argument types and specializations (a new value class of an argument compiles a variant):
+                    what a step that stalls its host for a second waited on; [] when none
+    alloc_retries   CUDA only: how often the caching allocator found no free block, freed its cache and
+                    retried (a device-wide synchronization each) while the step launched
 
 The records cost a few dict entries and two events a step; the only wait is on the end event, once the step's
 own results are in (so it has been reached, or is within microseconds).
@@ -47,6 +52,9 @@ class StepTrace:
         self.file: TextIO = open(path, "a", buffering=1)
         self.cuda = device.type == "cuda"
         self.started = time.monotonic()
+        self.compiled: list[str] = []
+        self._alloc_retries = self._retries()
+        _watch_triton_compiles(self.compiled)
 
     @classmethod
     def from_env(cls, device: torch.device) -> StepTrace | None:
@@ -86,8 +94,13 @@ class StepTrace:
         """`graph`: the GraphShape the runner replayed (None: the step ran eagerly)."""
         record["launch_ms"] = round(launch_seconds * 1e3, 3)
         record["graph"] = None if graph is None else [graph.decodes, graph.prefill_tokens]
+        record["compiled"] = self.compiled[:]
+        self.compiled.clear()
         if self.cuda:
             record["_events"][1].record()
+            retries = self._retries()
+            record["alloc_retries"] = retries - self._alloc_retries
+            self._alloc_retries = retries
 
     def finished(self, record: dict[str, Any], finish_seconds: float) -> None:
         """Write the line, once the step's results are in."""
@@ -99,5 +112,34 @@ class StepTrace:
             record["device_ms"] = round(events[0].elapsed_time(events[1]), 3)
         self.file.write(json.dumps(record) + "\n")
 
+    def _retries(self) -> int:
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.cuda else 0
+
     def close(self) -> None:
+        if self.compiled in _COMPILE_SINKS:
+            _COMPILE_SINKS.remove(self.compiled)
         self.file.close()
+
+
+_COMPILE_SINKS: list[list[str]] = []  # each open StepTrace's list of kernels compiled since its last step
+
+
+def _watch_triton_compiles(compiled: list[str]) -> None:
+    """Append to `compiled` the repr of every Triton kernel compiled from now on: Triton's jit_cache_hook (run on
+    each in-memory cache miss) is set once a process; a hook set before it keeps running after it."""
+    _COMPILE_SINKS.append(compiled)
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton (or one without knobs): no record of compiles
+        return
+    if getattr(knobs.runtime.jit_cache_hook, "dflash2_step_trace", False):
+        return
+    earlier = knobs.runtime.jit_cache_hook
+
+    def hook(*args, **kwargs):
+        for sink in _COMPILE_SINKS:
+            sink.append(kwargs.get("repr", "?"))
+        return earlier(*args, **kwargs) if earlier is not None else None
+
+    hook.dflash2_step_trace = True
+    knobs.runtime.jit_cache_hook = hook

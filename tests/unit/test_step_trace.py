@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from dflash2 import LLM, SamplingParams
 from dflash2.engine.step_trace import ENV
@@ -35,6 +36,7 @@ def test_step_trace_records_every_step_of_a_preempting_run(tiny_llama, tmp_path,
     assert [r["top_priority"] for r in records[:4]] == [0] * 4  # before the urgent arrivals
     assert max(r["first_token_priority"] or 0 for r in records) == 1000
     assert all(r["device_ms"] is None for r in records)  # CPU: no device clock
+    assert all(r["compiled"] == [] and "alloc_retries" not in r for r in records)  # the CPU path runs no Triton
     assert all(r[key] >= 0 for r in records for key in ("plan_ms", "launch_ms", "finish_ms"))
     assert [r["t_ms"] for r in records] == sorted(r["t_ms"] for r in records)
     # each prompt's last chunk samples once (nothing recomputed), named by its request id
@@ -42,6 +44,24 @@ def test_step_trace_records_every_step_of_a_preempting_run(tiny_llama, tmp_path,
     assert len(sampled) == len(set(sampled)) == len(low) + len(high)
     assert all(r["mono_s"] <= r["done_mono_s"] for r in records)
     assert [r["mono_s"] for r in records] == sorted(r["mono_s"] for r in records)
+
+
+def test_triton_compiles_reach_every_open_trace_and_the_hook_set_before(tmp_path, monkeypatch):
+    from triton import knobs
+
+    from dflash2.engine import step_trace
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kwargs: seen.append(kwargs["repr"]))
+    monkeypatch.setattr(step_trace, "_COMPILE_SINKS", [])
+    first = step_trace.StepTrace(str(tmp_path / "a.jsonl"), torch.device("cpu"))
+    second = step_trace.StepTrace(str(tmp_path / "b.jsonl"), torch.device("cpu"))
+    assert knobs.runtime.jit_cache_hook(repr="_rms_norm_kernel[num_warps=4](n_rows: i32)") is None
+    first.close()
+    knobs.runtime.jit_cache_hook(repr="_argmax_kernel[num_warps=4](n: i32)")
+    assert first.compiled == ["_rms_norm_kernel[num_warps=4](n_rows: i32)"]
+    assert second.compiled == seen == ["_rms_norm_kernel[num_warps=4](n_rows: i32)", "_argmax_kernel[num_warps=4](n: i32)"]
+    second.close()
 
 
 def test_no_trace_without_the_variable(tiny_llama, monkeypatch):
