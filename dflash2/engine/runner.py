@@ -178,7 +178,10 @@ class ModelRunner:
         context = ForwardContext(positions=meta.positions, attention=meta, kv_caches=self.kv_caches,
                                  attention_backend=self.attention)
         hidden = self.model.module(token_ids, context)
-        logits = self.model.module.compute_logits(hidden[host.sample_rows]) if host.sample_rows else None
+        # the rows through to_device (pinned, queued): indexing by a list copies it from pageable memory, which
+        # held the host until the device had run the whole forward (W7's eager steps: launch = device time)
+        rows = to_device(host.sample_rows, torch.long, self.device) if host.sample_rows else None
+        logits = self.model.module.compute_logits(hidden.index_select(0, rows)) if rows is not None else None
         return hidden, logits
 
     def waiting_for_device(self) -> contextlib.AbstractContextManager:

@@ -15,8 +15,11 @@ from dflash2.engine.plan import ScheduledChunk  # noqa: E402
 from dflash2.engine.host_batch import HostBatch  # noqa: E402
 
 
-def test_mixed_graph_shapes_are_powers_of_two_up_to_the_limits():
+def test_mixed_graph_shapes_are_powers_of_two_then_steps_up_to_the_limits():
     assert mixed_graph_shapes(6, 40) == [(d, p) for d in (0, 1, 2, 4, 6) for p in (16, 32, 40)]
+    # W7's device defaults: no mixed step pads its decode rows by more than 127 or its prefill by more than 255
+    assert mixed_graph_shapes(512, 2048) == [(d, p) for d in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
+                                             for p in (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)]
     assert mixed_graph_shapes(32, 0) == []
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
 

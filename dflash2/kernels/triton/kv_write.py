@@ -145,9 +145,9 @@ def _rotated_rows(x, x_swapped, c, s, first_half):
     return tl.where(first_half, x * c - x_swapped * s, x * c + x_swapped * s).to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_row"])  # the step's decode rows: no recompile per value class
 def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_scales, cos_ptr, sin_ptr,
-                            page_table, token_slots, positions, q_norm_w, k_norm_w, norm_eps,
+                            page_table, token_slots, positions, q_norm_w, k_norm_w, norm_eps, first_row,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             stride_cache_page, stride_cache_token, stride_cache_head,
                             stride_scale_page, stride_scale_token, stride_scale_head, stride_pt, stride_cos,
@@ -155,8 +155,10 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache, v_cache, k_scales, v_s
                             HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
                             KIND: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """One token: rotate q in place; rotate k and write it, and v, into the token's page slot. QK_NORM
-    (Qwen3): q and k are RMS-normed per head first, as elementwise.qk_rms_norm_ would (one launch fewer)."""
-    t = tl.program_id(0).to(tl.int64)
+    (Qwen3): q and k are RMS-normed per head first, as elementwise.qk_rms_norm_ would (one launch fewer).
+    Program i takes row first_row + i: the rows are not sliced on the host, whose pointers' 16-byte alignment
+    (int32 slots, int64 positions past an odd decode count) Triton would compile a variant for."""
+    t = first_row + tl.program_id(0).to(tl.int64)
     hk = tl.arange(0, KV_HEADS_PAD)
     kv_mask = hk < num_kv_heads
     pos, row_offs, scale_offs = _token_rows(page_table, token_slots, positions, t, hk, stride_pt, tokens_per_page,
@@ -221,17 +223,15 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     """Rotate q in place and write rotated k and v into the pages (one launch instead of two); with
     `qk_norm` = (q weight, k weight, eps), q and k are RMS-normed per head first (Qwen3). Rows from
     `first_row` on only (the decode rows before it are left to decode attention: attention.DECODE_ROTARY)."""
-    q, k, v = q[first_row:], k[first_row:], v[first_row:]
-    token_slots, positions = meta.token_slots[first_row:], meta.positions[first_row:]
     tokens, num_heads, dim = q.shape
-    if tokens == 0:
+    if tokens <= first_row:
         return
     num_kv_heads = k.shape[1]
     kind, k_scales, v_scales, *scale_strides = scale_args(cache.k, cache.k_scale, cache.v_scale)
     q_norm_w, k_norm_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
-    _rotary_write_kv_kernel[(tokens,)](
-        q, k, v, cache.k, cache.v, k_scales, v_scales, cos, sin, meta.page_table, token_slots, positions,
-        q_norm_w, k_norm_w, eps,
+    _rotary_write_kv_kernel[(tokens - first_row,)](
+        q, k, v, cache.k, cache.v, k_scales, v_scales, cos, sin, meta.page_table, meta.token_slots, meta.positions,
+        q_norm_w, k_norm_w, eps, first_row,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache.k.stride()[:3], *scale_strides, meta.page_table.stride(0), cos.stride(0),
         cache.k.shape[1], num_heads, num_kv_heads, HALF=dim // 2,
