@@ -12,6 +12,9 @@
 #   PART=6: the fused MoE small path timed by the tune at T 1-16 (bits 16, 4), then W6 bf16 and int4 on that table
 #   PART=7: issue 44's decode floor: decode steps profiled at 1, 32 and 300 rows (W7's 512-seq graph buckets, long
 #           contexts), W7 offline traced, then W7 over HTTP beside it; everything in $OUT/part7.tar.gz
+#   PART=8: issue 44 after the mixed-graph buckets and compile fixes: decode attention over spread vs compact
+#           pages (kv_spread.py), W7 traced (compiles per step), W7 at 1024 seqs / 8192 tokens, W7 over HTTP;
+#           everything in $OUT/part8.tar.gz
 #   PART=2 takes W4_SETTINGS (default none,l2,l2_l3) and W4_TIMEOUT (default 575)
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
@@ -135,4 +138,36 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
   echo "== W7 over HTTP exit $?"; tail -c 1500 /tmp/p7/w7_http.log
   kill $server; wait $server
   tar czf "$OUT/part7.tar.gz" -C /tmp p7 ;;
+8)
+  mkdir -p /tmp/p8
+  for bl in 300:500 32:1200; do
+    timeout 90 python3 benchmarks/kv_spread.py --batch ${bl%%:*} --length ${bl##*:} --pool-gib 48 \
+      --grid "64,4,2 32,2,3 64,2,3 128,4,2 16,1,3" > /tmp/p8/spread_${bl%%:*}.json 2> /tmp/p8/spread_${bl%%:*}.err
+    echo "== kv_spread ${bl} exit $?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
+[print(k, v['us'], v['TB_s']) for k, v in d.items() if isinstance(v, dict) and 'us' in v]" /tmp/p8/spread_${bl%%:*}.json
+  done
+  DFLASH2_STEP_TRACE=/tmp/p8/w7steps.jsonl timeout 150 python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl \
+    > /tmp/p8/w7.json 2> /tmp/p8/w7.err
+  echo "== W7 exit $?"; grep -E '"out_tok_s|"seconds|preempt|load_seconds' /tmp/p8/w7.json
+  python3 benchmarks/step_trace_report.py /tmp/p8/w7steps.jsonl --window-from /tmp/p8/w7.json > /tmp/p8/w7_steps.json 2>&1
+  python3 -c "import json; rows=[json.loads(l) for l in open('/tmp/p8/w7steps.jsonl')]; \
+[print(round(r['device_ms']), r['decodes'], r['prefill_tokens'], r['graph'], r.get('alloc_retries'), [c[:150] for c in r['compiled']]) \
+for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -40
+  DFLASH2_STEP_TRACE=/tmp/p8/w7steps_1024.jsonl timeout 150 python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl \
+    --max-num-seqs 1024 --max-num-batched-tokens 8192 > /tmp/p8/w7_1024.json 2> /tmp/p8/w7_1024.err
+  echo "== W7 1024 seqs / 8192 tokens exit $?"; grep -E '"out_tok_s|"seconds|preempt|kv_pages' /tmp/p8/w7_1024.json
+  if [ $SECONDS -lt 420 ]; then
+    python3 -m dflash2.cli.main serve --model llama-3-8b --load-format dummy --port 8011 --disable-log-requests \
+      > /tmp/p8/w7_serve.log 2>&1 &
+    server=$!
+    for _ in $(seq 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health')" 2>/dev/null && break; sleep 1; done
+    python3 -m dflash2.cli.main bench --url http://127.0.0.1:8011 --endpoint /generate --dataset .bench/w7.jsonl \
+      --num-prompts 64 --max-tokens 8 --ignore-eos --concurrency 64 --no-progress > /dev/null 2>&1  # warm-up
+    timeout 100 python3 -m dflash2.cli.main bench --url http://127.0.0.1:8011 --endpoint /generate \
+      --dataset .bench/w7.jsonl --num-prompts 1000 --ignore-eos --concurrency 1000 --no-progress \
+      --output /tmp/p8/w7_http.json > /tmp/p8/w7_http.log 2>&1
+    echo "== W7 over HTTP exit $?"; tail -c 600 /tmp/p8/w7_http.log
+    kill $server; wait $server
+  fi
+  tar czf "$OUT/part8.tar.gz" -C /tmp p8 ;;
 esac
