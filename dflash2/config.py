@@ -267,8 +267,8 @@ class SchedulerConfig:
 class DeviceDefaults:
     """The batch sizes a device gets when the user names none. A CPU runs a few requests at a time well; a
     large GPU needs hundreds in flight and long steps to stay busy (W7 on one H100, llama-3-8b: 4,710 output
-    tok/s at 64 / 2048 / 512, 9,440 at 512 / 8192 / 512; benchmarks/RESULTS.md). As vLLM does, the size follows
-    the device's memory."""
+    tok/s at 64 / 2048 / 512, 8,678 at 512 / 8192 / 512, 10,364 at 1024 / 8192 / 512 with no preemption;
+    benchmarks/RESULTS.md). As vLLM does, the size follows the device's memory."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -282,5 +282,5 @@ class DeviceDefaults:
         if device_type != "cuda":
             return DeviceDefaults(64, 2048, 512)
         if device_memory_bytes >= DeviceDefaults.LARGE_GPU_BYTES:
-            return DeviceDefaults(512, 8192, 512)
+            return DeviceDefaults(1024, 8192, 512)
         return DeviceDefaults(256, 4096, 512)

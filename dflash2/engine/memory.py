@@ -46,7 +46,6 @@ def profile_model_memory(model: "LoadedModel", layout: "KVLayout", options: "Run
     """A profiling step of `max_num_batched_tokens` tokens; the CUDA graphs' own memory pool is taken to need the
     activations of a `graph_tokens`-token step (scaled from the profile). `runner_factory` builds the profiling
     runner as ModelRunner(model, layout, num_pages, options) would (the parallel ranks' runners step together)."""
-    from dflash2.engine.graphs import graph_batch_sizes
     from dflash2.engine.runner import ModelRunner, RunnerOptions
 
     device = model.device
@@ -75,8 +74,9 @@ def profile_model_memory(model: "LoadedModel", layout: "KVLayout", options: "Run
     peak = torch.cuda.max_memory_allocated(device)
     del runner
     torch.cuda.empty_cache()
-    # the graphs' logits (float32 at most): each decode graph's own, and one buffer for all mixed graphs
-    logits_bytes = (sum(graph_batch_sizes(max_num_seqs)) + 2 * max_num_seqs) * model.arch.vocab_size * 4
+    # the graphs' logits (float32 at most): one buffer for all graphs, and the largest graph's own before it
+    # copies them there (a graph's rows: its decode rows and a sampling row per prefill chunk, at most 2 x seqs)
+    logits_bytes = 2 * (2 * max_num_seqs) * model.arch.vocab_size * 4
     graph_activations = int((peak - before) * min(1.0, graph_tokens / max_num_batched_tokens))
     return ModelMemory(peak, GRAPH_RESERVE_BYTES + graph_activations + logits_bytes)
 

@@ -253,14 +253,20 @@ class ModelRunner:
         starts = [s.query_start - num_decodes for s in segments]
         starts.append(starts[-1] + segments[-1].query_len)
         blocks = [(i, m) for i, s in enumerate(segments) for m in range(0, s.query_len, block_m)]
-        packed = to_device([starts[:-1] + [starts[-1]], [s.context_len for s in segments] + [0],
-                            [s.slot for s in segments] + [0]], torch.int32, self.device)
-        meta.prefill_query_starts = packed[0]
-        meta.prefill_context_lens = packed[1, :-1]
-        meta.prefill_slots = packed[2, :-1]
-        block_info = to_device([[b[0] for b in blocks], [b[1] for b in blocks]], torch.int32, self.device)
-        meta.prefill_block_segments = block_info[0]
-        meta.prefill_block_starts = block_info[1]
+        # each row padded to 16 bytes: Triton compiles a kernel variant per pointer alignment, and rows of
+        # len(segments) + 1 int32s gave the prefill kernel a new one for each remainder (a 1.5-1.7 s stall of
+        # the step that first met it on an H100)
+        width, count = -(-(len(segments) + 1) // 4) * 4, len(segments)
+        packed = to_device([_padded(starts, width), _padded([s.context_len for s in segments], width),
+                            _padded([s.slot for s in segments], width)], torch.int32, self.device)
+        meta.prefill_query_starts = packed[0, :count + 1]
+        meta.prefill_context_lens = packed[1, :count]
+        meta.prefill_slots = packed[2, :count]
+        width = -(-len(blocks) // 4) * 4
+        block_info = to_device([_padded([b[0] for b in blocks], width), _padded([b[1] for b in blocks], width)],
+                               torch.int32, self.device)
+        meta.prefill_block_segments = block_info[0, :len(blocks)]
+        meta.prefill_block_starts = block_info[1, :len(blocks)]
 
     # -- sampling ----------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor | None, chunks: list[ScheduledChunk],
@@ -357,3 +363,8 @@ class ModelRunner:
         logits = self.model.module.compute_logits(hidden[first_row:first_row + count])
         targets = request.prompt_token_ids[chunk.start + 1:chunk.start + 1 + count]
         return (chunk.request_id, chunk.start + 1, logits, targets, request.sampling_params.prompt_logprobs or 0)
+
+
+def _padded(values: list[int], width: int) -> list[int]:
+    """values followed by zeros up to `width`."""
+    return values + [0] * (width - len(values))

@@ -21,8 +21,8 @@ Off unless DFLASH2_STEP_TRACE names a file (appended to). Each line, written whe
                     the highest priority among requests whose first token this step samples (null: none)
     sampling_prefills
                     the request ids of the prefill chunks that sample (a prompt's last chunk)
-    compiled        the Triton kernels compiled while the step launched, each as Triton names it with its
-                    argument types and specializations (a new value class of an argument compiles a variant):
+    compiled        the Triton kernels compiled while the step launched, each as Triton names it, with its
+                    constants and specializations (a new value class or pointer alignment compiles a variant):
                     what a step that stalls its host for a second waited on; [] when none
     alloc_retries   CUDA only: how often the caching allocator found no free block, freed its cache and
                     retried (a device-wide synchronization each) while the step launched
@@ -137,8 +137,10 @@ def _watch_triton_compiles(compiled: list[str]) -> None:
     earlier = knobs.runtime.jit_cache_hook
 
     def hook(*args, **kwargs):
+        configs = kwargs.get("configs") or [None]
+        entry = f"{kwargs.get('repr', '?')} constants={kwargs.get('constants')} attrs={configs[0]}"
         for sink in _COMPILE_SINKS:
-            sink.append(kwargs.get("repr", "?"))
+            sink.append(entry)
         return earlier(*args, **kwargs) if earlier is not None else None
 
     hook.dflash2_step_trace = True

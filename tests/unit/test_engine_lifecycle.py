@@ -34,10 +34,10 @@ def test_a_prompt_that_ends_in_its_last_prompt_step_leaves_its_pages_cached(tiny
 
 def test_batch_sizes_are_chosen_by_device_and_explicit_values_win():
     assert DeviceDefaults.for_device("cpu") == DeviceDefaults(64, 2048, 512)
-    assert DeviceDefaults.for_device("cuda", 80 << 30) == DeviceDefaults(512, 8192, 512)
+    assert DeviceDefaults.for_device("cuda", 80 << 30) == DeviceDefaults(1024, 8192, 512)
     assert DeviceDefaults.for_device("cuda", 24 << 30) == DeviceDefaults(256, 4096, 512)
     chosen = SchedulerConfig(max_num_batched_tokens=1024).with_device_defaults("cuda", 80 << 30)
-    assert (chosen.max_num_seqs, chosen.max_num_batched_tokens, chosen.prefill_chunk_size) == (512, 1024, 512)
+    assert (chosen.max_num_seqs, chosen.max_num_batched_tokens, chosen.prefill_chunk_size) == (1024, 1024, 512)
     assert SchedulerConfig().sizes_chosen is False and chosen.sizes_chosen is True
 
 

@@ -59,9 +59,10 @@ def test_triton_compiles_reach_every_open_trace_and_the_hook_set_before(tmp_path
     assert knobs.runtime.jit_cache_hook(repr="_rms_norm_kernel[num_warps=4](n_rows: i32)") is None
     first.close()
     knobs.runtime.jit_cache_hook(repr="_argmax_kernel[num_warps=4](n: i32)")
-    assert first.compiled == ["_rms_norm_kernel[num_warps=4](n_rows: i32)"]
-    assert second.compiled == seen == ["_rms_norm_kernel[num_warps=4](n_rows: i32)",
-                                       "_argmax_kernel[num_warps=4](n: i32)"]
+    norm, argmax = "_rms_norm_kernel[num_warps=4](n_rows: i32)", "_argmax_kernel[num_warps=4](n: i32)"
+    assert seen == [norm, argmax]
+    assert first.compiled == [f"{norm} constants=None attrs=None"]
+    assert second.compiled == [f"{norm} constants=None attrs=None", f"{argmax} constants=None attrs=None"]
     second.close()
 
 

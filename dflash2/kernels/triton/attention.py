@@ -45,12 +45,23 @@ DECODE_CONFIGS: dict[str, dict[str, int]] = {"int8-imma_t": {"BLOCK_N": 32, "num
                                              "int8-legacy": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}}
 
 
+# A 16-bit cache under 4+ query heads a KV head (Llama-3-8B: 32 / 8): benchmarks/kv_spread.py on one H100, layer
+# 0 of Llama-3-8B over 300 requests of 500 tokens, 2.759 TB/s (222.8 us) against DECODE_CONFIG's 2.587 (237.5);
+# 32 x 1,200 tokens 72.4 against 73.1 us (issue 44, W7's decode). DECODE_CONFIG stays for GQA 2 (tuned on W1).
+DECODE_CONFIG_WIDE_GROUP = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
 def default_decode_config(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
-    """decode_attention's config for this q and cache: DECODE_CONFIGS by KV kind (int8: by its loop)."""
+    """decode_attention's config for this q and cache: DECODE_CONFIGS by KV kind (int8: by its loop); a 16-bit
+    cache with 4 or more query heads a KV head: DECODE_CONFIG_WIDE_GROUP."""
     kind = kv_kind(k_cache.dtype)
     if kind == "int8":
         kind = f"int8-{int8_path(q, {})}"
-    return DECODE_CONFIGS.get(kind, DECODE_CONFIG)
+    if kind in DECODE_CONFIGS:
+        return DECODE_CONFIGS[kind]
+    if k_cache.element_size() == 2 and q.shape[1] >= 4 * k_cache.shape[2]:
+        return DECODE_CONFIG_WIDE_GROUP
+    return DECODE_CONFIG
 
 
 # A single stream's decode over a short context (a step graph of its own: engine/graphs.py's `short` shape):

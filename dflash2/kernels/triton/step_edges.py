@@ -38,7 +38,7 @@ def _resolved(ids, future_ptr, mask):
     return tl.where(placeholder, future, ids)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # the step's token count: no variant per value class
 def _resolve_kernel(ids_ptr, future_ptr, out_ptr, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_start(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -80,13 +80,17 @@ def embed_tokens(token_ids: torch.Tensor, table: torch.Tensor, dtype: torch.dtyp
     return out
 
 
+RESOLVE_BLOCK = 1024
+
+
 def resolve_tokens(token_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
     """token_ids [T] with each -(i + 1) replaced by future_tokens[i], in future_tokens' dtype."""
     out = torch.empty(token_ids.shape, dtype=future_tokens.dtype, device=token_ids.device)
     n = token_ids.numel()
     if n:
-        block = min(1024, triton.next_power_of_2(n))
-        _resolve_kernel[(triton.cdiv(n, block),)](token_ids, future_tokens, out, n, BLOCK=block, **pdl_args())
+        # one block size (a power of two of n was a compile per size class: W7's eager steps stalled on them)
+        _resolve_kernel[(triton.cdiv(n, RESOLVE_BLOCK),)](token_ids, future_tokens, out, n, BLOCK=RESOLVE_BLOCK,
+                                                          **pdl_args())
     return out
 
 
