@@ -15,6 +15,9 @@
 #   PART=8: issue 44 after the mixed-graph buckets and compile fixes: decode attention over spread vs compact
 #           pages (kv_spread.py), W7 traced (compiles per step), W7 at 1024 seqs / 8192 tokens, W7 over HTTP;
 #           everything in $OUT/part8.tar.gz
+#   PART=9: issue 44's changes checked: W7 traced at the new defaults, the GPU tests of the paths changed, W2 and
+#           W1 bf16 beside the tree before them (.bench/base: `git archive 0ed3f7b dflash2 benchmarks`), W7 over
+#           HTTP if time is left; everything in $OUT/part9.tar.gz
 #   PART=2 takes W4_SETTINGS (default none,l2,l2_l3) and W4_TIMEOUT (default 575)
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
@@ -170,4 +173,27 @@ for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -40
     kill $server; wait $server
   fi
   tar czf "$OUT/part8.tar.gz" -C /tmp p8 ;;
+9)
+  mkdir -p /tmp/p9
+  DFLASH2_STEP_TRACE=/tmp/p9/w7steps.jsonl timeout 120 python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl \
+    > /tmp/p9/w7.json 2> /tmp/p9/w7.err
+  echo "== W7 exit $?"; grep -E '"out_tok_s|"seconds|preempt|load_seconds|kv_pages|max_num_seqs' /tmp/p9/w7.json
+  python3 benchmarks/step_trace_report.py /tmp/p9/w7steps.jsonl --window-from /tmp/p9/w7.json > /tmp/p9/w7_steps.json 2>&1
+  python3 -c "import json; rows=[json.loads(l) for l in open('/tmp/p9/w7steps.jsonl')]; \
+[print(round(r['device_ms']), r['decodes'], r['prefill_tokens'], r['graph'], [c.split('[')[0] for c in r['compiled']]) \
+for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -20
+  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu.py tests/gpu/test_gpu_lifecycle.py \
+    > /tmp/p9/gpu_tests.log 2>&1
+  echo "== GPU tests exit $?"; tail -3 /tmp/p9/gpu_tests.log
+  for tree in . .bench/base; do
+    (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 benchmarks/latency.py --weights bf16 > /tmp/p9/w2_${tree//\//_}.log 2>&1)
+    echo "== W2 bf16 $tree exit $?"; grep -E '"tok_s|"ttft' /tmp/p9/w2_${tree//\//_}.log | head -3
+  done
+  for tree in . .bench/base; do
+    [ $SECONDS -gt 400 ] && { echo "W1 $tree skipped at ${SECONDS}s"; continue; }
+    (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 75 python3 benchmarks/throughput.py \
+      --data $OLDPWD/.bench/w1_throughput.jsonl > /tmp/p9/w1_${tree//\//_}.log 2>&1)
+    echo "== W1 bf16 $tree exit $?"; grep -E '"out_tok_s|"output_tok_s|tok_s' /tmp/p9/w1_${tree//\//_}.log | head -3
+  done
+  tar czf "$OUT/part9.tar.gz" -C /tmp p9 ;;
 esac
