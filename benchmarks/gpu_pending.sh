@@ -182,7 +182,7 @@ for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -40
   python3 -c "import json; rows=[json.loads(l) for l in open('/tmp/p9/w7steps.jsonl')]; \
 [print(round(r['device_ms']), r['decodes'], r['prefill_tokens'], r['graph'], [c.split('[')[0] for c in r['compiled']]) \
 for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -20
-  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu.py tests/gpu/test_gpu_lifecycle.py \
+  timeout ${TESTS_S:-150} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu.py tests/gpu/test_gpu_lifecycle.py \
     > /tmp/p9/gpu_tests.log 2>&1
   echo "== GPU tests exit $?"; tail -3 /tmp/p9/gpu_tests.log
   for tree in . .bench/base; do
@@ -190,7 +190,7 @@ for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -20
     echo "== W2 bf16 $tree exit $?"; grep -E '"tok_s|"ttft' /tmp/p9/w2_${tree//\//_}.log | head -3
   done
   for tree in . .bench/base; do
-    [ $SECONDS -gt 400 ] && { echo "W1 $tree skipped at ${SECONDS}s"; continue; }
+    [ $SECONDS -gt ${W1_BY:-400} ] && { echo "W1 $tree skipped at ${SECONDS}s"; continue; }
     (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 75 python3 benchmarks/throughput.py \
       --data $OLDPWD/.bench/w1_throughput.jsonl > /tmp/p9/w1_${tree//\//_}.log 2>&1)
     echo "== W1 bf16 $tree exit $?"; grep -E '"out_tok_s|"output_tok_s|tok_s' /tmp/p9/w1_${tree//\//_}.log | head -3
