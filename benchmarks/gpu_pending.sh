@@ -175,6 +175,9 @@ for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -40
   tar czf "$OUT/part8.tar.gz" -C /tmp p8 ;;
 9)
   mkdir -p /tmp/p9
+  timeout ${TESTS_S:-150} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu.py tests/gpu/test_gpu_lifecycle.py \
+    > /tmp/p9/gpu_tests.log 2>&1
+  echo "== GPU tests exit $?"; tail -3 /tmp/p9/gpu_tests.log
   DFLASH2_STEP_TRACE=/tmp/p9/w7steps.jsonl timeout 120 python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl \
     > /tmp/p9/w7.json 2> /tmp/p9/w7.err
   echo "== W7 exit $?"; grep -E '"out_tok_s|"seconds|preempt|load_seconds|kv_pages|max_num_seqs' /tmp/p9/w7.json
@@ -182,9 +185,6 @@ for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -40
   python3 -c "import json; rows=[json.loads(l) for l in open('/tmp/p9/w7steps.jsonl')]; \
 [print(round(r['device_ms']), r['decodes'], r['prefill_tokens'], r['graph'], [c.split('[')[0] for c in r['compiled']]) \
 for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -20
-  timeout ${TESTS_S:-150} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu.py tests/gpu/test_gpu_lifecycle.py \
-    > /tmp/p9/gpu_tests.log 2>&1
-  echo "== GPU tests exit $?"; tail -3 /tmp/p9/gpu_tests.log
   for tree in . .bench/base; do
     (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 benchmarks/latency.py --weights bf16 > /tmp/p9/w2_${tree//\//_}.log 2>&1)
     echo "== W2 bf16 $tree exit $?"; grep -E '"tok_s|"ttft' /tmp/p9/w2_${tree//\//_}.log | head -3
