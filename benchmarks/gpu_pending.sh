@@ -185,7 +185,9 @@ for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -40
   python3 -c "import json; rows=[json.loads(l) for l in open('/tmp/p9/w7steps.jsonl')]; \
 [print(round(r['device_ms']), r['decodes'], r['prefill_tokens'], r['graph'], [c.split('[')[0] for c in r['compiled']]) \
 for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -20
+  tar czf "$OUT/part9.tar.gz" -C /tmp p9  # again at the end: what came so far, if the call's limit ends it
   for tree in . .bench/base; do
+    [ $SECONDS -gt ${W2_BY:-400} ] && { echo "W2 $tree skipped at ${SECONDS}s"; continue; }
     (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 benchmarks/latency.py --weights bf16 > /tmp/p9/w2_${tree//\//_}.log 2>&1)
     echo "== W2 bf16 $tree exit $?"; grep -E '"tok_s|"ttft' /tmp/p9/w2_${tree//\//_}.log | head -3
   done
