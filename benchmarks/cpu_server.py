@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import print_report  # noqa: E402
+from benchmarks.proc_cpu import tree_cpu_s  # noqa: E402
 from dflash2.bench.server_process import ServerProcess  # noqa: E402
 
 DATASET = ROOT / "benchmarks" / "data" / "cpu_server.jsonl"
@@ -60,26 +61,11 @@ def _machine_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _tree_cpu_s(pid: int) -> float:
-    """CPU time of a process and every process below it (all their threads)."""
-    total, todo = 0.0, [pid]
-    while todo:
-        current = todo.pop()
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            for task in Path(f"/proc/{current}/task").iterdir():
-                todo += [int(child) for child in (task / "children").read_text().split()]
-        except OSError:
-            pass  # gone meanwhile
-    return total
-
-
 def _own_cpu_s(server_pid: int | None) -> float:
     """This script, its waited-for children (the bench client) and the server's processes."""
     own = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
               for field in ("ru_utime", "ru_stime"))
-    return own + (_tree_cpu_s(server_pid) if server_pid is not None else 0.0)
+    return own + (tree_cpu_s(server_pid) if server_pid is not None else 0.0)
 
 
 class OtherCpu:

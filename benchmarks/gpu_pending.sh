@@ -197,5 +197,20 @@ for r in rows if r['compiled'] or r['device_ms'] > 300]" | head -20
       --data $OLDPWD/.bench/w1_throughput.jsonl > /tmp/p9/w1_${tree//\//_}.log 2>&1)
     echo "== W1 bf16 $tree exit $?"; grep -E '"out_tok_s|"output_tok_s|tok_s' /tmp/p9/w1_${tree//\//_}.log | head -3
   done
+  if [ $SECONDS -lt ${HTTP_BY:-300} ]; then  # W7 over HTTP, and the host CPU seconds of each server process
+    python3 -m dflash2.cli.main serve --model llama-3-8b --load-format dummy --port 8011 --disable-log-requests \
+      > /tmp/p9/w7_serve.log 2>&1 &
+    server=$!
+    for _ in $(seq 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health')" 2>/dev/null && break; sleep 1; done
+    python3 -m dflash2.cli.main bench --url http://127.0.0.1:8011 --endpoint /generate --dataset .bench/w7.jsonl \
+      --num-prompts 64 --max-tokens 8 --ignore-eos --concurrency 64 --no-progress > /dev/null 2>&1  # warm-up
+    python3 benchmarks/proc_cpu.py $server > /tmp/p9/cpu_before.json
+    timeout 90 python3 -m dflash2.cli.main bench --url http://127.0.0.1:8011 --endpoint /generate \
+      --dataset .bench/w7.jsonl --num-prompts 1000 --ignore-eos --concurrency 1000 --no-progress \
+      --output /tmp/p9/w7_http.json > /tmp/p9/w7_http.log 2>&1
+    echo "== W7 over HTTP exit $?"; tail -c 400 /tmp/p9/w7_http.log
+    python3 benchmarks/proc_cpu.py $server > /tmp/p9/cpu_after.json; cat /tmp/p9/cpu_before.json /tmp/p9/cpu_after.json
+    kill $server; wait $server
+  fi
   tar czf "$OUT/part9.tar.gz" -C /tmp p9 ;;
 esac
