@@ -33,7 +33,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, several_models: bool = Fal
     add_flag(parser, "--device", default="auto", help="auto, cpu or cuda")
     add_flag(parser, "--seed", type=int, default=0)
     add_flag(parser, "--max-model-len", type=int, default=None)
-    by_device = "default: by device (CPU 64 / 2048 / 512; a GPU of 70+ GiB 1024 / 8192 / 512; smaller GPUs 256 / 4096 / 512)"
+    by_device = ("default: by device (CPU 64 / 2048 / 512; a GPU of 70+ GiB 1024 / 8192 / 512; smaller GPUs "
+                 "256 / 4096 / 512)")
     add_flag(parser, "--max-num-seqs", type=int, default=None, help=f"requests run together; {by_device}")
     add_flag(parser, "--max-num-batched-tokens", type=int, default=None, help="tokens in one step; see --max-num-seqs")
     add_flag(parser, "--prefill-chunk-size", type=int, default=None,
