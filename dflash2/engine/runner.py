@@ -126,6 +126,26 @@ class ModelRunner:
         of these (decode rows, prefill tokens) shapes (GPU with a graph-capable backend)."""
         if self.device.type == "cuda" and getattr(self.attention, "supports_graphs", False):
             self.graphs = StepGraphs(self, decode_sizes, list(mixed_shapes))
+            self.warm_up_eager()
+
+    @torch.inference_mode()
+    def warm_up_eager(self) -> None:
+        """Run eager mixed steps on the spare slot (its pages are the scratch page) before the first request: an
+        eager step (a prefill over the graphs' largest) passes its kernels other metadata than the graphs do (int32
+        on the host's allocations), so Triton compiles variants of its own, and W7 on an H100 stalled 0.8-1.7 s
+        on each the first time a decode count met a new split count. One step per power of two of decode rows
+        (the split count follows the rows' power of two), each with a prefill chunk and placeholder tokens."""
+        prompt = max(1, min(16, self.options.max_model_len - 2))
+        decodes, counts = 0, []
+        while decodes <= self.options.max_slots:
+            counts.append(decodes)
+            decodes = max(1, 2 * decodes)
+        for num_decodes in counts:
+            chunks = [ScheduledChunk(f"warm-up-{i}", 1, (-1,), self.pad_slot, 0, (), True) for i in range(num_decodes)]
+            chunks.append(ScheduledChunk("warm-up-prefill", 0, (0,) * prompt, self.pad_slot, 0, (), True))
+            self.forward_eager(HostBatch.build(chunks, num_decodes), num_decodes)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         """Give back the device memory: graphs (and their pool), the model's weights, and its hold on the pool's

@@ -137,8 +137,9 @@ def _watch_triton_compiles(compiled: list[str]) -> None:
     earlier = knobs.runtime.jit_cache_hook
 
     def hook(*args, **kwargs):
-        configs = kwargs.get("configs") or [None]
-        entry = f"{kwargs.get('repr', '?')} constants={kwargs.get('constants')} attrs={configs[0]}"
+        compiled_as = kwargs.get("compile") or {}
+        configs = compiled_as.get("configs") or [None]
+        entry = f"{kwargs.get('repr', '?')} constants={compiled_as.get('constants')} attrs={configs[0]}"
         for sink in _COMPILE_SINKS:
             sink.append(entry)
         return earlier(*args, **kwargs) if earlier is not None else None

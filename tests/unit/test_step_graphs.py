@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.
 from dflash2.engine.graphs import GraphShape, StepGraphs, graph_batch_sizes, mixed_graph_shapes, pack_inputs  # noqa: E402
 from dflash2.engine.plan import ScheduledChunk  # noqa: E402
 from dflash2.engine.host_batch import HostBatch  # noqa: E402
+import torch  # noqa: E402
 
 
 def test_mixed_graph_shapes_are_powers_of_two_then_steps_up_to_the_limits():
@@ -124,3 +125,17 @@ def test_a_single_short_stream_takes_the_short_graph_until_it_grows(tmp_path):
     short = [s for s in used if s.short]
     assert [(s.decodes, s.prefill_tokens) for s in short] == [(1, 0)] and used[short[0]] == 4  # lengths 6-9
     assert used[GraphShape.of(1, 0, runner.options.max_slots, runner.graphs.block_m)] == 5  # lengths 10-14
+
+
+def test_the_eager_warm_up_leaves_pages_tokens_and_outputs_as_they_were(tiny_llama):
+    """runner.warm_up_eager (run after graph capture on CUDA) on the torch backend: steps on the spare slot only."""
+    from dflash2 import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [7 + i for i in range(n)]} for n in (4, 9)]
+    params = SamplingParams(max_tokens=5, min_tokens=5, temperature=0)
+    expected = [o.outputs[0].token_ids for o in LLM(tiny_llama, max_num_seqs=8).generate(prompts, params)]
+    llm = LLM(tiny_llama, max_num_seqs=8)
+    before = llm.engine.runner.future_tokens.clone()
+    llm.engine.runner.warm_up_eager()
+    assert llm.engine.pool.num_used == 0 and torch.equal(llm.engine.runner.future_tokens, before)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected

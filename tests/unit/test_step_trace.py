@@ -56,13 +56,16 @@ def test_triton_compiles_reach_every_open_trace_and_the_hook_set_before(tmp_path
     monkeypatch.setattr(step_trace, "_COMPILE_SINKS", [])
     first = step_trace.StepTrace(str(tmp_path / "a.jsonl"), torch.device("cpu"))
     second = step_trace.StepTrace(str(tmp_path / "b.jsonl"), torch.device("cpu"))
-    assert knobs.runtime.jit_cache_hook(repr="_rms_norm_kernel[num_warps=4](n_rows: i32)") is None
-    first.close()
-    knobs.runtime.jit_cache_hook(repr="_argmax_kernel[num_warps=4](n: i32)")
     norm, argmax = "_rms_norm_kernel[num_warps=4](n_rows: i32)", "_argmax_kernel[num_warps=4](n: i32)"
+    # as Triton 3.6 calls it: the constants and the specializations inside `compile`
+    assert knobs.runtime.jit_cache_hook(repr=norm, compile={"constants": {(4,): 128},
+                                                            "configs": [{(0,): [["tt.divisibility", 16]]}]}) is None
+    first.close()
+    knobs.runtime.jit_cache_hook(repr=argmax)
     assert seen == [norm, argmax]
-    assert first.compiled == [f"{norm} constants=None attrs=None"]
-    assert second.compiled == [f"{norm} constants=None attrs=None", f"{argmax} constants=None attrs=None"]
+    compiled_norm = f"{norm} constants={{(4,): 128}} attrs={{(0,): [['tt.divisibility', 16]]}}"
+    assert first.compiled == [compiled_norm]
+    assert second.compiled == [compiled_norm, f"{argmax} constants=None attrs=None"]
     second.close()
 
 

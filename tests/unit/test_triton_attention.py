@@ -82,7 +82,8 @@ def test_mixed_batch_matches_reference(group):
 
 
 def test_tiny_model_with_triton_backend_matches_torch_backend(tmp_path):
-    """The whole engine on the Triton backend (interpreted): chunked prefill, prefix hits, decode."""
+    """The whole engine on the Triton backend (interpreted): chunked prefill, prefix hits, decode; before it, the
+    eager warm-up a CUDA runner runs after capturing its graphs (steps on the spare slot) changes nothing."""
     from dflash2 import LLM, SamplingParams
     from tests.tiny_models import build_tiny_model
 
@@ -90,9 +91,12 @@ def test_tiny_model_with_triton_backend_matches_torch_backend(tmp_path):
     prompts = [{"prompt_token_ids": [5 + i for i in range(n)]} for n in (3, 11, 12)]
     params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0)
     options = dict(page_bytes=2048, prefill_chunk_size=5, max_num_batched_tokens=16, kv_cache_memory=64 * 2048,
-                   max_model_len=64)
+                   max_model_len=64, max_num_seqs=4)
     expected = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **options).generate(prompts, params)]
     llm = LLM(str(tmp_path), attention_backend="triton", **options)
+    runner = llm.engine.runner
+    runner.warm_up_eager()  # decode rows 0, 1, 2, 4 beside a prefill chunk, all on the scratch page
+    assert llm.engine.pool.num_used == 0 and runner.future_base == 0
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == expected
     again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # now from cached prefixes
