@@ -8,7 +8,7 @@
 #           and 300 rows, decode attention over spread vs compact pages (kv_spread.py); $OUT/part4.tar.gz
 #   PART=5: a W7 change checked: the GPU tests of its paths (TESTS_S), W7 traced, W2 and W1 bf16 beside the tree
 #           before it (.bench/base: `git archive <commit> dflash2 benchmarks | tar x -C .bench/base`; W2_BY, W1_BY:
-#           skipped past that many seconds), W7 over HTTP with the server processes' CPU seconds (HTTP_BY);
+#           skipped past that many seconds), W7 over HTTP with the server processes' CPU per token (HTTP_BY);
 #           $OUT/part5.tar.gz, written after W7 and again at the end
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
@@ -37,23 +37,11 @@ w7_traced() {  # DIR NAME [w7_throughput args]: W7 with the step trace, its repo
     $dir/${name}_steps.jsonl | head -20
 }
 
-w7_http() {  # DIR: dflash2 serve + dflash2 bench at 1000 in flight, the server processes' CPU seconds around it
-  local dir=$1
-  python3 -m dflash2.cli.main serve --model llama-3-8b --load-format dummy --port 8011 --disable-log-requests \
-    > $dir/w7_serve.log 2>&1 &
-  local server=$!
-  for _ in $(seq 120); do
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health')" 2>/dev/null && break; sleep 1
-  done
-  python3 -m dflash2.cli.main bench --url http://127.0.0.1:8011 --endpoint /generate --dataset .bench/w7.jsonl \
-    --num-prompts 64 --max-tokens 8 --ignore-eos --concurrency 64 --no-progress > /dev/null 2>&1  # warm-up
-  python3 benchmarks/proc_cpu.py $server > $dir/cpu_before.json
-  timeout 100 python3 -m dflash2.cli.main bench --url http://127.0.0.1:8011 --endpoint /generate \
-    --dataset .bench/w7.jsonl --num-prompts 1000 --ignore-eos --concurrency 1000 --no-progress \
-    --output $dir/w7_http.json > $dir/w7_http.log 2>&1
-  echo "== W7 over HTTP exit $?"; tail -c 400 $dir/w7_http.log
-  python3 benchmarks/proc_cpu.py $server > $dir/cpu_after.json; cat $dir/cpu_before.json $dir/cpu_after.json
-  kill $server; wait $server
+w7_http() {  # DIR: W7 over HTTP (dflash2 serve, dflash2 bench at 1000 in flight) and the server's CPU per token
+  timeout 200 python3 benchmarks/server_host_cost.py --serve "--model llama-3-8b --load-format dummy" \
+    --dataset .bench/w7.jsonl --num-prompts 1000 --concurrency 1000 --ignore-eos --endpoints /generate \
+    --output $1/w7_http.json > $1/w7_http.log 2>&1
+  echo "== W7 over HTTP exit $?"; tail -c 700 $1/w7_http.log
 }
 
 case "${PART:-1}" in
