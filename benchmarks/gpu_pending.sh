@@ -10,6 +10,8 @@
 #           before it (.bench/base: `git archive <commit> dflash2 benchmarks | tar x -C .bench/base`; W2_BY, W1_BY:
 #           skipped past that many seconds), W7 over HTTP with the server processes' CPU per token (HTTP_BY);
 #           $OUT/part5.tar.gz, written after W7 and again at the end
+#   PART=6: where W6's time goes (issue 45): qwen3-30b-a3b decode steps profiled at 1 row (128-token prompt) and
+#           10 rows (2,048-token prompts), bf16; $OUT/part6.tar.gz
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 #         (same pip download flags; add --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64)
@@ -107,4 +109,16 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
   done
   [ $SECONDS -lt ${HTTP_BY:-300} ] && w7_http /tmp/p5
   tar czf "$OUT/part5.tar.gz" -C /tmp p5 ;;
+6)
+  mkdir -p /tmp/p6
+  for weights in bf16; do
+    for bp in 1:128 10:2048; do
+      name=${weights}_${bp%%:*}
+      timeout 150 python3 benchmarks/decode_profile.py --model qwen3-30b-a3b --weights $weights \
+        --batch ${bp%%:*} --prompt-len ${bp##*:} --steps 20 > /tmp/p6/$name.json 2> /tmp/p6/$name.err
+      echo "== W6 decode profile $name exit $?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
+print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['exposed'][:10]]" /tmp/p6/$name.json
+    done
+  done
+  tar czf "$OUT/part6.tar.gz" -C /tmp p6 ;;
 esac
