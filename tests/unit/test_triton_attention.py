@@ -295,3 +295,28 @@ def test_short_decoding_sets_the_split_count_and_config_inside_only():
     with attention.short_decoding():
         assert (attention.graph_num_splits, attention.graph_decode_config) == (tri.SHORT_SPLITS, tri.SHORT_CONFIG)
     assert (attention.graph_num_splits, attention.graph_decode_config) == (None, None)
+
+
+@pytest.mark.parametrize("segments", [1, 2, 3, 4, 5])
+def test_eager_prefill_metadata_rows_start_on_16_bytes(tmp_path, segments):
+    """Triton compiles a kernel variant per pointer alignment: the eager step's prefill metadata rows (one packed
+    tensor each) start on 16 bytes whatever the number of chunks, so the prefill kernel compiles once."""
+    from dflash2 import LLM
+    from dflash2.engine.host_batch import HostBatch
+    from dflash2.engine.plan import ScheduledChunk
+    from tests.tiny_models import build_tiny_model
+
+    build_tiny_model("qwen2", str(tmp_path))
+    runner = LLM(str(tmp_path), attention_backend="triton", page_bytes=2048, max_model_len=64,
+                 max_num_seqs=8).engine.runner
+    chunks = [ScheduledChunk("d", 3, (7,), 0, 0, (), True)]
+    chunks += [ScheduledChunk(f"p{i}", 0, (5,) * (i + 2), i + 1, 0, (), True) for i in range(segments)]
+    meta = runner._metadata(HostBatch.build(chunks, 1), 1)
+    rows = (meta.prefill_query_starts, meta.prefill_context_lens, meta.prefill_slots, meta.prefill_block_segments,
+            meta.prefill_block_starts)
+    assert all(row.data_ptr() % 16 == 0 for row in rows)
+    assert meta.prefill_query_starts.tolist() == [sum(range(2, i + 2)) for i in range(segments + 1)]
+    assert meta.prefill_context_lens.tolist() == [i + 2 for i in range(segments)]
+    assert meta.prefill_slots.tolist() == list(range(1, segments + 1))
+    assert meta.prefill_block_segments.tolist() == list(range(segments))  # one query block a chunk (< block_m)
+    assert meta.prefill_block_starts.tolist() == [0] * segments
