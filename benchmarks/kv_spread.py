@@ -75,8 +75,7 @@ def main() -> None:
     parser.add_argument("--grid", default="", help='extra configs for "spread", e.g. "64,4,2 32,4,3"')
     args = parser.parse_args()
     engine = layout(32, 1 << 20)
-    one_layer = layout(1, 1 << 20)
-    one_layer = layout(1, one_layer.bytes_per_token * engine.tokens_per_page)  # same tokens a page
+    one_layer = layout(1, engine.bytes_per_token // engine.num_layers * engine.tokens_per_page)  # as many tokens
     needed = args.batch * -(-args.length // engine.tokens_per_page)
     spread_pages = int(args.pool_gib * 2 ** 30) // engine.page_bytes
     base = tri.DECODE_CONFIG

@@ -1,15 +1,8 @@
-"""CPU seconds of a process and of each process below it, as JSON: what the server path costs the host.
-
-    python3 benchmarks/proc_cpu.py PID      ->  {"pid": PID, "self_s": 12.3, "children_s": {"PID2": 40.1}}
-
-Run before and after a load against `dflash2 serve` (PID: the HTTP process; its child is the engine process):
-the differences over the tokens served are the host time a token costs on each side (issue 44, item 2).
-"""
+"""CPU seconds of a process, of the processes below it and of its whole tree, from /proc (server_host_cost.py:
+the server path's host time a token; cpu_server.py: the CPU the machine's other processes took)."""
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
 
 
@@ -35,13 +28,3 @@ def tree_cpu_s(pid: int) -> float:
 def children(pid: int) -> list[int]:
     return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
             for child in (task / "children").read_text().split()]
-
-
-def main() -> None:
-    pid = int(sys.argv[1])
-    print(json.dumps({"pid": pid, "self_s": own_cpu_s(pid),
-                      "children_s": {str(child): tree_cpu_s(child) for child in children(pid)}}))
-
-
-if __name__ == "__main__":
-    main()

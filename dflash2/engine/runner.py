@@ -136,11 +136,7 @@ class ModelRunner:
         on each the first time a decode count met a new split count. One step per power of two of decode rows
         (the split count follows the rows' power of two), each with a prefill chunk and placeholder tokens."""
         prompt = max(1, min(16, self.options.max_model_len - 2))
-        decodes, counts = 0, []
-        while decodes <= self.options.max_slots:
-            counts.append(decodes)
-            decodes = max(1, 2 * decodes)
-        for num_decodes in counts:
+        for num_decodes in [0] + [1 << i for i in range(self.options.max_slots.bit_length())]:
             chunks = [ScheduledChunk(f"warm-up-{i}", 1, (-1,), self.pad_slot, 0, (), True) for i in range(num_decodes)]
             chunks.append(ScheduledChunk("warm-up-prefill", 0, (0,) * prompt, self.pad_slot, 0, (), True))
             self.forward_eager(HostBatch.build(chunks, num_decodes), num_decodes)

@@ -54,6 +54,37 @@ RETRY_AFTER_RANGE_S = (1, 60)  # Retry-After is an estimate of the queue's drain
 RATE_WINDOW_S = 30.0  # the drain rate counts the finishes of the engine's last this many busy seconds
 
 
+class FinishWindow:
+    """The engine's finishes of the last RATE_WINDOW_S seconds, oldest first: when each came and, where known,
+    its seconds in service (first step to finish), summed as they come and go so that a drain estimate (one a
+    submission) reads the mean without a pass over the window."""
+
+    def __init__(self) -> None:
+        self._entries: collections.deque[tuple[float, float | None]] = collections.deque()
+        self._service_sum = 0.0
+        self._service_count = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, now: float, service_s: float | None = None) -> None:
+        self._entries.append((now, service_s))
+        if service_s is not None:
+            self._service_sum += service_s
+            self._service_count += 1
+        self.drop_before(now - RATE_WINDOW_S)
+
+    def drop_before(self, start: float) -> None:
+        while self._entries and self._entries[0][0] < start:
+            _, service_s = self._entries.popleft()
+            if service_s is not None:
+                self._service_sum -= service_s
+                self._service_count -= 1
+
+    def mean_service_s(self) -> float | None:
+        return self._service_sum / self._service_count if self._service_count else None
+
+
 ENGINE_FAILED = "the engine failed while running this request (the server log has the error)"
 MODEL_UNLOADED = "the model was unloaded while this request ran"
 
@@ -72,9 +103,7 @@ class EngineLoop:
         self._observer_factory = observer_factory
         self.max_queue_len = max_queue_len
         self.max_held_requests = max_held_requests  # running, paused and waiting (--max-num-seqs beside --max-batch-size)
-        self._finish_times: collections.deque[float] = collections.deque()  # within RATE_WINDOW_S
-        # (finish time, seconds from its first step to its finish) of the finishes within RATE_WINDOW_S
-        self._service_times: collections.deque[tuple[float, float]] = collections.deque()
+        self._finishes = FinishWindow()
         self._busy_since: float | None = None  # when a request last came to an idle engine
         self.retry_after_s = RETRY_AFTER_RANGE_S[0]  # the latest drain estimate
         self._tracked: dict[str, Tracked] = {}
@@ -320,21 +349,12 @@ class EngineLoop:
             if output.finished:
                 del self._tracked[output.request_id]
                 started = tracked.request.first_scheduled_time
-                self._note_finish(now, None if started is None else now - started)
+                self._finishes.add(now, None if started is None else now - started)
                 self.observer.on_finished(tracked, output.outputs[0].finish_reason or "stop", now)
         if deliveries:
             # Most urgent first: their handlers wake first, so their tokens go out first on a busy loop.
             deliveries.sort(key=lambda d: -d[0].request.priority)
             self.deliver(deliveries)
-
-    def _note_finish(self, now: float, service_s: float | None = None) -> None:
-        self._finish_times.append(now)
-        while self._finish_times[0] < now - RATE_WINDOW_S:
-            self._finish_times.popleft()
-        if service_s is not None:
-            self._service_times.append((now, service_s))
-            while self._service_times[0][0] < now - RATE_WINDOW_S:
-                self._service_times.popleft()
 
     def _drain_estimate_s(self, num_waiting: int, now: float) -> int:
         """Seconds for the `num_waiting` requests to drain at the finish rate of the engine's last busy seconds
@@ -350,16 +370,13 @@ class EngineLoop:
     def _drain_seconds(self, num_waiting: int, now: float) -> float:
         """_drain_estimate_s before rounding and clamping."""
         window_start = max(now - RATE_WINDOW_S, self._busy_since if self._busy_since is not None else now)
-        while self._finish_times and self._finish_times[0] < window_start:
-            self._finish_times.popleft()
+        self._finishes.drop_before(window_start)
         busy_s = now - window_start
-        if not self._finish_times:  # nothing finished in busy_s seconds: at least as long again
+        if not self._finishes:  # nothing finished in busy_s seconds: at least as long again
             return busy_s
-        per_finish = busy_s / len(self._finish_times)
-        while self._service_times and self._service_times[0][0] < window_start:
-            self._service_times.popleft()
-        if self._service_times:  # Little's law: R requests in service for S s on average finish one per S / R s
-            mean_service_s = sum(s for _, s in self._service_times) / len(self._service_times)
+        per_finish = busy_s / len(self._finishes)
+        mean_service_s = self._finishes.mean_service_s()
+        if mean_service_s is not None:  # Little's law: R requests in service S s each finish one per S / R s
             per_finish = min(per_finish, mean_service_s / max(1, self.engine.num_running))
         return num_waiting * per_finish
 

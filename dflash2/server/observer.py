@@ -275,7 +275,7 @@ class RequestObserver:
         prompt_rate = (self._num_prompt_tokens - prompt) / elapsed
         generation_rate = (self._num_generation_tokens - generation) / elapsed
         self._stats_tick = (now, self._num_prompt_tokens, self._num_generation_tokens)
-        running = sum(len(served.scheduler.running) for served in self.engine.models.values())
+        running = self.engine.num_running
         waiting = self.engine.num_waiting
         if prompt_rate or generation_rate or running or waiting:
             logger.info("stats: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV pages %.1f%%",

@@ -51,7 +51,8 @@ def submit_once(engine: LineEngine, finishes_in_last_30_s: int) -> tuple[BaseExc
         assert thread.loaded.wait(10) and thread.load_error is None
         now = time.monotonic()
         thread._busy_since = now - 30.0
-        thread._finish_times.extend(now - 1.0 - i for i in range(finishes_in_last_30_s))
+        for i in range(finishes_in_last_30_s):
+            thread._finishes.add(now - 1.0 - i)
         try:
             await thread.submit("new", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=10 ** 6), 0,
                                 asyncio.Queue())
