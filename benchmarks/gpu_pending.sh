@@ -6,7 +6,7 @@
 #           then W6 bf16 and int4 experts on the table it wrote (issue 45)
 #   PART=4: where W7's time goes (issue 44): W7 traced, W7 with 100 steps profiled, decode steps profiled at 1, 32
 #           and 300 rows, decode attention over spread vs compact pages (kv_spread.py); $OUT/part4.tar.gz
-#   PART=5: a W7 change checked: the GPU tests of its paths (TESTS_S), W7 traced, W2 and W1 bf16 beside the tree
+#   PART=5: a W7 change checked: the GPU tests (TESTS, default tests/gpu; bound TESTS_S), W7 traced, W2 and W1 bf16 beside the tree
 #           before it (.bench/base: `git archive <commit> dflash2 benchmarks | tar x -C .bench/base`; W2_BY, W1_BY:
 #           skipped past that many seconds), W7 over HTTP with the server processes' CPU per token (HTTP_BY);
 #           $OUT/part5.tar.gz, written after W7 and again at the end
@@ -90,9 +90,9 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
   tar czf "$OUT/part4.tar.gz" -C /tmp p4 ;;
 5)
   mkdir -p /tmp/p5
-  timeout ${TESTS_S:-150} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu.py tests/gpu/test_gpu_lifecycle.py \
+  timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider --durations=10 ${TESTS:-tests/gpu} \
     > /tmp/p5/gpu_tests.log 2>&1
-  echo "== GPU tests exit $?"; tail -3 /tmp/p5/gpu_tests.log
+  echo "== GPU tests exit $?"; grep -E "passed|failed|FAILED|ERROR" /tmp/p5/gpu_tests.log | tail -12
   W7_S=120 w7_traced /tmp/p5 w7
   tar czf "$OUT/part5.tar.gz" -C /tmp p5  # again at the end: what came so far, if the call's limit ends it
   for tree in . .bench/base; do

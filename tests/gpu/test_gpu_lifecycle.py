@@ -44,4 +44,4 @@ def test_a_large_gpu_gets_large_batches_by_default():
         DeviceDefaults.for_device("cuda", memory).max_num_batched_tokens,
         DeviceDefaults.for_device("cuda", memory).prefill_chunk_size)
     if memory >= DeviceDefaults.LARGE_GPU_BYTES:
-        assert chosen.max_num_seqs == 512
+        assert (chosen.max_num_seqs, chosen.max_num_batched_tokens) == (1024, 8192)
