@@ -115,9 +115,9 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
     for bp in 1:128 10:2048; do
       name=${weights}_${bp%%:*}
       timeout 150 python3 benchmarks/decode_profile.py --model qwen3-30b-a3b --weights $weights \
-        --batch ${bp%%:*} --prompt-len ${bp##*:} --steps 20 > /tmp/p6/$name.json 2> /tmp/p6/$name.err
+        --batch ${bp%%:*} --prompt-len ${bp##*:} --steps 20 --timeline /tmp/p6/${name}_timeline.jsonl > /tmp/p6/$name.json 2> /tmp/p6/$name.err
       echo "== W6 decode profile $name exit $?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
-print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['exposed'][:10]]" /tmp/p6/$name.json
+print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['exposed'][:14]]" /tmp/p6/$name.json
     done
   done
   tar czf "$OUT/part6.tar.gz" -C /tmp p6 ;;

@@ -50,14 +50,17 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) for x [T, hidden]."""
+        weights_dtype = torch.float32 if self.router_weights_float else x.dtype
+        if x.is_cuda:  # one launch (kernels/triton/moe_router.py)
+            from dflash2.kernels.triton.moe_router import moe_route
+
+            return moe_route(x, self.gate.weight, self.top_k, self.norm_topk_prob, weights_dtype)
         logits = F.linear(x, self.gate.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not self.router_weights_float:
-            weights = weights.to(x.dtype)
-        return weights, ids
+        return weights.to(weights_dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

@@ -1,0 +1,63 @@
+"""The one-launch MoE router (kernels/triton/moe_router.py) under TRITON_INTERPRET=1 on the CPU, against
+SparseMoeBlock.route's torch path on the same x and gate, in float32 (the interpreter's bf16 rounding truncates):
+the same experts in the same order, weights equal to float32 rounding."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+from dflash2.kernels.triton import moe_router  # noqa: E402
+from dflash2.kernels.triton.gemv_parts import split_counters  # noqa: E402
+
+
+def torch_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(torch.nn.functional.linear(x, gate), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return (weights / weights.sum(-1, keepdim=True) if norm else weights), ids
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, norm, hidden", [
+    (1, 128, 8, True, 320),    # Qwen3-MoE's router shape, scaled: 16 programs a token and a ticket, H past BLOCK_H
+    (3, 60, 4, False, 64),     # Qwen1.5-MoE: E not a power of two (the padded experts never picked), no renorm
+    (5, 8, 2, True, 96),       # Mixtral: one program a token, no ticket
+    (20, 64, 8, False, 64),    # past FUSED_MAX_TOKENS: F.linear's logits, a program a token selects
+])
+def test_router_kernel_picks_the_references_experts_with_its_weights(num_tokens, num_experts, top_k, norm, hidden):
+    g = torch.Generator().manual_seed(num_experts)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    gate = torch.randn(num_experts, hidden, generator=g) * 0.2
+    weights, ids = moe_router.moe_route(x, gate, top_k, norm, torch.float32)
+    ref_weights, ref_ids = torch_route(x, gate, top_k, norm)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=2e-6, atol=1e-7)
+    assert not split_counters(x.device, num_tokens)[:num_tokens].any()  # the tickets are back at zero
+
+
+def test_equal_probs_go_to_the_lower_expert():
+    x = torch.ones(1, 16)
+    gate = torch.zeros(12, 16)
+    gate[[2, 5, 9]] = 1.0  # three equal largest logits; two are taken
+    weights, ids = moe_router.moe_route(x, gate, 2, True, torch.float32)
+    assert ids.tolist() == [[2, 5]]
+    assert weights.tolist() == [[0.5, 0.5]]
+
+
+def test_weights_come_in_the_asked_dtype():
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(1))
+    gate = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
+    weights, _ = moe_router.moe_route(x, gate, 4, True, torch.float16)
+    ref, _ = torch_route(x, gate, 4, True)
+    assert weights.dtype == torch.float16 and torch.equal(weights, ref.to(torch.float16))
+
+
+def test_a_gate_of_the_wrong_width_is_refused():
+    with pytest.raises(ValueError, match="gate"):
+        moe_router.moe_route(torch.zeros(1, 32), torch.zeros(8, 16), 2, True, torch.float32)
