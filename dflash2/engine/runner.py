@@ -134,7 +134,13 @@ class ModelRunner:
         eager step (a prefill over the graphs' largest) passes its kernels other metadata than the graphs do (int32
         on the host's allocations), so Triton compiles variants of its own, and W7 on an H100 stalled 0.8-1.7 s
         on each the first time a decode count met a new split count. One step per power of two of decode rows
-        (the split count follows the rows' power of two), each with a prefill chunk and placeholder tokens."""
+        (the split count follows the rows' power of two), each with a prefill chunk and placeholder tokens.
+
+        The placeholders read future slot 0, which the graphs' warm-ups have written with the argmax of rows
+        that are padding (rows no attention segment covers hold whatever the memory held: NaN logits, any id).
+        An id past the vocabulary made the embedding's gather assert on the device (qwen3-30b-a3b, smollm2 in
+        the multi-model GPU test), so the slots are zeroed first: nothing has been sampled yet."""
+        self.future_tokens.zero_()
         prompt = max(1, min(16, self.options.max_model_len - 2))
         for num_decodes in [0] + [1 << i for i in range(self.options.max_slots.bit_length())]:
             chunks = [ScheduledChunk(f"warm-up-{i}", 1, (-1,), self.pad_slot, 0, (), True) for i in range(num_decodes)]

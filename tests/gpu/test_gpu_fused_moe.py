@@ -1,6 +1,6 @@
 """On a CUDA device: the fused MoE kernels (kernels/triton/fused_moe.py) on qwen3-30b-a3b's and mixtral-8x7b's expert
 shapes in bf16 against models/moe.experts_by_group on the float32 (dequantized) weights, the Experts module's CUDA
-path, and a CUDA graph's replays against eager calls."""
+path, a CUDA graph's replays against eager calls; the one-launch router (moe_router.py) against torch's route."""
 from __future__ import annotations
 
 import pytest
@@ -159,3 +159,51 @@ def test_cuda_graph_replay_matches_eager(bits, group_size, num_tokens, config):
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.testing.assert_close(out, call(), atol=0, rtol=0)
+
+
+def _torch_route(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(torch.nn.functional.linear(x, gate), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("num_tokens", [1, 10, 40])  # 40: past FUSED_MAX_TOKENS (F.linear's logits)
+@pytest.mark.parametrize("num_experts, top_k", [(128, 8), (60, 4)])
+def test_router_kernel_picks_the_torch_routes_experts(num_tokens, num_experts, top_k):
+    """kernels/triton/moe_router.py in float32 (no 16-bit rounding of the logits to differ on): the same experts in
+    the same order as SparseMoeBlock.route's torch ops, the weights equal to float32 rounding."""
+    from dflash2.kernels.triton.moe_router import moe_route
+
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 2048, generator=g, device="cuda")
+    gate = torch.randn(num_experts, 2048, generator=g, device="cuda") * 0.05
+    weights, ids = moe_route(x, gate, top_k, True, torch.float32)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference's logits in full float32
+    try:
+        ref_weights, ref_ids = _torch_route(x, gate, top_k)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_router_kernel_in_a_cuda_graph_matches_eager():
+    """Captured once at 4 tokens (the ticket path, bf16), replayed on new x: each replay equals an eager call."""
+    from dflash2.kernels.triton.moe_router import moe_route
+
+    x = torch.randn(4, 2048, device="cuda").bfloat16()
+    gate = (torch.randn(128, 2048, device="cuda") * 0.05).bfloat16()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe_route(x, gate, 8, True, torch.bfloat16)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = moe_route(x, gate, 8, True, torch.bfloat16)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        eager_weights, eager_ids = moe_route(x, gate, 8, True, torch.bfloat16)
+        assert torch.equal(ids, eager_ids) and torch.equal(weights, eager_weights)

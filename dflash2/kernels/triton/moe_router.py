@@ -39,6 +39,8 @@ def _select(logits, e_ok, weights_ptr, ids_ptr, TOP_K: tl.constexpr, K_PAD: tl.c
     logits = tl.where(e_ok, logits, float("-inf"))
     p = tl.where(e_ok, tl.exp(logits - tl.max(logits, 0)), 0.0)
     probs = tl.where(e_ok, p / tl.sum(p, 0), -1.0)  # -1: never picked
+    # NaN (a padding row's garbage) as 0: the argmax then still picks real experts, never a padded id >= E
+    probs = tl.where(probs == probs, probs, 0.0)
     experts = tl.arange(0, E_PAD)
     slots = tl.arange(0, K_PAD)
     top_w = tl.zeros([K_PAD], tl.float32)
