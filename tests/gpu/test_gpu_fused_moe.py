@@ -177,10 +177,10 @@ def test_router_kernel_picks_the_torch_routes_experts(num_tokens, num_experts, t
     g = torch.Generator(device="cuda").manual_seed(num_tokens)
     x = torch.randn(num_tokens, 2048, generator=g, device="cuda")
     gate = torch.randn(num_experts, 2048, generator=g, device="cuda") * 0.05
-    weights, ids = moe_route(x, gate, top_k, True, torch.float32)
     tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # the reference's logits in full float32
-    try:
+    torch.backends.cuda.matmul.allow_tf32 = False  # F.linear's logits (the reference's, and past 16 tokens the
+    try:                                           # kernel's) in full float32
+        weights, ids = moe_route(x, gate, top_k, True, torch.float32)
         ref_weights, ref_ids = _torch_route(x, gate, top_k)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
