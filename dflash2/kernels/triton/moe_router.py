@@ -8,10 +8,10 @@ computes them with torch in six launches (linear, softmax, topk, sum, div, to), 
     weights -> x's dtype                         (unless the model keeps them in float32: Mixtral)
 
 route_small (up to FUSED_MAX_TOKENS tokens, decode): the grid is tokens x blocks of BLOCK_E experts; each program
-reads its experts' gate rows once and parks their logits in a float32 workspace, then takes a ticket from its
-token's counter; the token's last program (the ticket is acq_rel, so it sees every other program's logits) picks
-the top-k and resets the counter. route_logits (more tokens, prefill): the logits come from cuBLAS (F.linear: one
-weight read for all tokens), a program a token does the rest.
+reads its experts' gate rows in one pass (loads in flight together) and parks their logits in a float32
+workspace, then takes a ticket from its token's counter; the token's last program (the ticket is acq_rel, so it
+sees every other program's logits) picks the top-k and resets the counter. route_logits (more tokens, prefill):
+the logits come from cuBLAS (F.linear: one weight read for all tokens), a program a token does the rest.
 
 The logits' sum runs in another order than cuBLAS's, so a logit may round to the next 16-bit value; the dense
 GEMV kernels of the decode path differ from cuBLAS the same way. Ties among the top-k probs go to the lower
@@ -28,7 +28,7 @@ from dflash2.kernels.triton.gemv_parts import _reset_ticket, split_counters
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 FUSED_MAX_TOKENS = 16  # above: F.linear's one weight read for all tokens beats a read per token
-BLOCK_H = 256
+TILE = 4096  # gate elements a program reads at once (32 a thread of 4 warps): hidden 2048, two experts a program
 
 
 @triton.jit
@@ -45,9 +45,9 @@ def _select(logits, e_ok, weights_ptr, ids_ptr, TOP_K: tl.constexpr, K_PAD: tl.c
     slots = tl.arange(0, K_PAD)
     top_w = tl.zeros([K_PAD], tl.float32)
     top_i = tl.zeros([K_PAD], tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.argmax(probs, 0, tie_break_left=True)
-        top_w = tl.where(slots == j, tl.max(probs, 0), top_w)
+    for j in tl.static_range(TOP_K):  # one reduction a pick (the value and its first index)
+        value, best = tl.max(probs, 0, return_indices=True, return_indices_tie_break_left=True)
+        top_w = tl.where(slots == j, value, top_w)
         top_i = tl.where(slots == j, best, top_i)
         probs = tl.where(experts == best, -1.0, probs)
     if NORM:
@@ -67,7 +67,7 @@ def _route_small_kernel(x_ptr, w_ptr, ws_ptr, cnt_ptr, weights_ptr, ids_ptr, E, 
     rows = tl.where(e_ok, experts, 0).to(tl.int64) * stride_we
     x_row = x_ptr + t.to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(0, H, BLOCK_H):  # one pass where BLOCK_H covers H: every load in flight at once
         hs = h0 + tl.arange(0, BLOCK_H)
         a = tl.load(x_row + hs, mask=hs < H, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rows[:, None] + hs[None, :], mask=e_ok[:, None] & (hs < H)[None, :], other=0.0)
@@ -116,13 +116,16 @@ def moe_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: b
     e_pad, k_pad = triton.next_power_of_2(num_experts), triton.next_power_of_2(top_k)
     select = {"TOP_K": top_k, "K_PAD": k_pad, "NORM": norm_topk_prob, "E_PAD": e_pad, **pdl_args()}
     if num_tokens <= FUSED_MAX_TOKENS:
-        block_e = min(e_pad, 8)  # E = 128: 16 programs a token, each reading 8 gate rows
+        # the whole row at once up to TILE (a loop of dependent loads took 11.5 us a layer of qwen3-30b-a3b
+        # on an H100, BLOCK_H 256 x 8 experts); E = 128, H = 2048: 64 programs a token, two gate rows each
+        block_h = min(triton.next_power_of_2(hidden), TILE)
+        block_e = min(e_pad, max(1, TILE // block_h))
         blocks = triton.cdiv(num_experts, block_e)
         ws = torch.empty((num_tokens, e_pad), dtype=torch.float32, device=x.device) if blocks > 1 else weights
         counters = split_counters(x.device, num_tokens) if blocks > 1 else weights
         _route_small_kernel[(num_tokens, blocks)](
             x, gate, ws, counters, weights, ids, num_experts, hidden, x.stride(0), gate.stride(0),
-            BLOCK_E=block_e, BLOCK_H=BLOCK_H, num_warps=4, **select)
+            BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **select)
     else:
         logits = torch.nn.functional.linear(x, gate)
         _route_logits_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), num_warps=4,
