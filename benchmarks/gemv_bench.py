@@ -1,4 +1,4 @@
-"""Matmul kernels on llama-3-8b shapes: cuBLAS bf16 against the Triton 16-bit GEMV and int8/int4/int6 kernels,
+"""Matmul kernels on llama-3-8b shapes (or --shapes qwen3-30b-a3b): cuBLAS bf16 against the Triton 16-bit GEMV and int8/int4/int6 kernels,
 then a sweep of quant_matmul._gemv_kernel's configs (16, 8 and 6 bits; int4 has its own kernel and tune,
 decode_gemv_tune.py) at M=1 (prints the GEMV_CONFIGS to paste into kernels/triton/quant_matmul.py;
 `--sweep-rows 4` sweeps at 4 rows instead).
@@ -31,6 +31,10 @@ from dflash2.quantization.formats import WeightFormat  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
+# --shapes qwen3-30b-a3b: the dense GEMVs of W6's decode step (its experts run in fused_moe); take the per-shape
+# entries it suggests, not its default (tuned on these shapes only)
+MODEL_SHAPES = {"llama-3-8b": dict(SHAPES),
+                "qwen3-30b-a3b": {"qkv": (5120, 2048), "o_proj": (2048, 4096), "lm_head": (151936, 2048)}}
 ROWS = (1, 4, 16, 256)
 FORMATS = {"int8": WeightFormat(8), "int4": WeightFormat(4, 128), "int6": WeightFormat(6, 128)}
 L2_FLUSH_BYTES = 256 << 20  # the copies of a weight cycled through add up to at least this
@@ -240,7 +244,10 @@ def main() -> None:
                         help="activation rows of the sweep (at most GEMV_MAX_M; 4: a decode batch of 4). The suggested "
                              "configs are for these rows; quant_matmul's GEMV_CONFIGS serve 1-4 rows alike")
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
+    parser.add_argument("--shapes", choices=sorted(MODEL_SHAPES), default="llama-3-8b")
     args = parser.parse_args()
+    SHAPES.clear()
+    SHAPES.update(MODEL_SHAPES[args.shapes])
     if args.smoke:
         global DEVICE, ROWS, L2_FLUSH_BYTES, MIN_CALLS
         DEVICE, ROWS, L2_FLUSH_BYTES, MIN_CALLS = "cpu", (1, 20), 1, 1

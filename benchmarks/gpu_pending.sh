@@ -12,6 +12,10 @@
 #           $OUT/part5.tar.gz, written after W7 and again at the end
 #   PART=6: where W6's time goes (issue 45): qwen3-30b-a3b decode steps profiled at 1 row (128-token prompt) and
 #           10 rows (2,048-token prompts), bf16; $OUT/part6.tar.gz
+#   PART=7: a W6 change checked (issue 45): W6 bf16 beside the tree before it (.bench/prev: `git archive <commit>
+#           dflash2 benchmarks | tar x -C .bench/prev`), the router's time a call (moe_router_bench.py), the dense
+#           GEMVs' configs on qwen3-30b-a3b's shapes (gemv_bench.py --shapes), W6 decode steps profiled at 1 and 10
+#           rows; $OUT/part7.tar.gz
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 #         (same pip download flags; add --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64)
@@ -121,4 +125,26 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
     done
   done
   tar czf "$OUT/part6.tar.gz" -C /tmp p6 ;;
+7)
+  mkdir -p /tmp/p7
+  for tree in . .bench/prev; do
+    (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 benchmarks/moe.py --repeats 2 \
+      --output /tmp/p7/w6_${tree//\//_}.json > /tmp/p7/w6_${tree//\//_}.log 2>&1)
+    echo "== W6 bf16 $tree exit $? at ${SECONDS}s"
+    grep -E '"tok_s|output_tok_s|fraction_of_roofline|ms_per' /tmp/p7/w6_${tree//\//_}.json | head -6
+  done
+  timeout 60 python3 benchmarks/moe_router_bench.py --output /tmp/p7/router.json > /tmp/p7/router.log 2>&1
+  echo "== router exit $?"; cat /tmp/p7/router.json
+  tar czf "$OUT/part7.tar.gz" -C /tmp p7
+  timeout 100 python3 benchmarks/gemv_bench.py --shapes qwen3-30b-a3b --sweep-bits 16 --sweep-budget-s 60 \
+    --output /tmp/p7/gemv.json > /tmp/p7/gemv.log 2>&1
+  echo "== gemv_bench exit $?"; grep '"best"' /tmp/p7/gemv.log | cut -c1-300
+  for bp in 1:128 10:2048; do
+    name=bf16_${bp%%:*}
+    timeout 100 python3 benchmarks/decode_profile.py --model qwen3-30b-a3b --weights bf16 --batch ${bp%%:*} \
+      --prompt-len ${bp##*:} --steps 20 --timeline /tmp/p7/${name}_timeline.jsonl > /tmp/p7/$name.json 2> /tmp/p7/$name.err
+    echo "== W6 decode profile $name exit $?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
+print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['exposed'][:12]]" /tmp/p7/$name.json
+  done
+  tar czf "$OUT/part7.tar.gz" -C /tmp p7 ;;
 esac
