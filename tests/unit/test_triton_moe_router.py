@@ -28,6 +28,7 @@ def torch_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm: bool) -> 
     (3, 60, 4, False, 64),     # Qwen1.5-MoE: E not a power of two (the padded experts never picked), no renorm
     (2, 60, 4, True, 1024),    # ... with a ticket: 15 programs of 4 experts, the workspace's last 4 never written
     (1, 8, 2, True, 5000),     # hidden past TILE: two passes of 4,096, a program an expert
+    (4, 16, 1, True, 64),      # top-1 (slots padded to two)
     (5, 8, 2, True, 96),       # Mixtral: one program a token, no ticket
     (20, 64, 8, False, 64),    # past FUSED_MAX_TOKENS: F.linear's logits, a program a token selects
 ])

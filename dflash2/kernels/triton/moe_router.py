@@ -8,7 +8,8 @@ computes them with torch in six launches (linear, softmax, topk, sum, div, to), 
     weights -> x's dtype                         (unless the model keeps them in float32: Mixtral)
 
 route_small (up to FUSED_MAX_TOKENS tokens, decode): the grid is tokens x blocks of BLOCK_E experts; each program
-reads its experts' gate rows in one pass (loads in flight together) and parks their logits in a float32
+reads its experts' gate rows in one pass (loads in flight together; requested before the programmatic-dependent-
+launch wait, as the GEMVs request their first weights) and parks their logits in a float32
 workspace, then takes a ticket from its token's counter; the token's last program (the ticket is acq_rel, so it
 sees every other program's logits) picks the top-k and resets the counter. route_logits (more tokens, prefill):
 the logits come from cuBLAS (F.linear: one weight read for all tokens), a program a token does the rest.
@@ -59,19 +60,27 @@ def _select(logits, e_ok, weights_ptr, ids_ptr, TOP_K: tl.constexpr, K_PAD: tl.c
 @triton.jit
 def _route_small_kernel(x_ptr, w_ptr, ws_ptr, cnt_ptr, weights_ptr, ids_ptr, E, H, stride_xm, stride_we,
                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, E_PAD: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_start(USE_PDL)
+                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ONE_PASS: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     t, b = tl.program_id(0), tl.program_id(1)
     experts = b * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < E
     rows = tl.where(e_ok, experts, 0).to(tl.int64) * stride_we
     x_row = x_ptr + t.to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
-    for h0 in range(0, H, BLOCK_H):  # one pass where BLOCK_H covers H: every load in flight at once
-        hs = h0 + tl.arange(0, BLOCK_H)
-        a = tl.load(x_row + hs, mask=hs < H, other=0.0).to(tl.float32)
+    if ONE_PASS:  # BLOCK_H covers H: the gate rows requested before the wait (no kernel writes them), while the
+        hs = tl.arange(0, BLOCK_H)  # kernel before (the norm that makes x) finishes; every load in flight at once
         w = tl.load(w_ptr + rows[:, None] + hs[None, :], mask=e_ok[:, None] & (hs < H)[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
+        pdl_start(USE_PDL)
+        a = tl.load(x_row + hs, mask=hs < H, other=0.0).to(tl.float32)
+        acc = w.to(tl.float32) * a[None, :]
+    else:
+        pdl_start(USE_PDL)
+        acc = tl.zeros([BLOCK_E, BLOCK_H], tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            hs = h0 + tl.arange(0, BLOCK_H)
+            a = tl.load(x_row + hs, mask=hs < H, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + rows[:, None] + hs[None, :], mask=e_ok[:, None] & (hs < H)[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
     logits = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded as F.linear's output
     if E_PAD == BLOCK_E:  # one program a token
         _select(logits, e_ok, weights_ptr + t * TOP_K, ids_ptr + t * TOP_K, TOP_K, K_PAD, NORM, E_PAD)
@@ -113,7 +122,7 @@ def moe_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: b
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=x.device)
     if num_tokens == 0:
         return weights, ids
-    e_pad, k_pad = triton.next_power_of_2(num_experts), triton.next_power_of_2(top_k)
+    e_pad, k_pad = triton.next_power_of_2(num_experts), max(2, triton.next_power_of_2(top_k))
     select = {"TOP_K": top_k, "K_PAD": k_pad, "NORM": norm_topk_prob, "E_PAD": e_pad, **pdl_args()}
     if num_tokens <= FUSED_MAX_TOKENS:
         # the whole row at once up to TILE (a loop of dependent loads took 11.5 us a layer of qwen3-30b-a3b
@@ -125,7 +134,7 @@ def moe_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: b
         counters = split_counters(x.device, num_tokens) if blocks > 1 else weights
         _route_small_kernel[(num_tokens, blocks)](
             x, gate, ws, counters, weights, ids, num_experts, hidden, x.stride(0), gate.stride(0),
-            BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **select)
+            BLOCK_E=block_e, BLOCK_H=block_h, ONE_PASS=block_h >= hidden, num_warps=4, **select)
     else:
         logits = torch.nn.functional.linear(x, gate)
         _route_logits_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), num_warps=4,
