@@ -64,6 +64,22 @@ def replay(requests: list[tuple[int, int]], max_num_seqs: int, budget: int, kv_t
     return seconds, steps
 
 
+# dense bf16 TFLOPS a GEMM reaches (of the 989 peak) and the HBM's TB/s, by a substring of the device's name
+DEVICE_SPECS = {"H100": (800.0, 3.35), "H200": (800.0, 4.8)}
+
+
+def device_floor(device: str, requests: list[tuple[int, int]], max_num_seqs: int, budget: int,
+                 kv_tokens: int) -> dict | None:
+    """The replay's result on a device DEVICE_SPECS knows (None for others): w7_throughput.py's "roofline"."""
+    spec = next((v for k, v in DEVICE_SPECS.items() if k in device), None)
+    if spec is None:
+        return None
+    seconds, steps = replay(requests, max_num_seqs, budget, kv_tokens, *spec)
+    output = sum(o for _, o in requests)
+    return {"out_tok_s": round(output / seconds, 1), "seconds": round(seconds, 2), "steps": steps,
+            "tflops": spec[0], "tb_s": spec[1]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", default=".bench/w7.jsonl")

@@ -3,7 +3,9 @@
     python3 ../shared/bench/workloads.py sharegpt-like --out .bench/w7.jsonl
     python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl [--max-num-seqs N ...] [--save]
 With no size flags the engine chooses its batch sizes for the device (config.DeviceDefaults); the JSON names
-the sizes it ran with. Prints JSON: output and total tok/s, preemptions, the settings, the device.
+the sizes it ran with. Prints JSON: output and total tok/s, preemptions, the settings, the device, and for
+llama-3-8b on an H100 or H200 "roofline" (w7_floor.py's replay of this set at the run's settings and pool) and
+"roofline_fraction" (out tok/s over the roofline's).
 
 With DFLASH2_STEP_TRACE set, "trace_window_ms" is the timed run's span in the trace's t_ms (warm-up excluded):
     benchmarks/step_trace_report.py steps.jsonl --window-from w7.json
@@ -23,8 +25,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import finish, sync  # noqa: E402
+from benchmarks.common import device_name, finish, sync  # noqa: E402
 from benchmarks.kernel_times import exposed_table, kernel_events  # noqa: E402
+from benchmarks.w7_floor import device_floor  # noqa: E402
 from dflash2 import LLM, SamplingParams  # noqa: E402
 
 TOP_KERNELS = 25
@@ -189,6 +192,13 @@ def main() -> None:
                            "prefix_caching": not args.no_prefix_caching},
               "kv_pages": llm.engine.pool.num_pages, "tokens_per_page": llm.engine.kv.tokens_per_page,
               "load_seconds": round(load_seconds, 1), "profiled": profiler is not None}
+    if args.model == "llama-3-8b":  # the floor's weights and FLOPs are this model's
+        requests = [(len(p["prompt_token_ids"]), r["max_tokens"]) for p, r in zip(prompts, rows)]
+        floor = device_floor(device_name(), requests, chosen.max_num_seqs, chosen.max_num_batched_tokens,
+                             result["kv_pages"] * result["tokens_per_page"])
+        if floor is not None:
+            result["roofline"] = floor
+            result["roofline_fraction"] = round(result["out_tok_s"] / floor["out_tok_s"], 3)
     if llm.engine.trace is not None:
         result["trace_window_ms"] = trace_window
     if profiler is not None:
