@@ -1,6 +1,6 @@
-"""Matmul kernels on llama-3-8b shapes (or --shapes qwen3-30b-a3b): cuBLAS bf16 against the Triton 16-bit GEMV and int8/int4/int6 kernels,
-then a sweep of quant_matmul._gemv_kernel's configs (16, 8 and 6 bits; int4 has its own kernel and tune,
-decode_gemv_tune.py) at M=1 (prints the GEMV_CONFIGS to paste into kernels/triton/quant_matmul.py;
+"""Matmul kernels on llama-3-8b shapes (or --shapes qwen3-30b-a3b): cuBLAS bf16 against the Triton 16-bit GEMV and
+int8/int4/int6 kernels, then a sweep of quant_matmul._gemv_kernel's configs (16, 8 and 6 bits; int4 has its own
+kernel and tune, decode_gemv_tune.py) at M=1 (prints the GEMV_CONFIGS to paste into kernels/triton/quant_matmul.py;
 `--sweep-rows 4` sweeps at 4 rows instead).
 
     PYTHONPATH=$PWD python3 benchmarks/gemv_bench.py [--output gemv.json] [--sweep-budget-s 240] [--no-sweep]

@@ -14,15 +14,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from dflash2.kernels.triton.moe_router import moe_route  # noqa: E402
-
-
-def torch_route(x, gate):
-    probs = torch.softmax(F.linear(x, gate), dim=-1, dtype=torch.float32)
-    w, i = torch.topk(probs, 8, dim=-1)
-    return (w / w.sum(-1, keepdim=True)).to(x.dtype), i
+from dflash2.models.moe import torch_route  # noqa: E402
 
 
 def per_call_us(fn, x, gates):
@@ -56,9 +50,10 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name()}
     for t in (1, 10):
         x = torch.randn(t, 2048, device="cuda").bfloat16()
-        out[f"T{t}"] = {"kernel_us": per_call_us(lambda x, g: moe_route(x, g, 8, True, torch.bfloat16), x, gates),
-                        "torch_us": per_call_us(torch_route, x, gates)}
-        a, b = moe_route(x, gates[0], 8, True, torch.bfloat16), torch_route(x, gates[0])
+        out[f"T{t}"] = {
+            "kernel_us": per_call_us(lambda x, g: moe_route(x, g, 8, True, torch.bfloat16), x, gates),
+            "torch_us": per_call_us(lambda x, g: torch_route(x, g, 8, True, torch.bfloat16), x, gates)}
+        a, b = moe_route(x, gates[0], 8, True, torch.bfloat16), torch_route(x, gates[0], 8, True, torch.bfloat16)
         out[f"T{t}"]["same_ids_share"] = float((a[1] == b[1]).float().mean())
     text = json.dumps(out, indent=2)
     print(text)

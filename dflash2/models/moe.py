@@ -55,12 +55,7 @@ class SparseMoeBlock(nn.Module):
             from dflash2.kernels.triton.moe_router import moe_route
 
             return moe_route(x, self.gate.weight, self.top_k, self.norm_topk_prob, weights_dtype)
-        logits = F.linear(x, self.gate.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(weights_dtype), ids
+        return torch_route(x, self.gate.weight, self.top_k, self.norm_topk_prob, weights_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
@@ -69,6 +64,17 @@ class SparseMoeBlock(nn.Module):
             shared = self.shared_expert(x)
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
         return out
+
+
+def torch_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router in torch ops, as the reference computes it: softmax of x gate^T in float32, the top_k, renormalized
+    if norm_topk_prob, the weights cast to weights_dtype (the CPU path; the one-launch kernel's reference)."""
+    probs = torch.softmax(F.linear(x, gate), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(weights_dtype), ids
 
 
 class Experts(nn.Module):

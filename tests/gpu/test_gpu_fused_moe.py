@@ -161,18 +161,13 @@ def test_cuda_graph_replay_matches_eager(bits, group_size, num_tokens, config):
         torch.testing.assert_close(out, call(), atol=0, rtol=0)
 
 
-def _torch_route(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.softmax(torch.nn.functional.linear(x, gate), dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    return weights / weights.sum(-1, keepdim=True), ids
-
-
 @pytest.mark.parametrize("num_tokens", [1, 10, 40])  # 40: past FUSED_MAX_TOKENS (F.linear's logits)
 @pytest.mark.parametrize("num_experts, top_k", [(128, 8), (60, 4)])
 def test_router_kernel_picks_the_torch_routes_experts(num_tokens, num_experts, top_k):
     """kernels/triton/moe_router.py in float32 (no 16-bit rounding of the logits to differ on): the same experts in
     the same order as SparseMoeBlock.route's torch ops, the weights equal to float32 rounding."""
     from dflash2.kernels.triton.moe_router import moe_route
+    from dflash2.models.moe import torch_route
 
     g = torch.Generator(device="cuda").manual_seed(num_tokens)
     x = torch.randn(num_tokens, 2048, generator=g, device="cuda")
@@ -181,7 +176,7 @@ def test_router_kernel_picks_the_torch_routes_experts(num_tokens, num_experts, t
     torch.backends.cuda.matmul.allow_tf32 = False  # F.linear's logits (the reference's, and past 16 tokens the
     try:                                           # kernel's) in full float32
         weights, ids = moe_route(x, gate, top_k, True, torch.float32)
-        ref_weights, ref_ids = _torch_route(x, gate, top_k)
+        ref_weights, ref_ids = torch_route(x, gate, top_k, True, torch.float32)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     assert torch.equal(ids, ref_ids)
