@@ -15,7 +15,7 @@
 #   PART=7: a W6 change checked (issue 45): W6 bf16 beside the tree before it (.bench/prev: `git archive <commit>
 #           dflash2 benchmarks | tar x -C .bench/prev`), the router's time a call (moe_router_bench.py), the dense
 #           GEMVs' configs on qwen3-30b-a3b's shapes (gemv_bench.py --shapes), W6 decode steps profiled at 1 and 10
-#           rows; $OUT/part7.tar.gz
+#           rows (W6_TREES: the trees W6 runs on, default ". .bench/prev"; empty: none); $OUT/part7.tar.gz
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 #         (same pip download flags; add --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64)
@@ -127,7 +127,7 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
   tar czf "$OUT/part6.tar.gz" -C /tmp p6 ;;
 7)
   mkdir -p /tmp/p7
-  for tree in . .bench/prev; do
+  for tree in ${W6_TREES-. .bench/prev}; do
     (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 benchmarks/moe.py --repeats 2 \
       --output /tmp/p7/w6_${tree//\//_}.json > /tmp/p7/w6_${tree//\//_}.log 2>&1)
     echo "== W6 bf16 $tree exit $? at ${SECONDS}s"

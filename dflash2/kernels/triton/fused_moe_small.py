@@ -40,16 +40,23 @@ Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]  # fused_moe._chec
 
 # -- device helpers --------------------------------------------------------------------------------------
 @triton.jit
+def _weights(w_ptr, s_ptr, z_ptr, rows64, ks, k0, K, stride_wn, stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr,
+             GS: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """w[row, k] as float32 [BLOCK_N, T GS] for the expert's rows `rows64` at the step's columns ks = k0 + ...
+    [1, T GS] below K: 8 bits the codes (the row scale comes later), 4/6 bits the weights rounded to DTYPE (the
+    activations' dtype)."""
+    if BITS == 16 or BITS == 8:  # a plain 2-D tile (_weight_tile's [BLOCK_N, T, GS] form is for groups)
+        return tl.load(w_ptr + rows64[:, None] * stride_wn + ks, mask=ks < K, other=0).to(tl.float32)
+    w = _weight_tile(w_ptr, s_ptr, z_ptr, rows64, k0, K, stride_wn, stride_sn, BITS, GROUP, GS, T, BLOCK_N)
+    return w.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _products(w_ptr, s_ptr, z_ptr, rows64, a, ks, k0, K, stride_wn, stride_sn, BITS: tl.constexpr,
               GROUP: tl.constexpr, GS: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """w[row, k] * a[k] as float32 [BLOCK_N, T GS] for the expert's rows `rows64` at the step's columns ks = k0 + ...
-    [1, T GS] (a: the activations there, [1, T GS] in x's dtype): 8 bits the codes (the row scale comes later),
-    4/6 bits the weights rounded to a's dtype."""
-    if BITS == 16 or BITS == 8:  # a plain 2-D tile (_weight_tile's [BLOCK_N, T, GS] form is for groups)
-        w = tl.load(w_ptr + rows64[:, None] * stride_wn + ks, mask=ks < K, other=0).to(tl.float32)
-    else:
-        w = _weight_tile(w_ptr, s_ptr, z_ptr, rows64, k0, K, stride_wn, stride_sn, BITS, GROUP, GS, T, BLOCK_N)
-        w = w.to(a.dtype).to(tl.float32)
+    """w[row, k] * a[k] as float32 [BLOCK_N, T GS] (_weights' tile; a: the activations there, [1, T GS] in x's
+    dtype)."""
+    w = _weights(w_ptr, s_ptr, z_ptr, rows64, ks, k0, K, stride_wn, stride_sn, BITS, GROUP, GS, T, BLOCK_N, a.dtype)
     return w * a.to(tl.float32)
 
 
@@ -144,8 +151,10 @@ def _small_down_kernel(hidden_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr
                        T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t, n] = sum_j router[p] * (hidden[p] . down_e[n]), p = t k + j, e = topk_ids[t, j], n in one tile of
     BLOCK_N of the N = H columns; the pair's partial in ws [SPLIT_K, T k, N] float32 and the token's tile counter
-    (T cdiv(N, BLOCK_N) of them) taking k SPLIT_K tickets, unless k = SPLIT_K = 1."""
-    pdl_start(USE_PDL)
+    (T cdiv(N, BLOCK_N) of them) taking k SPLIT_K tickets, unless k = SPLIT_K = 1.
+    The pair's expert id and its first K step of weights are read before the PDL wait: the ids' writer (the
+    router) is the kernel before the gate_up kernel, which has completed once this one starts (pdl.py's rule), and
+    no kernel writes weights; so the step's weights stream in while gate_up finishes."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     pair = pid % num_pairs
     tile = pid // num_pairs
@@ -154,14 +163,18 @@ def _small_down_kernel(hidden_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr
     w_ptr += expert * stride_we
     a_ptr = hidden_ptr + pair.to(tl.int64) * stride_hm
     k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
-    wide = tl.zeros([BLOCK_N, T * GS], tl.float32)
-    for k0 in range(k_start, k_end, T * GS):
+    dtype = out_ptr.dtype.element_ty
+    ks = k_start + tl.arange(0, T * GS)[None, :]
+    w = _weights(w_ptr, s_ptr + expert * stride_se, z_ptr + expert * stride_se, cols64, ks, k_start, k_end,
+                 stride_wn, stride_sn, BITS, GROUP, GS, T, BLOCK_N, dtype)
+    pdl_start(USE_PDL)
+    wide = w * tl.load(a_ptr + ks, mask=ks < k_end, other=0.0).to(tl.float32)
+    for k0 in range(k_start + T * GS, k_end, T * GS):
         ks = k0 + tl.arange(0, T * GS)[None, :]
         a = tl.load(a_ptr + ks, mask=ks < K, other=0.0)
         wide += _products(w_ptr, s_ptr + expert * stride_se, z_ptr + expert * stride_se, cols64, a, ks, k0, K,
                           stride_wn, stride_sn, BITS, GROUP, GS, T, BLOCK_N)
     acc = tl.sum(wide, axis=1)
-    dtype = out_ptr.dtype.element_ty
     if TOP_K * SPLIT_K == 1:
         y = _slot_value(acc, pair, ids_ptr, router_ptr, s_ptr, cols64, stride_se, stride_sn, BITS, dtype)
         tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, y.to(dtype), mask=col_ok)
