@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -20,6 +22,21 @@ def tiny_llama(tmp_path_factory) -> str:
     directory = str(tmp_path_factory.mktemp("tiny-llama"))
     build_tiny_model("llama", directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def hf_bundled():
+    """transformers' own load of the bundled GGUF in float32: the reference of the integration tests and of
+    tests/unit/test_gguf_loader.py's weights (about 20 s, once a session)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash2.loading.tokenizer import bundled_model_path, quiet_transformers
+
+    path = bundled_model_path()
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=torch.float32)
+    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,8 @@
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 from dflash2 import LLM
-from dflash2.loading.tokenizer import bundled_model_path
 
 
 @pytest.fixture(scope="session")
@@ -40,17 +36,6 @@ def converted_mixed(tmp_path_factory) -> str:
     """The bundled model converted to the mixed 8/4/8/6 weights with int8 KV."""
     return _convert(tmp_path_factory, "mixed", "--embed-quant", "8", "--qkv-quant", "4", "--o-proj-quant", "8",
                     "--ffn-quant", "6", "--kv-quant", "int8")
-
-
-@pytest.fixture(scope="session")
-def hf_bundled():
-    """transformers' own load of the same GGUF in float32: the reference (about 20 s, once a session)."""
-    from transformers import AutoModelForCausalLM
-
-    path = bundled_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -66,7 +66,7 @@ def test_validate_fails_a_four_bit_conversion(tmp_path, capsys):
     assert quality["kv_cache_dtype"] == "int4" and quality["perplexity_change_pct"] > 25
 
 
-def test_mixed_config_calibrated_is_within_eight_percent_and_beats_round_to_nearest(tmp_path):
+def test_mixed_config_calibrated_is_within_eight_percent_and_beats_round_to_nearest(tmp_path, converted_mixed):
     calibrated = convert_and_validate(tmp_path, "calibrated", *MIXED, "--calibration-dataset", CALIBRATION,
                                       "--calibration-samples", "24")
     assert calibrated["quantization"]["calibration"]["samples"] == 24
@@ -74,9 +74,9 @@ def test_mixed_config_calibrated_is_within_eight_percent_and_beats_round_to_near
                                          "down": "int6-g128"}
     assert calibrated["quality"]["perplexity_change_pct"] < 8.0
 
-    rtn = str(tmp_path / "rtn")  # the same config by round-to-nearest, scored on the same tokens
-    assert dflash2_main(["convert", "--output-path", rtn, "--no-progress", *MIXED]) == 0
-    model = load_model(rtn, "auto", "float32", torch.device("cpu"), None)
+    # the same config by round-to-nearest (the session's conversion of MIXED, which test_multi_model serves too),
+    # scored on the same tokens
+    model = load_model(converted_mixed, "auto", "float32", torch.device("cpu"), None)
     token_ids = model.tokenizer.encode(EVAL_TEXT)[:calibrated["quality"]["eval_tokens"]]
     rtn_perplexity, _ = perplexity_and_kl(log_probs(model.module, token_ids), token_ids)
     assert calibrated["quality"]["perplexity"] < rtn_perplexity

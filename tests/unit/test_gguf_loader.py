@@ -24,7 +24,6 @@ from dflash2.loading.tokenizer import (
     BundledModelMissing,
     bundled_model_path,
     load_tokenizer,
-    quiet_transformers,
 )
 
 HIDDEN = 64
@@ -470,17 +469,12 @@ def test_load_tokenizer_without_tokenizer_files_is_none(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bundled_gguf_matches_transformers() -> None:
-    import transformers
-
+def test_bundled_gguf_matches_transformers(hf_bundled) -> None:
+    """Against transformers' own load of the GGUF (the session's, which the integration tests compare with too)."""
     path = bundled_model_path()
-    with quiet_transformers():
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-        )
-    hf_state = hf_model.state_dict()
+    hf_state = hf_bundled.state_dict()
     config, weights = read_gguf(path)
-    hf_config = ModelArchConfig.from_hf_config(hf_model.config.to_dict())
+    hf_config = ModelArchConfig.from_hf_config(hf_bundled.config.to_dict())
     assert config == hf_config.replace(torch_dtype=None)
 
     names = set()

@@ -202,8 +202,15 @@ def test_fused_qk_norm_rotary_write_matches_the_norm_kernel_then_rotary_write(dt
     assert torch.equal(cache.v, ref_cache.v)
 
 
-@pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("block_n,num_warps", [(32, 2), (64, 4), (64, 1), (16, 2)])
+@pytest.mark.parametrize("group, block_n, num_warps", [
+    # each tile (sub-tiles x tokens: 2 x 16, 4 x 16, 1 x 64, 1 x 16) with two of the GQA groups, each group
+    # (1: one head column; 3: padded to 4, one masked; 4: full) with two or more tiles (all 12 pairs: 48 s
+    # interpreted): the loop branches on neither, only its tensor shapes follow them.
+    (1, 32, 2), (3, 32, 2),
+    (4, 64, 4), (3, 64, 4),
+    (1, 64, 1), (4, 64, 1),
+    (3, 16, 2), (4, 16, 2),
+])
 def test_int8_imma_t_decode_matches_reference(group, block_n, num_warps):
     """The imma_t loop (tokens as the mma's M side, heads as N, one token sub-tile of BLOCK_N / sub-tiles per warp
     with its own softmax, merged after the loop; V as fp16 x + 1152 with 1152 x the probability sums taken off)

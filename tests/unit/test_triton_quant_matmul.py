@@ -153,12 +153,12 @@ def test_int4_repack_layout():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("group_size, k, block_n, chunks, split_k", [
     (128, 512, 8, 4, 1),    # K a whole number of steps, N = 37 not of blocks
-    (64, 448, 4, 4, 1),     # K not a multiple of the step (the last step is part masked)
+    (64, 192, 4, 4, 1),     # K not a multiple of the step (2 steps, the second part masked)
     (32, 480, 8, 8, 3),     # split along K, ragged
     (128, 256, 16, 2, 2),   # split along K, even
     (32, 128, 8, 4, 1),     # one step: nothing loaded ahead
-    (32, 512, 4, 2, 2),     # split, several steps a split
-])
+    (32, 256, 4, 2, 2),     # split, several steps a split (2: the next one loaded ahead)
+])  # K as small as keeps each case's constexprs (EVEN_K, PREFETCH, SPLIT_K): interpreted time grows with the steps
 def test_int4_gemv_matches_reference(rows, group_size, k, block_n, chunks, split_k):
     """The int4 decode kernel (repacked words, 1 + q/16 and 16 + q/16 floats, scales outside the slot loop;
     the first step's words loaded before the PDL wait, each next step's a step ahead) for 1..4 activation rows,
@@ -216,14 +216,17 @@ def test_int4_gemv_persistent(rows, k, chunks, programs, mode, products):
                                    rtol=3e-3 if half2 else 1e-5)
 
 
-@pytest.mark.parametrize("k, config, half2", [  # both dequant arithmetics on the short cases (13-16 s each at
-    (128, {"CHUNKS": 4, "SPLIT_K": 1}, False),                     # 448-512 under the interpreter)
-    (128, {"CHUNKS": 4, "SPLIT_K": 1}, True),                      # one step
-    (448, {"CHUNKS": 4, "SPLIT_K": 1}, False),                     # 4 steps, the last part masked
-    (512, {"CHUNKS": 4, "SPLIT_K": 2}, True),                      # split along K: each split norms the whole row
+@pytest.mark.parametrize("k, config, half2", [
+    # both dequant arithmetics on the short cases; each longer case at the least K of its branch (7-9 s each
+    # interpreted, 14-17 s at the K of 448-512 they had)
+    (128, {"CHUNKS": 4, "SPLIT_K": 1}, False),                     # one step
+    (128, {"CHUNKS": 4, "SPLIT_K": 1}, True),
+    (192, {"CHUNKS": 4, "SPLIT_K": 1}, False),                     # 2 steps (one loaded ahead), the last part masked
+    (256, {"CHUNKS": 4, "SPLIT_K": 2}, True),                      # split along K: each split (a step) norms the
+                                                                   # whole row (2 steps)
     (128, {"CHUNKS": 4, "PERSISTENT": 1, "PROGRAMS": 2}, False),   # persistent, one step: normed once a program
     (128, {"CHUNKS": 4, "PERSISTENT": 1, "PROGRAMS": 2}, True),
-    (448, {"CHUNKS": 4, "PERSISTENT": 1, "PROGRAMS": 3}, True),    # persistent, 4 steps
+    (192, {"CHUNKS": 4, "PERSISTENT": 1, "PROGRAMS": 3}, True),    # persistent, 2 steps, the last part masked
 ])
 def test_int4_gemv_norm_and_residual_add(k, config, half2):
     """norm=(weight, eps): the GEMV's input is RMSNorm(x) computed in its prologue (x the residual stream, left
