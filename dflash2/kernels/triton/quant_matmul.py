@@ -47,6 +47,10 @@ GEMV_CONFIGS: dict[Any, dict[str, int]] = {
     16: {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
     8: {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "WORDS": 1},
     6: {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+    # qwen3-30b-a3b's qkv and o_proj (gemv_bench.py --shapes qwen3-30b-a3b --sweep-bits 16, one H100, 2026-12-07):
+    # 9.20 -> 8.62 us and 8.33 -> 7.32 us a call against the 16-bit default above
+    (16, 5120, 2048): {"BLOCK_N": 4, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1},
+    (16, 2048, 4096): {"BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 8, "num_stages": 1},
 }
 # WORDS: read int8 codes as int32 words (4 a word) rather than bytes; either works for any shape
 GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2, "WORDS": 1}
