@@ -14,7 +14,8 @@
 #           10 rows (2,048-token prompts), bf16; $OUT/part6.tar.gz
 #   PART=7: a W6 change checked (issue 45): W6 bf16 beside the tree before it (.bench/prev: `git archive <commit>
 #           dflash2 benchmarks | tar x -C .bench/prev`), the router's time a call (moe_router_bench.py), the dense
-#           GEMVs' configs on qwen3-30b-a3b's shapes (gemv_bench.py --shapes), W6 decode steps profiled at 1 and 10
+#           GEMVs' configs on qwen3-30b-a3b's shapes (gemv_bench.py --shapes) and the skinny GEMM's at 8 and 16 rows
+#           (small_m_tune.py --shapes), W6 decode steps profiled at 1 and 10
 #           rows (W6_TREES: the trees W6 runs on, default ". .bench/prev"; empty: none); $OUT/part7.tar.gz
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
@@ -139,6 +140,9 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
   timeout 100 python3 benchmarks/gemv_bench.py --shapes qwen3-30b-a3b --sweep-bits 16 --sweep-budget-s 60 \
     --output /tmp/p7/gemv.json > /tmp/p7/gemv.log 2>&1
   echo "== gemv_bench exit $?"; grep '"best"' /tmp/p7/gemv.log | cut -c1-300
+  timeout 150 python3 benchmarks/small_m_tune.py --shapes qwen3-30b-a3b --rows 8,16 --output /tmp/p7/skinny.json \
+    --configs-out /tmp/p7/skinny_configs.json > /tmp/p7/skinny.log 2>&1
+  echo "== small_m_tune exit $?"; grep -E '^summary|^configs' /tmp/p7/skinny.log | cut -c1-600
   for bp in 1:128 10:2048; do
     name=bf16_${bp%%:*}
     timeout 100 python3 benchmarks/decode_profile.py --model qwen3-30b-a3b --weights bf16 --batch ${bp%%:*} \

@@ -4,7 +4,7 @@ and, per rows, each shape's best skinny config against cuBLAS, for each case of 
 run the shape: plain, or gate_up with SiLU-mul in its epilogue).
 
     PYTHONPATH=$PWD python3 benchmarks/small_m_tune.py [--rows 16] [--output tune.json]
-        [--configs-out skinny.json]                                                   (GPU, ~2 min)
+        [--configs-out skinny.json] [--shapes qwen3-30b-a3b]                          (GPU, ~2 min)
     TRITON_INTERPRET=1 python3 benchmarks/small_m_tune.py --smoke                     (CPU: runs the script)
 
 --configs-out writes the best config per plain case at the largest --rows, {"NxK": config}, for
@@ -34,6 +34,9 @@ from dflash2.kernels.triton import skinny_gemm as sg  # noqa: E402
 from dflash2.layers.linear import silu_and_mul  # noqa: E402
 
 SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+# --shapes qwen3-30b-a3b: W6's dense projections at 2-16 rows (cuBLAS at ~1.6 TB/s in its 10-row decode step,
+# tenth session; its MLPs are experts, which run in fused_moe)
+MODEL_SHAPES = {"qwen3-0.6b": dict(SHAPES), "qwen3-30b-a3b": {"qkv": (5120, 2048), "o_proj": (2048, 4096)}}
 # how the engine may run a shape (--cases): "plain" x @ W^T; "silu_out": the weight is [gate | up] and the result
 # silu(gate) * up (cuBLAS: the matmul, then silu_and_mul; skinny: in its epilogue). (down with SiLU-mul on the
 # skinny GEMM's loads took 10.16 us against 8.39 for silu_and_mul + cuBLAS, twentieth session: that variant is gone)
@@ -56,11 +59,16 @@ def main() -> None:
     parser.add_argument("--rows", default="16")
     parser.add_argument("--output", default=None)
     parser.add_argument("--configs-out", default=None)
-    parser.add_argument("--cases", default="qkv,o_proj,gate_up,down", help=f"of {', '.join(CASES)}")
+    parser.add_argument("--cases", default=None, help=f"of {', '.join(CASES)} (default: the model's shapes)")
+    parser.add_argument("--shapes", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b")
     parser.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shapes, two configs")
     args = parser.parse_args()
-    cases = args.cases.split(",")
-    shapes = {case: SHAPES[CASE_SHAPES.get(case, case)] for case in cases}
+    model_shapes = MODEL_SHAPES[args.shapes]
+    cases = args.cases.split(",") if args.cases else list(model_shapes)
+    unknown = [case for case in cases if CASE_SHAPES.get(case, case) not in model_shapes]
+    if unknown:
+        parser.error(f"{args.shapes} has no {', '.join(unknown)} (its shapes: {', '.join(model_shapes)})")
+    shapes = {case: model_shapes[CASE_SHAPES.get(case, case)] for case in cases}
     dtype = torch.bfloat16
     if args.smoke:
         gemv_bench.DEVICE = "cpu"
