@@ -36,7 +36,9 @@ from dflash2.layers.linear import silu_and_mul  # noqa: E402
 SHAPES = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 # --shapes qwen3-30b-a3b: W6's dense projections at 2-16 rows (cuBLAS at ~1.6 TB/s in its 10-row decode step,
 # tenth session; its MLPs are experts, which run in fused_moe)
-MODEL_SHAPES = {"qwen3-0.6b": dict(SHAPES), "qwen3-30b-a3b": {"qkv": (5120, 2048), "o_proj": (2048, 4096)}}
+MODEL_SHAPES = {"qwen3-0.6b": dict(SHAPES),
+                "qwen3-30b-a3b": {name: shape for name, shape in gemv_bench.MODEL_SHAPES["qwen3-30b-a3b"].items()
+                                  if name != "lm_head"}}
 # how the engine may run a shape (--cases): "plain" x @ W^T; "silu_out": the weight is [gate | up] and the result
 # silu(gate) * up (cuBLAS: the matmul, then silu_and_mul; skinny: in its epilogue). (down with SiLU-mul on the
 # skinny GEMM's loads took 10.16 us against 8.39 for silu_and_mul + cuBLAS, twentieth session: that variant is gone)
