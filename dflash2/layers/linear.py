@@ -24,9 +24,19 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False, norm: nn.Module | None = None,
+                add_to: torch.Tensor | None = None) -> torch.Tensor:
         """silu_mul: x is [gate | up], multiplied first. silu_out: this is the fused [gate | up] projection and
-        the result silu(gate) * up (inside the skinny GEMM where fuses_silu_out_for(x), else one kernel more)."""
+        the result silu(gate) * up (inside the skinny GEMM where fuses_silu_out_for(x), else one kernel more).
+        `norm` (an RMSNorm): the product is of norm(x); `add_to`: it is added into that tensor (in place), which
+        is returned; both only where fuses_norm (LlamaDecoderLayer.fuses_norms asks), in the GEMV's own launch."""
+        if norm is not None or add_to is not None:
+            if not self.fuses_norm(x.shape[0]) or silu_out:
+                raise ValueError(f"this layer does not fold a norm or residual add for {x.shape[0]} rows")
+            from dflash2.kernels.triton.quant_matmul import gemv_16bit
+
+            return gemv_16bit(x, self.weight, out=add_to, silu_mul=silu_mul, add_out=add_to is not None,
+                              norm=None if norm is None else (norm.weight, norm.eps))
         if silu_out:
             config = skinny_config_for(x, self.weight, self.bias)
             if config is not None:
@@ -35,6 +45,11 @@ class Linear(nn.Module):
                 return skinny_gemm(x, self.weight, config=config, silu_out=True)
             return silu_and_mul(float_matmul(x, self.weight, self.bias))
         return float_matmul(x, self.weight, self.bias, silu_mul)
+
+    def fuses_norm(self, rows: int) -> bool:
+        """Whether forward(norm=, add_to=) folds the RMSNorm and the residual add into the matmul for `rows`
+        activation rows: the 16-bit GEMV's (CUDA, one row, no bias)."""
+        return self.weight.is_cuda and self.bias is None and rows <= DECODE_GEMV_MAX_ROWS
 
     def fuses_silu_out_for(self, x: torch.Tensor) -> bool:
         """Whether forward(x, silu_out=True) is one kernel: the skinny GEMM's rows, and a config for this shape."""

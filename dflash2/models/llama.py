@@ -139,7 +139,9 @@ class LlamaMLP(nn.Module):
         # GEMV; a float weight's skinny GEMM at 2-16 rows), else by down_proj on its input (fused into the 16-bit
         # GEMV at one row)
         if norm is not None or add_to is not None:  # LlamaDecoderLayer.fuses_norms: gate_up norms, down adds
-            return self.down_proj(self.gate_up_proj(x, silu_out=True, norm=norm), add_to=add_to)
+            if getattr(self.gate_up_proj, "fuses_silu_out", False):  # the int4 GEMV: silu(gate) * up comes out
+                return self.down_proj(self.gate_up_proj(x, silu_out=True, norm=norm), add_to=add_to)
+            return self.down_proj(self.gate_up_proj(x, norm=norm), silu_mul=True, add_to=add_to)
         if self.gate_up_proj.fuses_silu_out_for(x):
             return self.down_proj(self.gate_up_proj(x, silu_out=True))
         return self.down_proj(self.gate_up_proj(x), silu_mul=True)  # silu(gate) * up, fused where it can be
@@ -163,13 +165,22 @@ class LlamaDecoderLayer(nn.Module):
         self.may_fuse_norms = True
 
     def fuses_norms(self, rows: int) -> bool:
-        """Whether this layer's four GEMVs take its norms and residual adds for `rows` tokens: qkv and gate_up
-        norm their input, o_proj and down add their output into the residual stream (QuantLinear.fuses_norm)."""
-        if not self.may_fuse_norms or not isinstance(self.mlp, LlamaMLP):
+        """Whether this layer's kernels take its norms and residual adds for `rows` tokens: qkv and gate_up (a
+        sparse layer: the router) norm their input, o_proj and down (the experts' down kernel) add their output
+        into the residual stream (Linear / QuantLinear.fuses_norm: the int4 and 16-bit GEMVs; SparseMoeBlock.
+        fuses_norm)."""
+        if not self.may_fuse_norms:
             return False
-        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        return (all(isinstance(linear, QuantLinear) and linear.fuses_norm(rows) for linear in linears)
-                and self.mlp.gate_up_proj.fuses_silu_out)
+        attention = (self.self_attn.qkv_proj, self.self_attn.o_proj)
+        if not all(linear.fuses_norm(rows) for linear in attention):
+            return False
+        if isinstance(self.mlp, SparseMoeBlock):
+            return self.mlp.fuses_norm(rows)
+        gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
+        # int4 gate_up hands silu(gate) * up to down; a 16-bit one [gate | up], which the 16-bit down GEMV takes
+        return (gate_up.fuses_norm(rows) and down.fuses_norm(rows)
+                and (getattr(gate_up, "fuses_silu_out", False) or not isinstance(down, QuantLinear)
+                     or down.fmt.bits == 16))
 
     def forward(self, x: torch.Tensor | None, residual: torch.Tensor | None, rotary: RotaryEmbedding,
                 ctx: ForwardContext) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -57,7 +57,33 @@ class SparseMoeBlock(nn.Module):
             return moe_route(x, self.gate.weight, self.top_k, self.norm_topk_prob, weights_dtype)
         return torch_route(x, self.gate.weight, self.top_k, self.norm_topk_prob, weights_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fuses_norm(self, rows: int) -> bool:
+        """Whether forward(norm=, add_to=) folds the RMSNorm into the router's launch (which hands the normed rows
+        to the experts) and the residual add into the experts' down kernel, for `rows` tokens: CUDA, no shared
+        expert, the one-launch router with the whole row in one pass, the experts' few-pairs path."""
+        if not self.gate.weight.is_cuda or self.shared_expert is not None:
+            return False
+        from dflash2.kernels.triton import moe_router
+        from dflash2.kernels.triton.fused_moe import takes_add_to
+
+        experts = self.experts
+        hidden, inter = self.gate.weight.shape[1], experts.intermediate_size
+        return (moe_router.fuses_norm(rows, hidden)
+                and takes_add_to(experts.num_experts, hidden, inter, experts.bits, rows, self.top_k))
+
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
+                add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output for x; where fuses_norm (LlamaDecoderLayer.fuses_norms), with `norm` and `add_to`
+        given: of norm(x), added into add_to, which is returned."""
+        if norm is not None or add_to is not None:
+            if norm is None or add_to is None or not self.fuses_norm(x.shape[0]):
+                raise ValueError(f"this block does not fold a norm and residual add for {x.shape[0]} tokens")
+            from dflash2.kernels.triton.moe_router import moe_route_normed
+
+            weights_dtype = torch.float32 if self.router_weights_float else x.dtype
+            weights, ids, normed = moe_route_normed(x, self.gate.weight, self.top_k, self.norm_topk_prob,
+                                                    weights_dtype, (norm.weight, norm.eps))
+            return self.experts(normed, weights, ids, add_to=add_to)
         weights, ids = self.route(x)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
@@ -84,7 +110,7 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  gate_up_format: WeightFormat | None = None, down_format: WeightFormat | None = None) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.bits = 16 if gate_up_format is None else gate_up_format.bits
         if self.bits == 16:
             self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
@@ -95,12 +121,16 @@ class Experts(nn.Module):
             self.gate_up_proj = QuantExperts(num_experts, 2 * intermediate_size, hidden_size, gate_up_format)
             self.down_proj = QuantExperts(num_experts, hidden_size, intermediate_size, down_format)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """add_to (CUDA, fused_moe.takes_add_to): the sum is added into that tensor, which is returned."""
         if x.is_cuda:
             from dflash2.kernels.triton.fused_moe import fused_moe
 
             weights_in, packed = self.kernel_arguments()
-            return fused_moe(x, *weights_in, weights, ids, **packed)
+            return fused_moe(x, *weights_in, weights, ids, add_to=add_to, **packed)
+        if add_to is not None:
+            raise ValueError("Experts add_to: the CUDA kernels' (fused_moe)")
         if self.bits == 16:
             return experts_by_group(x, self.gate_up_proj, self.down_proj, weights, ids)
         return experts_by_group(x, self._runtimes(self.gate_up_proj), self._runtimes(self.down_proj), weights, ids)

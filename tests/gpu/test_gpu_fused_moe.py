@@ -202,3 +202,68 @@ def test_router_kernel_in_a_cuda_graph_matches_eager():
         graph.replay()
         eager_weights, eager_ids = moe_route(x, gate, 8, True, torch.bfloat16)
         assert torch.equal(ids, eager_ids) and torch.equal(weights, eager_weights)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_float_engine_folds_norms_at_one_row(arch, tmp_path, monkeypatch):
+    """A float model's decode steps of one row fold each layer's RMSNorms into the kernels that read them (the
+    16-bit GEMV for qkv / gate_up, the router for a sparse layer, which hands the normed row to the experts) and
+    its residual adds into the ones that produce them (o_proj, down, the experts' down kernel): the greedy tokens
+    equal those with the separate norms (fuses_norms patched off), in float32 (the same arithmetic either way;
+    bf16 would let a sum's order flip a rounding). qwen3_moe's layer 0 is dense, the others sparse."""
+    from dflash2 import LLM, SamplingParams
+    from dflash2.models.llama import LlamaDecoderLayer
+    from dflash2.models.moe import SparseMoeBlock
+    from tests.tiny_models import build_tiny_model
+
+    build_tiny_model(arch, str(tmp_path))
+    prompts = [[5, 17, 99, 3, 250, 8, 41], [40, 41, 42]]
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
+    fuses_norms = LlamaDecoderLayer.fuses_norms
+    runs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(LlamaDecoderLayer, "fuses_norms", lambda self, rows: False)
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=1, max_model_len=128,
+                  kv_cache_memory="64MiB", page_bytes=4096)
+        layers = llm.engine.model.module.layers
+        assert all(fuses_norms(layer, 1) and not fuses_norms(layer, 2) for layer in layers)
+        assert any(isinstance(layer.mlp, SparseMoeBlock) for layer in layers) == (arch == "qwen3_moe")
+        runs[fused] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                params)]
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+        del llm
+    assert runs[True] == runs[False]
+
+
+def test_bf16_fold_kernels_match_the_separate_steps():
+    """On bf16 rows of qwen3-30b-a3b's shapes: the 16-bit GEMV with norm= against rms_norm then the GEMV, with
+    add_out against the GEMV then the add; the router with the norm folded against rms_norm then the router (the
+    same experts, the normed rows equal); the experts' down kernel adding into the stream against the add."""
+    from dflash2.kernels.triton.elementwise import rms_norm
+    from dflash2.kernels.triton.fused_moe import fused_moe
+    from dflash2.kernels.triton.moe_router import moe_route, moe_route_normed
+    from dflash2.kernels.triton.quant_matmul import gemv_16bit
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    num_experts, top_k, hidden, inter = QWEN3
+    residual = torch.randn(1, hidden, device="cuda", generator=g).bfloat16() * 4
+    norm_weight = (torch.rand(hidden, device="cuda", generator=g) + 0.5).bfloat16()
+    weight = (torch.randn(5120, hidden, device="cuda", generator=g) * 0.02).bfloat16()
+    normed = rms_norm(residual, norm_weight, 1e-6)
+    got = gemv_16bit(residual, weight, norm=(norm_weight, 1e-6))
+    assert _relative_error(got, gemv_16bit(normed, weight).float()) < 2e-3
+    stream = torch.randn(1, 5120, device="cuda", generator=g).bfloat16()
+    want = stream + gemv_16bit(normed, weight)
+    assert torch.equal(gemv_16bit(normed, weight, out=stream, add_out=True), want)
+    gate = (torch.randn(num_experts, hidden, device="cuda", generator=g) * 0.3).bfloat16()
+    weights, ids, routed_rows = moe_route_normed(residual, gate, top_k, True, torch.bfloat16, (norm_weight, 1e-6))
+    ref_weights, ref_ids = moe_route(normed, gate, top_k, True, torch.bfloat16)
+    assert torch.equal(ids, ref_ids)  # the normed rows may differ in an ulp (another sum order), the picks not
+    assert _relative_error(weights, ref_weights.float()) < 1e-2
+    assert _relative_error(routed_rows, normed.float()) < 2e-3
+    args, _, _ = _moe_args(16, None, num_experts, hidden, inter)
+    w_gate_up, w_down = args["w_gate_up"].bfloat16(), args["w_down"].bfloat16()
+    stream = torch.randn(1, hidden, device="cuda", generator=g).bfloat16()
+    want = stream + fused_moe(normed, w_gate_up, w_down, ref_weights, ref_ids)
+    assert torch.equal(fused_moe(normed, w_gate_up, w_down, ref_weights, ref_ids, add_to=stream), want)

@@ -185,6 +185,25 @@ def test_small_path_skips_the_alignment_and_leaves_its_counters_zero(monkeypatch
     torch.testing.assert_close(first, blocks, atol=3e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_tokens, top_k, config", [(1, 4, SPLIT), (2, 1, SMALL), (3, 2, None)])
+def test_small_path_adds_into_the_residual_stream(num_tokens, top_k, config):
+    """add_to: the down kernel adds the sum into that tensor as it stores (the residual add), with tickets
+    (k slots, K shares) and without (one slot, one share); the blocks' path refuses it."""
+    args, _, _ = moe_inputs(16, None, 16, 64, 32, torch.float32)
+    w_gate_up, w_down = args.pop("w_gate_up"), args.pop("w_down")
+    x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens))
+    weights, ids = routing(num_tokens, 16, top_k, seed=5)
+    stream = torch.randn(num_tokens, 64)
+    want = stream + fused_moe(x, w_gate_up, w_down, weights, ids, config=config)
+    got = fused_moe(x, w_gate_up, w_down, weights, ids, config=config, add_to=stream)
+    assert got.data_ptr() == stream.data_ptr()
+    torch.testing.assert_close(stream, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="add_to"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, config=WIDE, add_to=stream)
+    with pytest.raises(ValueError, match="add_to"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, config=config, add_to=stream[:, :32])
+
+
 def test_repeated_calls_agree():
     """Nothing depends on uninitialized memory (the layout's, the intermediate's)."""
     args, _, _ = moe_inputs(4, 32, 4, 64, 32, torch.float32)

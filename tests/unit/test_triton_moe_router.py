@@ -59,3 +59,39 @@ def test_weights_come_in_the_asked_dtype():
 def test_a_gate_of_the_wrong_width_is_refused():
     with pytest.raises(ValueError, match="gate"):
         moe_router.moe_route(torch.zeros(1, 32), torch.zeros(8, 16), 2, True, torch.float32)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden", [
+    (1, 128, 8, 320),   # 16 programs a token: the first stores the normed row
+    (3, 8, 2, 96),      # one program a token
+])
+def test_router_folds_the_rms_norm(num_tokens, num_experts, top_k, hidden):
+    """moe_route_normed: the router of RMSNorm(x) in one launch, which also hands back the normed rows (x, the
+    residual stream, unchanged); against RMSNorm then the torch route."""
+    from dflash2.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(num_tokens, hidden, generator=g) * 3
+    gate = torch.randn(num_experts, hidden, generator=g) * 0.2
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data = torch.rand(hidden, generator=g) + 0.5
+    kept = x.clone()
+    assert moe_router.fuses_norm(num_tokens, hidden)
+    weights, ids, normed = moe_router.moe_route_normed(x, gate, top_k, True, torch.float32, (norm.weight, norm.eps))
+    assert torch.equal(x, kept)
+    torch.testing.assert_close(normed, norm(x), rtol=2e-6, atol=1e-6)
+    ref_weights, ref_ids = torch_route(norm(x), gate, top_k, True, torch.float32)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=2e-5, atol=1e-6)
+
+
+def test_router_norm_only_where_it_folds():
+    """More tokens than the one-launch router takes, or a row past one pass, keep the separate norm: refused."""
+    assert not moe_router.fuses_norm(moe_router.FUSED_MAX_TOKENS + 1, 64)
+    assert not moe_router.fuses_norm(1, moe_router.TILE + 1)
+    weight = torch.ones(64)
+    with pytest.raises(ValueError, match="separate norm"):
+        moe_router.moe_route_normed(torch.zeros(17, 64), torch.zeros(8, 64), 2, True, torch.float32, (weight, 1e-6))
+    with pytest.raises(ValueError, match="norm weight"):
+        moe_router.moe_route_normed(torch.zeros(1, 64), torch.zeros(8, 64), 2, True, torch.float32,
+                                    (weight[:-1], 1e-6))

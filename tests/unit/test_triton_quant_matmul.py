@@ -105,6 +105,60 @@ def test_gemv_16bit(silu_mul, dtype):
     assert (got.float() - ref).norm() / ref.norm() < (1e-6 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("bits, group_size, k, config", [
+    (16, None, 96, {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 1}),    # 3 K steps, rstd from a pass over the row
+    (16, None, 100, {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 2}),   # ragged K, split: each split norms the row
+    (8, None, 64, {"BLOCK_N": 8, "BLOCK_K": 64, "SPLIT_K": 1, "WORDS": 1}),
+    (6, 32, 64, {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1}),
+])
+def test_gemv_norm_and_residual_add(bits, group_size, k, config):
+    """gemv(norm=(weight, eps)): the input is RMSNorm(x) (x the residual stream, left as it was); add_out: out +=
+    the product, also with a [gate | up] input. Both against the separate steps, on the same kernel."""
+    from dflash2.layers.norm import RMSNorm
+
+    weight = packed(bits, group_size, k, seed=k)
+    tensors = qm.device_tensors(weight, torch.float32)
+    config = {"num_warps": 4, "num_stages": 1, **config}
+    g = torch.Generator().manual_seed(k)
+    norm = RMSNorm(k, 1e-5)
+    norm.weight.data = torch.rand(k, generator=g) + 0.5
+    for rows in (1, 3):
+        residual = torch.randn(rows, k, generator=g) * 3
+        kept = residual.clone()
+        fused = qm.gemv(residual, tensors, config=config, norm=(norm.weight, norm.eps))
+        assert torch.equal(residual, kept)
+        torch.testing.assert_close(fused, qm.gemv(norm(residual), tensors, config=config), atol=1e-5, rtol=1e-5)
+        for silu_mul in (False, True):
+            x = torch.randn(rows, 2 * k if silu_mul else k, generator=g)
+            stream = torch.randn(rows, N, generator=g)
+            want = stream + qm.gemv(x, tensors, config=config, silu_mul=silu_mul)
+            added = qm.gemv(x, tensors, out=stream, config=config, silu_mul=silu_mul, add_out=True)
+            assert added.data_ptr() == stream.data_ptr()
+            torch.testing.assert_close(stream, want, atol=1e-6, rtol=1e-6)
+    assert not qm.split_counters(x.device, 1).any()
+    with pytest.raises(ValueError, match="norm weight"):
+        qm.gemv(residual, tensors, norm=(norm.weight[:-1], 1e-5))
+    with pytest.raises(ValueError, match="add_out"):
+        qm.gemv(residual, tensors, add_out=True)
+    with pytest.raises(ValueError, match="not both"):
+        qm.gemv(torch.randn(1, 2 * k), tensors, silu_mul=True, norm=(norm.weight, norm.eps))
+
+
+def test_gemv_16bit_norm_bfloat16():
+    """The 16-bit GEMV with norm= on bf16 rows against RMSNorm then the plain GEMV (the interpreter truncates
+    float32 -> bfloat16 where torch rounds, hence the loose bound; tests/gpu checks the decode step's tokens)."""
+    from dflash2.layers.norm import RMSNorm
+
+    weight = torch.randn(N, 64).bfloat16()
+    norm = RMSNorm(64, 1e-6).bfloat16()
+    norm.weight.data = (torch.rand(64) + 0.5).bfloat16()
+    residual = (torch.randn(1, 64) * 4).bfloat16()
+    fused = qm.gemv_16bit(residual, weight, norm=(norm.weight, norm.eps))
+    separate = qm.gemv_16bit(norm(residual), weight)
+    assert fused.dtype == torch.bfloat16
+    assert (fused.float() - separate.float()).norm() / separate.float().norm() < 2e-2
+
+
 def test_int6_planes_hold_the_codes():
     weight = packed(6, 32, 64)
     low, high = qm.int6_planes(weight.tensors["qweight"])

@@ -179,11 +179,13 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
               topk_ids: torch.Tensor, *, bits: int = 16, group_size: int | None = None,
               gate_up_scales: torch.Tensor | None = None, gate_up_zeros: torch.Tensor | None = None,
               down_scales: torch.Tensor | None = None, down_zeros: torch.Tensor | None = None,
-              config: dict | None = None) -> torch.Tensor:
+              config: dict | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' weighted sum for x [T, H] (bf16, fp16 or fp32) routed by topk_weights (float32 or x's dtype)
     and topk_ids [T, k] (int64 or int32, distinct experts per token), in x's dtype [T, H]. Weights and their
     scales/zeros as in the module docstring; group_size (4/6 bits) may be left to the scales' shape. config: see
-    fused_moe_configs.py (missing keys from the table or the default for this shape)."""
+    fused_moe_configs.py (missing keys from the table or the default for this shape). add_to (where takes_add_to,
+    the few-pairs path): the sum is added into that [T, H] tensor (the residual stream) in the down kernel's
+    store, and that tensor returned."""
     if bits not in BITS:
         raise ValueError(f"fused_moe supports bits {', '.join(map(str, BITS))}, got {bits}")
     num_tokens, hidden = _check_routing(x, topk_weights, topk_ids)
@@ -194,12 +196,17 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
                            inter)
     top_k = topk_ids.shape[1]
     if num_tokens == 0:
-        return torch.empty_like(x)
+        return torch.empty_like(x) if add_to is None else add_to
     gate_up_config, down_config = moe_config(num_experts, hidden, inter, bits, num_tokens, top_k, config)
+    if add_to is not None and (not gate_up_config.get("SMALL") or add_to.shape != x.shape
+                               or add_to.dtype != x.dtype or add_to.stride(1) != 1):
+        raise ValueError(f"fused_moe add_to: a [T, H] tensor of x's dtype on the few-pairs path, got "
+                         f"{tuple(add_to.shape)} {add_to.dtype} for {num_tokens} tokens")
     if gate_up_config.get("SMALL"):
         from dflash2.kernels.triton.fused_moe_small import fused_moe_small  # it imports this module's helpers
 
-        return fused_moe_small(x, gate_up, down, topk_weights, topk_ids, bits, gate_up_config, down_config)
+        return fused_moe_small(x, gate_up, down, topk_weights, topk_ids, bits, gate_up_config, down_config,
+                               add_to)
     block_m = gate_up_config["BLOCK_M"]
     layout = align_by_expert(topk_ids, num_experts, block_m)
     num_blocks = layout.block_experts.numel()
@@ -221,6 +228,11 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     if top_k == 1:
         return per_slot
     return per_slot.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def takes_add_to(num_experts: int, hidden: int, inter: int, bits: int, num_tokens: int, top_k: int) -> bool:
+    """Whether fused_moe(add_to=) takes these tokens (the few-pairs path's configs)."""
+    return bool(moe_config(num_experts, hidden, inter, bits, num_tokens, top_k)[0].get("SMALL"))
 
 
 def pieces(bits: int, group: int, block_k: int) -> tuple[int, int]:

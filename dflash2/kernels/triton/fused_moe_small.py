@@ -32,7 +32,7 @@ import triton.language as tl
 
 from dflash2.kernels.triton.elementwise import _silu_mul
 from dflash2.kernels.triton.fused_moe import _weight_tile, pieces
-from dflash2.kernels.triton.gemv_parts import _block_indices, _k_range, _reset_ticket, split_counters
+from dflash2.kernels.triton.gemv_parts import _block_indices, _k_range, _reset_ticket, _store_out, split_counters
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]  # fused_moe._checked_weight's (w, scales, zeros, group)
@@ -148,10 +148,12 @@ def _small_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, hidden_ptr, ws_ptr, cnt_pt
 def _small_down_kernel(hidden_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, ids_ptr, router_ptr, num_pairs,
                        N, K, stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                        TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr,
-                       T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+                       T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+                       ADD_OUT: tl.constexpr = False):
     """out[t, n] = sum_j router[p] * (hidden[p] . down_e[n]), p = t k + j, e = topk_ids[t, j], n in one tile of
     BLOCK_N of the N = H columns; the pair's partial in ws [SPLIT_K, T k, N] float32 and the token's tile counter
-    (T cdiv(N, BLOCK_N) of them) taking k SPLIT_K tickets, unless k = SPLIT_K = 1.
+    (T cdiv(N, BLOCK_N) of them) taking k SPLIT_K tickets, unless k = SPLIT_K = 1. ADD_OUT: out += that (the
+    residual add, rounded as gemv_parts._added; out is read after the PDL wait).
     The pair's expert id and its first K step of weights are read before the PDL wait: the ids' writer (the
     router) is the kernel before the gate_up kernel, which has completed once this one starts (pdl.py's rule), and
     no kernel writes weights; so the step's weights stream in while gate_up finishes."""
@@ -177,7 +179,7 @@ def _small_down_kernel(hidden_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr
     acc = tl.sum(wide, axis=1)
     if TOP_K * SPLIT_K == 1:
         y = _slot_value(acc, pair, ids_ptr, router_ptr, s_ptr, cols64, stride_se, stride_sn, BITS, dtype)
-        tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, y.to(dtype), mask=col_ok)
+        _store_out(y, out_ptr + pair.to(tl.int64) * stride_om + cols, col_ok, ADD_OUT)
     else:
         token = pair // TOP_K
         split_size = num_pairs * N
@@ -191,21 +193,23 @@ def _small_down_kernel(hidden_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr
                 slot_acc = _split_total(ws_ptrs + slot_pair.to(tl.int64) * N, split_size, col_ok, SPLIT_K)
                 total += _slot_value(slot_acc, slot_pair, ids_ptr, router_ptr, s_ptr, cols64, stride_se, stride_sn,
                                      BITS, dtype)
-            tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, total.to(dtype), mask=col_ok)
+            _store_out(total, out_ptr + token.to(tl.int64) * stride_om + cols, col_ok, ADD_OUT)
             _reset_ticket(counter)
 
 
 # -- launcher --------------------------------------------------------------------------------------------
 def fused_moe_small(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, bits: int, gate_up_config: dict, down_config: dict) -> torch.Tensor:
+                    topk_ids: torch.Tensor, bits: int, gate_up_config: dict, down_config: dict,
+                    add_to: torch.Tensor | None = None) -> torch.Tensor:
     """fused_moe's result for x [T, H] on its checked weights (fused_moe._checked_weight's tuples) and configs with
-    SMALL set (fused_moe_configs.py: BLOCK_N, BLOCK_K, SPLIT_K, num_warps a GEMM)."""
+    SMALL set (fused_moe_configs.py: BLOCK_N, BLOCK_K, SPLIT_K, num_warps a GEMM); add_to: added into that [T, H]
+    tensor in the down kernel's store, and it returned."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     inter = gate_up[0].shape[1] // 2
     hidden_rows = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if add_to is None else add_to
     w, scales, zeros, group = gate_up
     tile_args, split_k = _tile_args(bits, group, hidden, gate_up_config)
     grid = num_pairs * triton.cdiv(inter, gate_up_config["BLOCK_N"])
@@ -224,7 +228,7 @@ def fused_moe_small(x: torch.Tensor, gate_up: Weight, down: Weight, topk_weights
     _small_down_kernel[(num_pairs * num_tiles, split_k)](
         hidden_rows, w, scales, zeros, out, ws, counters, topk_ids, topk_weights, num_pairs, hidden, inter,
         hidden_rows.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-        TOP_K=top_k, **tile_args, **_launch_args(down_config))
+        TOP_K=top_k, **tile_args, ADD_OUT=add_to is not None, **_launch_args(down_config))
     return out
 
 

@@ -2,6 +2,7 @@
 
     _activation     one activation row at some columns as float32, optionally silu(gate) * up of a fused
                     [gate | up] row, rounded as the unfused silu_and_mul would
+    _normed         an RMSNorm folded into the kernel that reads its output, rounded as rms_norm rounds
     _block_indices  a program's block of row indices, their mask, and the clamped int64 indices it loads with
     prepare_io      the launchers' input check ([M, K], or [M, 2K] with SiLU-mul) and output allocation
     shape_configs   kernel configs per weight shape from a tune's JSON file (DFLASH2_INT4_CONFIGS, ..._GEMM_...)
@@ -44,6 +45,14 @@ def _activation(x_ptr, m, stride_xm, K, cols, mask, SILU_MUL: tl.constexpr):
     else:
         value = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     return value
+
+
+@triton.jit
+def _normed(x, rstd, nw, DTYPE: tl.constexpr):
+    """rms_norm's output as float32 (the GEMV's and the router's folded norm): (x rstd) rounded to DTYPE, times
+    the weight nw (float32 of a DTYPE value), rounded; the product of two 16-bit values is exact in float32, so
+    this is their 16-bit product."""
+    return (nw * (x * rstd).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
 
 
 @triton.jit

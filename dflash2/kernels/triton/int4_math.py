@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash2.kernels.triton.gemv_parts import _activation
+from dflash2.kernels.triton.gemv_parts import _activation, _normed
 
 CHUNK = 32  # columns a thread takes from a row per step (4 int32 words)
 # bit offset of slot p (0..7) in its word; p even: B slots, p odd: A slots (see the docstring)
@@ -229,12 +229,6 @@ def _rms_rstd(x_base, x_cols, m_ok, K, eps, STEP: tl.constexpr, ASM: tl.constexp
 
 
 @triton.jit
-def _normed(x, rstd, nw, DTYPE: tl.constexpr):
-    """rms_norm's output as float32: (x rstd) rounded to the activations' dtype, times the weight nw."""
-    return (nw * (x * rstd).to(DTYPE)).to(tl.float32)
-
-
-@triton.jit
 def _norm_weight_slots(nw_ptr, cols, mask):
     """The RMSNorm weight at a step's 8 slots (slot p at cols + 4 p), as stored: constant, so a kernel may
     request them before its PDL wait."""
@@ -246,10 +240,12 @@ def _norm_weight_slots(nw_ptr, cols, mask):
 
 @triton.jit
 def _slots_normed_by(x0, x1, x2, x3, x4, x5, x6, x7, rstd, w0, w1, w2, w3, w4, w5, w6, w7, DTYPE: tl.constexpr):
-    """The 8 slots' activations normed with the weights _norm_weight_slots loaded."""
-    return (_normed(x0, rstd, w0, DTYPE), _normed(x1, rstd, w1, DTYPE), _normed(x2, rstd, w2, DTYPE),
-            _normed(x3, rstd, w3, DTYPE), _normed(x4, rstd, w4, DTYPE), _normed(x5, rstd, w5, DTYPE),
-            _normed(x6, rstd, w6, DTYPE), _normed(x7, rstd, w7, DTYPE))
+    """The 8 slots' activations normed with the weights _norm_weight_slots loaded (gemv_parts._normed)."""
+    f32: tl.constexpr = tl.float32
+    return (_normed(x0, rstd, w0.to(f32), DTYPE), _normed(x1, rstd, w1.to(f32), DTYPE),
+            _normed(x2, rstd, w2.to(f32), DTYPE), _normed(x3, rstd, w3.to(f32), DTYPE),
+            _normed(x4, rstd, w4.to(f32), DTYPE), _normed(x5, rstd, w5.to(f32), DTYPE),
+            _normed(x6, rstd, w6.to(f32), DTYPE), _normed(x7, rstd, w7.to(f32), DTYPE))
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash2.kernels.triton.gemv_parts import _reset_ticket, split_counters
+from dflash2.kernels.triton.gemv_parts import _normed, _reset_ticket, split_counters
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
 
 FUSED_MAX_TOKENS = 16  # above: F.linear's one weight read for all tokens beats a read per token
@@ -59,9 +59,12 @@ def _select(logits, e_ok, weights_ptr, ids_ptr, TOP_K: tl.constexpr, K_PAD: tl.c
 
 @triton.jit
 def _route_small_kernel(x_ptr, w_ptr, ws_ptr, cnt_ptr, weights_ptr, ids_ptr, E, H, stride_xm, stride_we,
+                        nw_ptr, eps, h_ptr, stride_hm,
                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, E_PAD: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ONE_PASS: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        USE_PDL: tl.constexpr, RMS_NORM: tl.constexpr = False):
+    """RMS_NORM (ONE_PASS): x is the residual stream; the router reads its RMSNorm with weight nw (rms_norm's
+    arithmetic), and the first program of each token stores that row in h for the experts."""
     t, b = tl.program_id(0), tl.program_id(1)
     experts = b * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < E
@@ -70,8 +73,15 @@ def _route_small_kernel(x_ptr, w_ptr, ws_ptr, cnt_ptr, weights_ptr, ids_ptr, E, 
     if ONE_PASS:  # BLOCK_H covers H: the gate rows requested before the wait (no kernel writes them), while the
         hs = tl.arange(0, BLOCK_H)  # kernel before (the norm that makes x) finishes; every load in flight at once
         w = tl.load(w_ptr + rows[:, None] + hs[None, :], mask=e_ok[:, None] & (hs < H)[None, :], other=0.0)
+        if RMS_NORM:  # constants too
+            nw = tl.load(nw_ptr + hs, mask=hs < H, other=0.0).to(tl.float32)
         pdl_start(USE_PDL)
         a = tl.load(x_row + hs, mask=hs < H, other=0.0).to(tl.float32)
+        if RMS_NORM:
+            dtype = x_ptr.dtype.element_ty
+            a = _normed(a, tl.rsqrt(tl.sum(a * a, axis=0) / H + eps), nw, dtype)
+            if b == 0:
+                tl.store(h_ptr + t.to(tl.int64) * stride_hm + hs, a.to(dtype), mask=hs < H)
         acc = w.to(tl.float32) * a[None, :]
     else:
         pdl_start(USE_PDL)
@@ -107,10 +117,32 @@ def _route_logits_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_lm, TOP_K: 
     _select(logits, e_ok, weights_ptr + t * TOP_K, ids_ptr + t * TOP_K, TOP_K, K_PAD, NORM, E_PAD)
 
 
+def fuses_norm(num_tokens: int, hidden: int) -> bool:
+    """Whether moe_route_normed takes these tokens: route_small with the whole row in one pass."""
+    return num_tokens <= FUSED_MAX_TOKENS and triton.next_power_of_2(hidden) <= TILE
+
+
+def moe_route_normed(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                     weights_dtype: torch.dtype, norm: tuple[torch.Tensor, float]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_route of RMSNorm(x) with norm = (weight [H], eps), in the same launch: (weights, ids, the normed rows
+    [T, H]) for x the residual stream (not changed); only where fuses_norm."""
+    if not fuses_norm(x.shape[0], x.shape[1]):
+        raise ValueError(f"moe_route_normed: {x.shape[0]} tokens of {x.shape[1]} take the separate norm")
+    if norm[0].shape != (x.shape[1],) or norm[0].dtype != x.dtype:
+        raise ValueError(f"moe_route_normed: norm weight [{x.shape[1]}] {x.dtype} expected, got "
+                         f"{tuple(norm[0].shape)} {norm[0].dtype}")
+    normed = torch.empty_like(x)
+    weights, ids = moe_route(x, gate, top_k, norm_topk_prob, weights_dtype, norm=norm, normed=normed)
+    return weights, ids, normed
+
+
 def moe_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool,
-              weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+              weights_dtype: torch.dtype, norm: tuple[torch.Tensor, float] | None = None,
+              normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] in weights_dtype, ids [T, top_k] int64) for x [T, H] and the router's gate [E, H] of
-    x's dtype: SparseMoeBlock.route's result (the module docstring says where it may differ)."""
+    x's dtype: SparseMoeBlock.route's result (the module docstring says where it may differ). norm, normed:
+    moe_route_normed's."""
     num_tokens, hidden = x.shape
     num_experts = gate.shape[0]
     if gate.shape[1] != hidden or gate.dtype != x.dtype or not 0 < top_k <= num_experts:
@@ -132,9 +164,12 @@ def moe_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: b
         blocks = triton.cdiv(num_experts, block_e)
         ws = torch.empty((num_tokens, e_pad), dtype=torch.float32, device=x.device) if blocks > 1 else weights
         counters = split_counters(x.device, num_tokens) if blocks > 1 else weights
+        norm_weight, eps = norm if norm is not None else (x, 0.0)  # x: any pointer, never read without a norm
+        h = normed if normed is not None else x
         _route_small_kernel[(num_tokens, blocks)](
-            x, gate, ws, counters, weights, ids, num_experts, hidden, x.stride(0), gate.stride(0),
-            BLOCK_E=block_e, BLOCK_H=block_h, ONE_PASS=block_h >= hidden, num_warps=4, **select)
+            x, gate, ws, counters, weights, ids, num_experts, hidden, x.stride(0), gate.stride(0), norm_weight, eps,
+            h, h.stride(0), BLOCK_E=block_e, BLOCK_H=block_h, ONE_PASS=block_h >= hidden, num_warps=4,
+            RMS_NORM=norm is not None, **select)
     else:
         logits = torch.nn.functional.linear(x, gate)
         _route_logits_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), num_warps=4,

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from dflash2.kernels.torch_ref.quant_matmul import PackedWeight
-from dflash2.kernels.triton.gemv_parts import (_activation, _block_indices, _k_range, _store_or_reduce, prepare_io,
-                                                shape_configs, split_counters)
+from dflash2.kernels.triton.gemv_parts import (_activation, _block_indices, _k_range, _normed, _store_or_reduce,
+                                                prepare_io, shape_configs, split_counters)
 from dflash2.kernels.triton.int4_gemm import int4_gemm
 from dflash2.kernels.triton.int4_gemv import int4_gemv, pair_gate_up, prepare_int4
 from dflash2.kernels.triton.pdl import pdl_args, pdl_start
@@ -128,16 +128,35 @@ def _codes(w_ptr, hi_ptr, rows, stride_wn, stride_hn, k0, k_end, n_mask, BITS: t
 
 # -- kernels ---------------------------------------------------------------------------------------------
 @triton.jit
+def _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M: tl.constexpr, STEP: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each of the BLOCK_M activation rows [BLOCK_M] (rms_norm's), in a pass over K."""
+    m_idx = tl.arange(0, BLOCK_M)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, STEP):
+        cols = k0 + tl.arange(0, STEP)
+        for m in tl.static_range(BLOCK_M):
+            x = tl.load(x_ptr + m * stride_xm + cols, mask=(cols < K) & (m < M), other=0.0).to(tl.float32)
+            total = tl.where(m_idx == m, total + tl.sum(x * x, axis=0), total)
+    return tl.rsqrt(total / K + eps)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
-                 stride_xm, stride_wn, stride_hn, stride_sn, stride_om,
+                 stride_xm, stride_wn, stride_hn, stride_sn, stride_om, nw_ptr, eps,
                  BITS: tl.constexpr, GS: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, WORDS: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr, NORM: tl.constexpr = False, ADD_OUT: tl.constexpr = False):
+    """NORM: x is the residual stream and the input is its RMSNorm with weight nw (rms_norm's arithmetic: (x
+    rstd) rounded to x's dtype, times the weight, rounded), rstd from a pass over the row before the K loop.
+    ADD_OUT: out += the product (the residual add, _store_or_reduce's)."""
     pdl_start(USE_PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     out_rows, n_mask, rows = _block_indices(pid_n * BLOCK_N, N, BLOCK_N)
     m_idx = tl.arange(0, BLOCK_M)
     k_start, k_end = _k_range(K, pid_k, T * GS, SPLIT_K)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_ptr, stride_xm, M, K, eps, BLOCK_M, T * GS)
     grouped: tl.constexpr = BITS == 6
     defer: tl.constexpr = BLOCK_M == 1 and not grouped  # one row, no groups: reduce over K once, at the end
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -154,6 +173,10 @@ def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
             zero = tl.load(z_ptr + s_offs, mask=g_mask, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             x = _activation(x_ptr, m, stride_xm, K, cols, k_mask & (m < M), SILU_MUL)
+            if NORM:
+                row_rstd = tl.sum(tl.where(m_idx == m, rstd, 0.0), axis=0)
+                nw = tl.load(nw_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+                x = _normed(x, row_rstd, nw, x_ptr.dtype.element_ty)
             if defer:
                 wide += w * x[None]
             else:
@@ -165,7 +188,8 @@ def _gemv_kernel(x_ptr, w_ptr, hi_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, M
         acc += tl.sum(tl.sum(wide, axis=2), axis=1)[None, :]
     if BITS == 8:
         acc *= tl.load(s_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, out_rows, M, N, stride_om, pid_n, pid_k, SPLIT_K)
+    _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, m_idx, out_rows, M, N, stride_om, pid_n, pid_k, SPLIT_K,
+                     ADD_OUT)
 
 
 @triton.jit
@@ -233,18 +257,31 @@ def _launch(kernel: Any, x: torch.Tensor, weight: dict[str, Any], out: torch.Ten
 
 
 def gemv(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = None, silu_mul: bool = False,
-         config: dict[str, int] | None = None) -> torch.Tensor:
+         config: dict[str, int] | None = None, norm: tuple[torch.Tensor, float] | None = None,
+         add_out: bool = False) -> torch.Tensor:
     """y = act(x) @ W^T for x [M, K] (M <= GEMV_MAX_M, or any M; the kernel is built for few rows). int4:
-    int4_gemv on the weight's repacked copy (`config`: one of its configs)."""
+    int4_gemv on the weight's repacked copy (`config`: one of its configs). norm = (weight [K], eps): the input
+    is RMSNorm(x) as rms_norm computes it (x, the residual stream, is not changed); add_out: out += the product
+    (the residual add; out is required). norm not with silu_mul."""
     if weight["bits"] == 4:
-        return int4_gemv(x, weight["int4"], out=out, silu_mul=silu_mul, config=config)
+        return int4_gemv(x, weight["int4"], out=out, silu_mul=silu_mul, config=config, norm=norm,
+                         add_out=add_out)
+    if norm is not None and silu_mul:
+        raise ValueError("the GEMV takes norm or silu_mul, not both")
+    if add_out and out is None:
+        raise ValueError("the GEMV's add_out needs out (the residual stream)")
+    if norm is not None and (norm[0].shape != (weight["k"],) or norm[0].dtype != x.dtype):
+        raise ValueError(f"GEMV norm weight: expected [{weight['k']}] {x.dtype}, got {tuple(norm[0].shape)} "
+                         f"{norm[0].dtype}")
     x, out = prepare_io(x, weight, out, silu_mul)
     m, n = out.shape
     if m == 0:
         return out
     config = config or gemv_config(weight["bits"], n, weight["k"])
     block_m = triton.next_power_of_2(m)
-    _launch(_gemv_kernel, x, weight, out, triton.cdiv(n, config["BLOCK_N"]), config, block_m, silu_mul)
+    norm_weight, eps = norm if norm is not None else (x, 0.0)  # x: any pointer, never read without NORM
+    _launch(_gemv_kernel, x, weight, out, triton.cdiv(n, config["BLOCK_N"]), config, block_m, silu_mul,
+            nw_ptr=norm_weight, eps=eps, NORM=norm is not None, ADD_OUT=add_out)
     return out
 
 
@@ -272,10 +309,12 @@ def gemm(x: torch.Tensor, weight: dict[str, Any], out: torch.Tensor | None = Non
     return out
 
 
-def gemv_16bit(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-               silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] with silu_mul) @ weight[N, K]^T for a 16-bit weight, by the GEMV kernel."""
-    return gemv(x, {"bits": 16, "n": weight.shape[0], "k": weight.shape[1], "w": weight}, out, silu_mul)
+def gemv_16bit(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, silu_mul: bool = False,
+               norm: tuple[torch.Tensor, float] | None = None, add_out: bool = False) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with silu_mul) @ weight[N, K]^T for a 16-bit weight, by the GEMV kernel (norm,
+    add_out: gemv's)."""
+    return gemv(x, {"bits": 16, "n": weight.shape[0], "k": weight.shape[1], "w": weight}, out, silu_mul,
+                norm=norm, add_out=add_out)
 
 
 # -- the backend -----------------------------------------------------------------------------------------
@@ -339,8 +378,8 @@ class TritonWeight:
 
     def fuses_norm(self, rows: int) -> bool:
         """Whether matmul(norm=, add_to=) runs the RMSNorm and the residual add inside the GEMV for `rows`
-        activation rows (the int4 GEMV)."""
-        return self.fmt.bits == 4 and rows <= GEMV_MAX_M
+        activation rows (the int4 GEMV, and the 16-bit one)."""
+        return self.fmt.bits in (4, 16) and rows <= GEMV_MAX_M
 
     def matmul(self, x: torch.Tensor, silu_mul: bool = False, silu_out: bool = False,
                norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
@@ -355,6 +394,8 @@ class TritonWeight:
                                  f"{x.shape[0]} rows)")
             if silu_out:
                 return int4_gemv(x, self.weight["int4"], silu_mul=silu_mul, silu_out=True, norm=norm)
+            if self.fmt.bits == 16:
+                return gemv(x, self.weight, out=add_to, silu_mul=silu_mul, norm=norm, add_out=add_to is not None)
             return int4_gemv(x, self.weight["int4"], out=add_to, silu_mul=silu_mul, norm=norm,
                              add_out=add_to is not None, out_settled=True)
         if silu_out:
