@@ -127,13 +127,17 @@ def test_fused_rotary_write_matches_rotary_then_write():
     assert torch.equal(v_cache, v_ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_sms", [4, 132])
-def test_decode_rotary_matches_the_rotary_kernel_then_attention(dtype, num_sms):
+@pytest.mark.parametrize("dtype, num_sms, qk_norm", [
+    (torch.float32, 4, False), (torch.float32, 132, False), (torch.bfloat16, 4, False), (torch.bfloat16, 132, False),
+    (torch.float32, 4, True), (torch.float32, 132, True),
+])
+def test_decode_rotary_matches_the_rotary_kernel_then_attention(dtype, num_sms, qk_norm):
     """forward_rotary on a float cache: decode rows rotated and written by decode attention itself (prefill rows
     by the rotary kernel) against rotary_write_kv then attention, in a mixed batch whose decode lengths put the
     step's token first, inside and last in its split (num_sms sets the splits: 1, or many, where the first
-    tile's pages are looked up before the PDL wait); the caches bit for bit."""
+    tile's pages are looked up before the PDL wait); the caches bit for bit. qk_norm (Qwen3): q and k RMS-normed
+    per head first, in decode attention too (its statistics summed in another order than the rotary write's
+    halves: the cache equal to float32 rounding)."""
     from dflash2.config import RopeConfig
     from dflash2.layers.rotary import RotaryEmbedding
 
@@ -148,6 +152,10 @@ def test_decode_rotary_matches_the_rotary_kernel_then_attention(dtype, num_sms):
     width = (NUM_KV_HEADS * group + 2 * NUM_KV_HEADS) * HEAD_DIM
     qkv = torch.randn(num_tokens, width, generator=g).to(dtype)
     meta = mixed_batch_metadata(shapes, table, tri.PREFILL_BLOCK_M)
+    norms = None
+    if qk_norm:
+        q_w, k_w = ((torch.rand(HEAD_DIM, generator=g) + 0.5).to(dtype) for _ in range(2))
+        norms = (q_w, k_w, 1e-6)
 
     def run(fused: bool):
         x = qkv.clone()
@@ -156,12 +164,17 @@ def test_decode_rotary_matches_the_rotary_kernel_then_attention(dtype, num_sms):
         cache = KVCache(k_cache.clone(), v_cache.clone())
         attention = tri.TritonAttention(num_sms=num_sms)
         if fused:
-            return attention.forward_rotary(q, k, v, cache, meta, 0.3, rotary.cos, rotary.sin), cache
-        kv_write.rotary_write_kv(q, k, v, cache, rotary.cos, rotary.sin, meta)
+            return attention.forward_rotary(q, k, v, cache, meta, 0.3, rotary.cos, rotary.sin, norms), cache
+        kv_write.rotary_write_kv(q, k, v, cache, rotary.cos, rotary.sin, meta, norms)
         return attention._attend(q, cache, meta, 0.3), cache
 
     expected, expected_cache = run(False)
     got, cache = run(True)
+    if qk_norm:
+        torch.testing.assert_close(cache.k, expected_cache.k, atol=1e-6, rtol=1e-6)
+        assert torch.equal(cache.v, expected_cache.v)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        return
     as_bits = (lambda t: t.view(torch.int16)) if dtype == torch.bfloat16 else (lambda t: t)
     assert torch.equal(as_bits(cache.k), as_bits(expected_cache.k))
     assert torch.equal(as_bits(cache.v), as_bits(expected_cache.v))

@@ -177,7 +177,7 @@ def _softmax_update(s, v, v_scale, m_i, l_i, acc, q, KIND: tl.constexpr, PRECISI
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, out_ptr, lse_ptr,
-                         final_ptr, cnt_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr,
+                         final_ptr, cnt_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, q_norm_w, k_norm_w, norm_eps,
                          stride_qt, stride_qh, stride_cache_page, stride_cache_token, stride_cache_head,
                          stride_scale_page, stride_scale_token, stride_scale_head, stride_pt,
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
@@ -188,13 +188,14 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                          SPLITS_PAD: tl.constexpr,
                          PRECISION: tl.constexpr, KIND: tl.constexpr, INT8_LOOP: tl.constexpr,
                          INT8_SUB: tl.constexpr, USE_PDL: tl.constexpr, ROTARY: tl.constexpr = False,
-                         KV_PREFETCH_LINES: tl.constexpr = 0):
+                         KV_PREFETCH_LINES: tl.constexpr = 0, QK_NORM: tl.constexpr = False):
     """The next kernel may launch only once the partial is stored, not right after the wait, so that its early
     weight loads stay off this kernel's latency-bound loads (measured: the note below DECODE_WAVES).
     ROTARY (a float cache; decode_attention's `rotary`): q and the step's k and v come un-rotated and unwritten
     (the qkv output); each program rotates its q heads, and the split holding the step's position (length - 1)
     rotates k, writes k and v into the cache and adds that one token to its softmax from registers, so its KV
-    loop, like every other split's, reads only positions earlier steps wrote.
+    loop, like every other split's, reads only positions earlier steps wrote. QK_NORM (with ROTARY; Qwen3): q and
+    k are RMS-normed per head first (weights q_norm_w, k_norm_w), as the rotary KV write's qk_norm does.
     PAGES_EARLY (not int8, rows split): the first KV tile's page-table entries are read before the wait (the host
     writes the page table before the step's first kernel), each next tile's with the tile before.
     KV_PREFETCH_LINES (with PAGES_EARLY, a float cache): the first tile's K and V rows, KV_PREFETCH_LINES 128-byte
@@ -225,6 +226,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
         new_page = tl.load(page_table + slot * stride_pt + pos // tokens_per_page).to(tl.int64)
         new_offs = (new_page * stride_cache_page + (pos % tokens_per_page) * stride_cache_token
                     + kv_head * stride_cache_head + d)
+        if QK_NORM:  # constants: the weights at each column and at its rotary partner's
+            q_w, q_w_swapped = tl.load(q_norm_w + d), tl.load(q_norm_w + (d + HALF) % HEAD_DIM)
+            k_w, k_w_swapped = tl.load(k_norm_w + d), tl.load(k_norm_w + (d + HALF) % HEAD_DIM)
     PAGES_EARLY: tl.constexpr = KIND != 1 and NUM_SPLITS > 1  # one split (W1: long loops) lost 10% with it
     if PAGES_EARLY:
         first_tokens = start + tl.arange(0, BLOCK_N)
@@ -240,12 +244,18 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
     q = tl.load(q_ptr + q_offs + d[None, :], mask=head_mask[:, None], other=0.0)
     if ROTARY:
         first_half = d < HALF
-        q = _rotated_rows(q, tl.load(q_ptr + q_offs + ((d + HALF) % HEAD_DIM)[None, :], mask=head_mask[:, None],
-                                     other=0.0), cos[None, :], sin[None, :], first_half[None, :])
+        q_swapped = tl.load(q_ptr + q_offs + ((d + HALF) % HEAD_DIM)[None, :], mask=head_mask[:, None], other=0.0)
+        if QK_NORM:
+            q, q_swapped = _head_normed(q, q_swapped, q_w[None, :], q_w_swapped[None, :], norm_eps, HEAD_DIM)
+        q = _rotated_rows(q, q_swapped, cos[None, :], sin[None, :], first_half[None, :])
         new_mask = holds_new & (d < HEAD_DIM)  # the split's flag over the row
         k_offs = b * stride_knt + kv_head * stride_knh
         k_new = tl.load(k_new_ptr + k_offs + d, mask=new_mask, other=0.0)
         k_new_swapped = tl.load(k_new_ptr + k_offs + (d + HALF) % HEAD_DIM, mask=new_mask, other=0.0)
+        if QK_NORM:
+            k_new, k_new_swapped = _head_normed(k_new[None, :], k_new_swapped[None, :], k_w[None, :],
+                                                k_w_swapped[None, :], norm_eps, HEAD_DIM)
+            k_new, k_new_swapped = tl.reshape(k_new, [HEAD_DIM]), tl.reshape(k_new_swapped, [HEAD_DIM])
         v_new = tl.load(v_new_ptr + b * stride_vnt + kv_head * stride_vnh + d, mask=new_mask, other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -294,6 +304,19 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, k_scales, v_scales, page_table
                           stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
                           GROUP, GROUP_P2, HEAD_DIM, SPLITS_PAD)
             _reset_ticket(counter)
+
+
+@triton.jit
+def _head_normed(x, x_swapped, w, w_swapped, eps, HEAD_DIM: tl.constexpr):
+    """Per-head RMSNorm of rows x [R, HEAD_DIM] and of the same rows with their halves exchanged (the rotary's
+    partner columns), weights w / w_swapped at those columns: statistics in float32 over the row, (x rstd)
+    rounded to x's dtype, times the weight, rounded (elementwise._head_rms_norm's arithmetic)."""
+    dtype = x.dtype
+    x32 = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x32 * x32, 1) / HEAD_DIM + eps)[:, None]
+    normed = (w.to(tl.float32) * (x32 * inv).to(dtype).to(tl.float32)).to(dtype)
+    swapped = (w_swapped.to(tl.float32) * (x_swapped.to(tl.float32) * inv).to(dtype).to(tl.float32)).to(dtype)
+    return normed, swapped
 
 
 @triton.jit
@@ -457,17 +480,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, num_splits: int,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, config: dict | None = None,
-                     rotary: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                     rotary: tuple[torch.Tensor, ...] | None = None,
+                     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """q [B, H, D] over each request's first lengths[b] cached positions -> [B, H, D]. `config` overrides
     DECODE_CONFIG (benchmarks/tune_decode.py). With `rotary` = (k [B, KV heads, D], v, cos, sin) on a float
     cache, q and k are un-rotated and the step's position (lengths[b] - 1) is not in the cache yet: the kernel
-    rotates q and k (rotate-half, the tables' rows by position) and writes k and v there."""
+    rotates q and k (rotate-half, the tables' rows by position) and writes k and v there; `qk_norm` = (q weight,
+    k weight, eps) with it (Qwen3): q and k are RMS-normed per head first."""
     batch, num_heads, dim = q.shape
     config = default_decode_config(q, k_cache) if config is None else config
     kind, k_scales, v_scales, *scale_strides = scale_args(k_cache, k_scale, v_scale)
     if rotary is not None and kind != 0:
         raise ValueError("decode_attention's rotary takes a float cache")
+    if qk_norm is not None and rotary is None:
+        raise ValueError("decode_attention's qk_norm comes with rotary")
     k_new, v_new, cos, sin = rotary if rotary is not None else (q, q, q, q)
+    q_norm_w, k_norm_w, norm_eps = qk_norm if qk_norm is not None else (q, q, 0.0)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
@@ -484,7 +512,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group_pad = triton.next_power_of_2(group) if loop == "imma_t" else max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, k_scales, v_scales, page_table, slots, lengths, partial, lse, out, counters,
-        k_new, v_new, cos, sin,
+        k_new, v_new, cos, sin, q_norm_w, k_norm_w, norm_eps,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *scale_strides, page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
@@ -493,7 +521,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
         PRECISION=_precision(q), KIND=kind, INT8_LOOP=loop, INT8_SUB=int8_sub_tiles(block_n, config["num_warps"]),
         num_warps=config["num_warps"], num_stages=config["num_stages"], ROTARY=rotary is not None,
-        KV_PREFETCH_LINES=prefetch_lines, **pdl_args())
+        KV_PREFETCH_LINES=prefetch_lines, QK_NORM=qk_norm is not None, **pdl_args())
     return out
 
 
@@ -555,18 +583,19 @@ class TritonAttention:
                        meta: AttentionMetadata, scale: float, cos: torch.Tensor, sin: torch.Tensor,
                        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
         """forward() for un-rotated q and k: the rotary embedding (and Qwen3's q/k norms, `qk_norm`) is
-        applied while writing the cache; on a float cache without q/k norms decode attention does it for the
-        decode rows."""
+        applied while writing the cache; on a float cache decode attention does it (norms too) for the decode
+        rows."""
         nd = meta.num_decode_tokens
-        if not (nd and qk_norm is None and cache.k_scale is None):
+        if not (nd and cache.k_scale is None):
             rotary_write_kv(q, k, v, cache, cos, sin, meta, qk_norm)
             return self._attend(q, cache, meta, scale)
-        rotary_write_kv(q, k, v, cache, cos, sin, meta, first_row=nd)  # the prefill rows
-        return self._attend(q, cache, meta, scale, rotary=(k[:nd], v[:nd], cos, sin))
+        rotary_write_kv(q, k, v, cache, cos, sin, meta, qk_norm, first_row=nd)  # the prefill rows
+        return self._attend(q, cache, meta, scale, rotary=(k[:nd], v[:nd], cos, sin), qk_norm=qk_norm)
 
     def _attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-                rotary: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """Decode rows, then prefill rows; `rotary`: decode_attention's, for the decode rows."""
+                rotary: tuple[torch.Tensor, ...] | None = None,
+                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+        """Decode rows, then prefill rows; `rotary`, `qk_norm`: decode_attention's, for the decode rows."""
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
@@ -575,7 +604,7 @@ class TritonAttention:
                                                                 q.shape[1] // num_kv_heads)
             decode_attention(q[:nd], cache.k, cache.v, meta.page_table, meta.decode_slots, meta.decode_lengths,
                              scale, splits, out=out[:nd], k_scale=cache.k_scale, v_scale=cache.v_scale,
-                             config=self.graph_decode_config, rotary=rotary)
+                             config=self.graph_decode_config, rotary=rotary, qk_norm=qk_norm)
         if meta.prefill_block_segments is not None:  # set whenever the step has prefill chunks
             prefill_attention(q, cache, meta, scale, out, row_offset=nd)
         return out
