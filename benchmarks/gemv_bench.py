@@ -169,8 +169,13 @@ def candidate_configs(bits: int) -> list[dict[str, int]]:
     return configs
 
 
-def sweep(bits: int, budget_s: float, x: torch.Tensor) -> dict[str, list[dict[str, Any]]]:
-    """shape -> rows sorted fastest first."""
+# --sweep-fold: the shapes as a decode step of one row runs them where the layer folds its norms and residual adds
+# (models/llama.py fuses_norms): qkv and gate_up norm their input, o_proj and down add into the residual stream
+FOLDED = {"qkv": "norm", "gate_up": "norm", "o_proj": "add", "down": "add"}
+
+
+def sweep(bits: int, budget_s: float, x: torch.Tensor, fold: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """shape -> rows sorted fastest first; fold: FOLDED's norms and adds inside the GEMV."""
     fmt = WeightFormat(bits, 128 if bits == 6 else None)
     weights = {}
     for shape, (n, k) in SHAPES.items():
@@ -187,10 +192,12 @@ def sweep(bits: int, budget_s: float, x: torch.Tensor) -> dict[str, list[dict[st
 
     def measure(shape: str, config: dict[str, int]) -> None:
         n, k = SHAPES[shape]
-        out = torch.empty(x.shape[0], n, device=DEVICE, dtype=torch.bfloat16)
+        out = torch.zeros(x.shape[0], n, device=DEVICE, dtype=torch.bfloat16)
+        folded = FOLDED.get(shape) if fold else None
+        norm = (torch.ones(k, device=DEVICE, dtype=torch.bfloat16), 1e-6) if folded == "norm" else None
         try:
-            seconds = seconds_per_call(cycle(lambda w: qm.gemv(inputs[shape], w, out=out, config=config),
-                                             weights[shape]))
+            seconds = seconds_per_call(cycle(lambda w: qm.gemv(inputs[shape], w, out=out, config=config, norm=norm,
+                                                               add_out=folded == "add"), weights[shape]))
         except Exception as e:  # a config that does not compile (registers, shared memory)
             results[shape].append({"config": config, "error": str(e)[:120]})
             return
@@ -243,6 +250,9 @@ def main() -> None:
     parser.add_argument("--sweep-rows", type=int, default=1,
                         help="activation rows of the sweep (at most GEMV_MAX_M; 4: a decode batch of 4). The suggested "
                              "configs are for these rows; quant_matmul's GEMV_CONFIGS serve 1-4 rows alike")
+    parser.add_argument("--sweep-fold", action="store_true",
+                        help="sweep qkv / gate_up with the RMSNorm and o_proj / down with the residual add inside the "
+                             "GEMV, as a folded layer's one-row step runs them (bits 16 and 4 fold)")
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
     parser.add_argument("--shapes", choices=sorted(MODEL_SHAPES), default="llama-3-8b")
     args = parser.parse_args()
@@ -253,7 +263,7 @@ def main() -> None:
         DEVICE, ROWS, L2_FLUSH_BYTES, MIN_CALLS = "cpu", (1, 20), 1, 1
         args.sweep_budget_s = min(args.sweep_budget_s, 6.0)
         SHAPES.clear()
-        SHAPES.update({"small": (48, 256), "wide": (40, 512)})
+        SHAPES.update({"qkv": (48, 256), "o_proj": (40, 512)})  # tiny, under the names --sweep-fold folds
     started = time.time()
     gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke)"
     report: dict[str, Any] = {"gpu": gpu, "defaults": {
@@ -269,7 +279,7 @@ def main() -> None:
         x = torch.randn(args.sweep_rows, max(k for _, k in SHAPES.values()), device=DEVICE).bfloat16()
         report["sweep"], report["suggested_GEMV_CONFIGS"] = {}, {}
         for bits in bits_list:
-            results = sweep(bits, args.sweep_budget_s / len(bits_list), x)
+            results = sweep(bits, args.sweep_budget_s / len(bits_list), x, args.sweep_fold)
             report["sweep"][str(bits)] = {shape: rows[:5] for shape, rows in results.items()}
             report["suggested_GEMV_CONFIGS"].update(suggest(bits, results))
             for shape, rows in results.items():
