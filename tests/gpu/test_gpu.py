@@ -70,11 +70,13 @@ def test_mixed_batch_kernels_match_reference(group):
     assert error < 1e-2, error
 
 
-def test_decode_rotary_matches_the_rotary_kernel_in_bf16():
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_decode_rotary_matches_the_rotary_kernel_in_bf16(qk_norm):
     """forward_rotary (decode attention rotating and writing the decode rows' k and v, the first tile's pages read
     before the PDL wait) on llama-3-8b's attention shape (32 heads over 8 KV heads of 128, 16-token pages):
     decode rows of lengths 1..4099 at one row (16 splits) and 32 (2 splits), plus prefill chunks: the caches bit
-    for bit and the output as the rotary kernel then attention give it."""
+    for bit and the output as the rotary kernel then attention give it. qk_norm: Qwen3's per-head q/k norms
+    first, in decode attention too."""
     from dflash2.config import RopeConfig
     from dflash2.kernels.attention_metadata import KVCache
     from dflash2.kernels.triton import attention as tri
@@ -83,6 +85,10 @@ def test_decode_rotary_matches_the_rotary_kernel_in_bf16():
 
     dim, heads, kv_heads, tokens_per_page = 128, 32, 8, 16
     rotary = RotaryEmbedding(RopeConfig(theta=500000.0), dim, 8192).to("cuda")
+    norms = None
+    if qk_norm:
+        norms = (torch.rand(dim, device="cuda").bfloat16() + 0.5, torch.rand(dim, device="cuda").bfloat16() + 0.5,
+                 1e-6)
     rng = random.Random(7)
     for decodes in ([300], [1, 2, 17, 32, 33, 300, 1025, 4099] + [rng.randrange(1, 3000) for _ in range(24)]):
         shapes = [(n, 1) for n in decodes] + [(700, 64), (90, 90)]
@@ -100,9 +106,9 @@ def test_decode_rotary_matches_the_rotary_kernel_in_bf16():
             cache = KVCache(k_cache.clone(), v_cache.clone())
             attention = tri.TritonAttention()
             if fused:
-                out = attention.forward_rotary(q, k, v, cache, meta, dim ** -0.5, rotary.cos, rotary.sin)
+                out = attention.forward_rotary(q, k, v, cache, meta, dim ** -0.5, rotary.cos, rotary.sin, norms)
             else:  # the rotary kernel for every row, then attention
-                rotary_write_kv(q, k, v, cache, rotary.cos, rotary.sin, meta)
+                rotary_write_kv(q, k, v, cache, rotary.cos, rotary.sin, meta, norms)
                 out = attention._attend(q, cache, meta, dim ** -0.5)
             runs.append((out.float(), cache))
         (expected, expected_cache), (got, cache) = runs
