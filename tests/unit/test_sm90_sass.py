@@ -69,6 +69,48 @@ print(json.dumps(positions(step_edges._argmax_kernel, types, constants, 4, "CCTL
 """
 
 
+# The kernels that fold a decoder layer's norms and residual adds (models/llama.py fuses_norms) and Qwen3's q/k
+# norms (decode attention's QK_NORM), as a one-row step of qwen3-30b-a3b in bf16 launches them
+_FOLDED = r"""
+from dflash2.kernels.triton import attention, fused_moe_small, int4_gemv, moe_router, quant_matmul
+bf, f32 = "*bf16", "*fp32"
+result = {}
+gemv_types = {"x_ptr": bf, "w_ptr": bf, "hi_ptr": bf, "s_ptr": bf, "z_ptr": bf, "out_ptr": bf, "ws_ptr": f32,
+              "cnt_ptr": "*i32", "nw_ptr": bf, "eps": "fp32"}
+gemv = {"BITS": 16, "GS": 512, "T": 1, "BLOCK_M": 1, "BLOCK_N": 4, "SPLIT_K": 1, "WORDS": False}
+result["gemv_norm"] = positions(quant_matmul._gemv_kernel, gemv_types, {**gemv, "SILU_MUL": False, "NORM": True},
+                                4, "UBLKPF")
+result["gemv_add"] = positions(quant_matmul._gemv_kernel, gemv_types, {**gemv, "SILU_MUL": True, "ADD_OUT": True},
+                               4, "UBLKPF")
+router_types = {"x_ptr": bf, "w_ptr": bf, "ws_ptr": f32, "cnt_ptr": "*i32", "weights_ptr": bf, "ids_ptr": "*i64",
+                "nw_ptr": bf, "eps": "fp32", "h_ptr": bf}
+result["router_norm"] = positions(moe_router._route_small_kernel, router_types,
+                                  {"TOP_K": 8, "K_PAD": 8, "NORM": True, "E_PAD": 128, "BLOCK_E": 2, "BLOCK_H": 2048,
+                                   "ONE_PASS": True, "RMS_NORM": True}, 4, "UBLKPF")
+down_types = {"hidden_ptr": bf, "w_ptr": bf, "s_ptr": bf, "z_ptr": bf, "out_ptr": bf, "ws_ptr": f32,
+              "cnt_ptr": "*i32", "ids_ptr": "*i64", "router_ptr": bf}
+result["experts_down_add"] = positions(fused_moe_small._small_down_kernel, down_types,
+                                       {"TOP_K": 8, "BITS": 16, "GROUP": 1, "GS": 128, "T": 1, "BLOCK_N": 32,
+                                        "SPLIT_K": 2, "ADD_OUT": True}, 4, "UBLKPF")
+attention_types = {"q_ptr": bf, "k_cache": bf, "v_cache": bf, "k_scales": "*fp16", "v_scales": "*fp16",
+                   "page_table": "*i32", "slots": "*i32", "lengths": "*i32", "out_ptr": f32, "lse_ptr": f32,
+                   "final_ptr": bf, "cnt_ptr": "*i32", "k_new_ptr": bf, "v_new_ptr": bf, "cos_ptr": bf,
+                   "sin_ptr": bf, "q_norm_w": bf, "k_norm_w": bf, "norm_eps": "fp32", "scale": "fp32"}
+result["attention_qk_norm"] = positions(attention._decode_split_kernel, attention_types,
+                                        {"GROUP": 8, "GROUP_PAD": 16, "GROUP_P2": 8, "HEAD_DIM": 128, "BLOCK_N": 128,
+                                         "NUM_SPLITS": 4, "SPLITS_PAD": 4, "PRECISION": "tf32", "KIND": 0,
+                                         "INT8_LOOP": "", "INT8_SUB": 1, "ROTARY": True, "QK_NORM": True,
+                                         "KV_PREFETCH_LINES": 2}, 4, "CCTL.E.PF2")
+int4_types = {"x_ptr": bf, "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": bf, "ws_ptr": f32, "cnt_ptr": "*i32",
+              "nw_ptr": bf, "eps": "fp32"}
+result["int4_gemv_norm"] = positions(int4_gemv._int4_gemv_kernel, int4_types,
+                                     {"GS": 128, "BLOCK_M": 1, "BLOCK_N": 16, "CHUNKS": 64, "SPLIT_K": 1,
+                                      "SILU_MUL": False, "EVEN_M": True, "EVEN_N": True, "EVEN_K": True,
+                                      "PREFETCH": False, "ASM": True, "PAIRED": True, "SILU_OUT": True, "HALF2": True,
+                                      "NORM": True, "ONE_STEP": True}, 4, "UBLKPF")
+print(json.dumps(result))
+"""
+
 def _compiled(script: str) -> dict:
     """What `script` (after _PRELUDE) prints last, as JSON, run without TRITON_INTERPRET."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -110,3 +152,19 @@ def test_ticket_counters_reset_without_a_fence(kernel):
     assert len(ops) == 2 and ops[0].startswith("ATOMG.E.ADD") and ops[1].startswith("ATOMG.E.EXCH")
     (ticket, _), _ = result["atomics"]
     assert len(result["fences"]) == 1 and 0 < ticket - result["fences"][0] <= 4
+
+
+def test_the_folded_kernels_compile_for_sm90():
+    """The 16-bit GEMV with the RMSNorm (qkv) and with the residual add on a [gate | up] input (down), the router
+    with the norm, the experts' down kernel adding into the stream, decode attention with the q/k norms and the
+    int4 GEMV with the norm compile for sm_90 (the interpreter compiles nothing), each with its one PDL wait; those
+    with tickets keep the release right before the ticket and reset without a fence."""
+    result = _compiled(_FOLDED)
+    assert sorted(result) == ["attention_qk_norm", "experts_down_add", "gemv_add", "gemv_norm", "int4_gemv_norm",
+                              "router_norm"]
+    for name, kernel in result.items():
+        assert len(kernel["waits"]) == 1, name
+        if kernel["atomics"]:
+            (ticket, add), (_, reset) = kernel["atomics"]
+            assert add.startswith("ATOMG.E.ADD") and reset.startswith("ATOMG.E.EXCH"), name
+            assert len(kernel["fences"]) == 1 and 0 < ticket - kernel["fences"][0] <= 4, name
