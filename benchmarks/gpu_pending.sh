@@ -17,6 +17,10 @@
 #           GEMVs' configs on qwen3-30b-a3b's shapes (gemv_bench.py --shapes) and the skinny GEMM's at 8 and 16 rows
 #           (small_m_tune.py --shapes), W6 decode steps profiled at 1 and 10
 #           rows (W6_TREES: the trees W6 runs on, default ". .bench/prev"; empty: none); $OUT/part7.tar.gz
+#   PART=8: the one-row fold checked (issues 45, 44): its GPU tests, then W6 bf16 (--repeats W6_REPEATS, default 1),
+#           W2 bf16 and W1 bf16, each on the tree and beside .bench/cur (the tree before the fold: `git archive
+#           8537db1 | tar x -C .bench/cur`), each part only while END (s, default 480) leaves it time; then
+#           gemv_bench.py --sweep-fold on qwen3-30b-a3b's shapes; $OUT/part8.tar.gz
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 #         (same pip download flags; add --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64)
@@ -151,4 +155,30 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
 print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['exposed'][:12]]" /tmp/p7/$name.json
   done
   tar czf "$OUT/part7.tar.gz" -C /tmp p7 ;;
+8)
+  mkdir -p /tmp/p8
+  END=${END:-480}
+  timeout ${TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fused_moe.py \
+    tests/gpu/test_gpu_quant_matmul.py tests/gpu/test_gpu.py -k "fold or rotary or qwen3" > /tmp/p8/tests.log 2>&1
+  echo "== fold tests exit $? at ${SECONDS}s"; grep -E "passed|failed|FAILED|ERROR" /tmp/p8/tests.log | tail -12
+  run_on() {  # NAME BOUND TREE COMMAND...: the command in TREE if END leaves BOUND seconds
+    local name=$1 bound=$2 tree=$3; shift 3
+    [ $((END - SECONDS)) -lt $bound ] && { echo "$name $tree skipped at ${SECONDS}s"; return; }
+    (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout $bound "$@" > /tmp/p8/${name}_${tree//\//_}.log 2>&1)
+    echo "== $name $tree exit $? at ${SECONDS}s"
+    grep -E '"tok_s|output_tok_s|fraction_of_roofline|"ttft|out_tok_s' /tmp/p8/${name}_${tree//\//_}.log | head -6
+  }
+  for tree in . .bench/cur; do
+    run_on w6 110 $tree python3 benchmarks/moe.py --repeats ${W6_REPEATS:-1} --output /tmp/p8/w6_${tree//\//_}.json
+  done
+  for tree in . .bench/cur; do run_on w2 50 $tree python3 benchmarks/latency.py --weights bf16; done
+  for tree in . .bench/cur; do
+    run_on w1 70 $tree python3 benchmarks/throughput.py --data $PWD/.bench/w1_throughput.jsonl
+  done
+  tar czf "$OUT/part8.tar.gz" -C /tmp p8
+  left=$((END - SECONDS))
+  [ $left -gt 70 ] && timeout $left python3 benchmarks/gemv_bench.py --shapes qwen3-30b-a3b --sweep-bits 16 \
+    --sweep-fold --sweep-budget-s $((left - 40)) --output /tmp/p8/gemv_fold.json > /tmp/p8/gemv_fold.log 2>&1
+  grep '"best"' /tmp/p8/gemv_fold.log | cut -c1-300
+  tar czf "$OUT/part8.tar.gz" -C /tmp p8 ;;
 esac
