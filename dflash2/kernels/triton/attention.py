@@ -446,8 +446,9 @@ DECODE_WAVES = 2
 # attention's few latency-bound loads. W2 int4 (fused norms) on the H200: 542.0 tok/s releasing after the wait,
 # 547.0 after the KV loop, 549.2 after the store; bf16 234.6 / 234.4 / 234.9 (fourteenth session, call 4). (An
 # early first KV tile, requested before the wait, measured slower with it: 541.1 against 548.7, call 5.)
-# On a float cache without q/k norms, decode rows skip the rotary + KV-write kernel: decode attention rotates q
-# and the step's k and writes k and v itself (_decode_split_kernel's ROTARY); prefill rows keep the kernel. And
+# On a float cache, decode rows skip the rotary + KV-write kernel: decode attention rotates q and the step's k
+# (Qwen3's q/k norms first, QK_NORM, since the eleventh session: not yet measured) and writes k and v itself
+# (_decode_split_kernel's ROTARY); prefill rows keep the kernel. And
 # the first KV tile's page-table entries are read before the PDL wait (PAGES_EARLY, only where rows are split,
 # so KV loops are short). On the H200, fifteenth session: W2 int4 554.9 tok/s with neither, 542.0 with the rotary
 # alone (its KV loop then starts a page lookup later), 553.4 with the pages alone, 562.9 / 562.6 / 563.7 with
