@@ -123,14 +123,13 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 add_to: torch.Tensor | None = None) -> torch.Tensor:
-        """add_to (CUDA, fused_moe.takes_add_to): the sum is added into that tensor, which is returned."""
-        if x.is_cuda:
+        """add_to (fused_moe.takes_add_to): the sum is added into that tensor, which is returned; the fused kernels'
+        (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+        if x.is_cuda or add_to is not None:
             from dflash2.kernels.triton.fused_moe import fused_moe
 
             weights_in, packed = self.kernel_arguments()
             return fused_moe(x, *weights_in, weights, ids, add_to=add_to, **packed)
-        if add_to is not None:
-            raise ValueError("Experts add_to: the CUDA kernels' (fused_moe)")
         if self.bits == 16:
             return experts_by_group(x, self.gate_up_proj, self.down_proj, weights, ids)
         return experts_by_group(x, self._runtimes(self.gate_up_proj), self._runtimes(self.down_proj), weights, ids)

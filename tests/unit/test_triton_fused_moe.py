@@ -404,3 +404,42 @@ def test_the_experts_module_hands_the_kernel_its_packed_experts(bits):
     got = fused_moe(x, *weights_in, weights, ids, config=WIDE, **packed)
     expected = experts(x, weights, ids)
     assert float((got - expected).norm() / expected.norm()) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_folded_float_moe_model_generates_the_unfolded_tokens(tmp_path, monkeypatch):
+    """The one-row fold of a float model wired end to end (interpreted on the CPU, where the engine does not fold:
+    Linear and SparseMoeBlock.fuses_norm patched to their CUDA answer): tiny Qwen3-MoE (layer 0 dense, layer 1
+    sparse) in float32, the 16-bit GEMVs norming and adding, the router norming, the experts' down kernel adding;
+    the same greedy tokens as the torch path with the separate norms."""
+    from dflash2 import LLM, SamplingParams
+    from dflash2.layers.linear import Linear
+    from dflash2.models.llama import LlamaDecoderLayer
+    from dflash2.models.moe import SparseMoeBlock
+    from tests.tiny_models import build_tiny_model
+
+    build_tiny_model("qwen3_moe", str(tmp_path))
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0)
+    calls = {"router": 0}
+    fuses_norms = LlamaDecoderLayer.fuses_norms
+    runs = {}
+    for fused in (False, True):
+        if fused:
+            from dflash2.kernels.triton import moe_router
+
+            route_normed = moe_router.moe_route_normed
+
+            def counted(*args, **kw):
+                calls["router"] += 1
+                return route_normed(*args, **kw)
+
+            monkeypatch.setattr(moe_router, "moe_route_normed", counted)
+            monkeypatch.setattr(Linear, "fuses_norm", lambda self, rows: self.bias is None and rows <= 1)
+            monkeypatch.setattr(SparseMoeBlock, "fuses_norm", lambda self, rows: rows <= 1)
+        llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=1, kv_cache_memory="4MiB")
+        layers = llm.engine.model.module.layers
+        assert [fuses_norms(layer, 1) for layer in layers] == [fused, fused]
+        runs[fused] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": [5, 17, 99, 3]}], params)]
+        del llm
+    assert calls["router"] == 3  # the three decode steps' sparse layer
+    assert runs[True] == runs[False]
