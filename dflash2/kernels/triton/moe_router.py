@@ -13,6 +13,8 @@ launch wait, as the GEMVs request their first weights) and parks their logits in
 workspace, then takes a ticket from its token's counter; the token's last program (the ticket is acq_rel, so it
 sees every other program's logits) picks the top-k and resets the counter. route_logits (more tokens, prefill):
 the logits come from cuBLAS (F.linear: one weight read for all tokens), a program a token does the rest.
+moe_route_normed (route_small with the row in one pass): the layer's RMSNorm folded in; the router reads the
+residual stream, norms it as rms_norm does and hands the normed rows to the experts (models/llama.py fuses_norms).
 
 The logits' sum runs in another order than cuBLAS's, so a logit may round to the next 16-bit value; the dense
 GEMV kernels of the decode path differ from cuBLAS the same way. Ties among the top-k probs go to the lower
