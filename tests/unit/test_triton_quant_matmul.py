@@ -105,6 +105,22 @@ def test_gemv_16bit(silu_mul, dtype):
     assert (got.float() - ref).norm() / ref.norm() < (1e-6 if dtype == torch.float32 else 2e-2)
 
 
+def assert_norm_folds(matmul, k: int, g: torch.Generator):
+    """matmul(x, norm=(weight, eps)) on a residual stream of 1 and 3 rows: the stream left as it was, the product
+    that of RMSNorm(x) (matmul of the separately normed rows); returns the norm."""
+    from dflash2.layers.norm import RMSNorm
+
+    norm = RMSNorm(k, 1e-5)
+    norm.weight.data = torch.rand(k, generator=g) + 0.5
+    for rows in (1, 3):
+        residual = torch.randn(rows, k, generator=g) * 3
+        kept = residual.clone()
+        fused = matmul(residual, norm=(norm.weight, norm.eps))
+        assert torch.equal(residual, kept)
+        torch.testing.assert_close(fused, matmul(norm(residual)), atol=1e-5, rtol=1e-5)
+    return norm
+
+
 @pytest.mark.parametrize("bits, group_size, k, config", [
     (16, None, 96, {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 1}),    # 3 K steps, rstd from a pass over the row
     (16, None, 100, {"BLOCK_N": 8, "BLOCK_K": 32, "SPLIT_K": 2}),   # ragged K, split: each split norms the row
@@ -114,20 +130,12 @@ def test_gemv_16bit(silu_mul, dtype):
 def test_gemv_norm_and_residual_add(bits, group_size, k, config):
     """gemv(norm=(weight, eps)): the input is RMSNorm(x) (x the residual stream, left as it was); add_out: out +=
     the product, also with a [gate | up] input. Both against the separate steps, on the same kernel."""
-    from dflash2.layers.norm import RMSNorm
-
     weight = packed(bits, group_size, k, seed=k)
     tensors = qm.device_tensors(weight, torch.float32)
     config = {"num_warps": 4, "num_stages": 1, **config}
     g = torch.Generator().manual_seed(k)
-    norm = RMSNorm(k, 1e-5)
-    norm.weight.data = torch.rand(k, generator=g) + 0.5
+    norm = assert_norm_folds(lambda x, **kw: qm.gemv(x, tensors, config=config, **kw), k, g)
     for rows in (1, 3):
-        residual = torch.randn(rows, k, generator=g) * 3
-        kept = residual.clone()
-        fused = qm.gemv(residual, tensors, config=config, norm=(norm.weight, norm.eps))
-        assert torch.equal(residual, kept)
-        torch.testing.assert_close(fused, qm.gemv(norm(residual), tensors, config=config), atol=1e-5, rtol=1e-5)
         for silu_mul in (False, True):
             x = torch.randn(rows, 2 * k if silu_mul else k, generator=g)
             stream = torch.randn(rows, N, generator=g)
@@ -136,6 +144,7 @@ def test_gemv_norm_and_residual_add(bits, group_size, k, config):
             assert added.data_ptr() == stream.data_ptr()
             torch.testing.assert_close(stream, want, atol=1e-6, rtol=1e-6)
     assert not qm.split_counters(x.device, 1).any()
+    residual = torch.randn(1, k)
     with pytest.raises(ValueError, match="norm weight"):
         qm.gemv(residual, tensors, norm=(norm.weight[:-1], 1e-5))
     with pytest.raises(ValueError, match="add_out"):
@@ -286,19 +295,13 @@ def test_int4_gemv_norm_and_residual_add(k, config, half2):
     """norm=(weight, eps): the GEMV's input is RMSNorm(x) computed in its prologue (x the residual stream, left
     as it was); add_out: out += the product in the epilogue. Both against the separate steps."""
     from dflash2.kernels.triton.int4_gemv import int4_gemv
-    from dflash2.layers.norm import RMSNorm
 
     weight, prepared = _int4_prepared(N, k, 32, seed=k, half2=half2)
     config = {"BLOCK_N": 8, "num_warps": 1, "num_stages": 1, **config}
     g = torch.Generator().manual_seed(k)
-    norm = RMSNorm(k, 1e-5)
-    norm.weight.data = torch.rand(k, generator=g) + 0.5
+    norm = assert_norm_folds(lambda x, **kw: int4_gemv(x, prepared, config=config, **kw), k, g)
+    residual = torch.randn(1, k, generator=g)
     for rows in (1, 3):
-        residual = torch.randn(rows, k, generator=g) * 3
-        kept = residual.clone()
-        fused = int4_gemv(residual, prepared, config=config, norm=(norm.weight, norm.eps))
-        assert torch.equal(residual, kept)
-        torch.testing.assert_close(fused, int4_gemv(norm(residual), prepared, config=config), atol=1e-5, rtol=1e-5)
         x = torch.randn(rows, k, generator=g)
         for settled in (False, True):  # out_settled: the regular kernel reads out before its loop
             stream = torch.randn(rows, N, generator=g)
