@@ -112,6 +112,20 @@ def test_cpu_backend_uses_the_int4_kernel_and_falls_back_where_it_cannot():
                                                  WeightFormat(6, 32))), torch.float32).kernel
 
 
+@pytest.mark.parametrize("in_features", [24, 40, 72])
+def test_cpu_backend_runs_int8_rows_of_no_multiple_of_16_without_its_kernel(in_features):
+    # torch 2.13's _weight_int8pack_mm reads past such rows: wrong sums, NaN or a segfault (a tensor-parallel
+    # shard of a tiny model's 48-wide shared expert is 24 wide)
+    backend = quant_matmul_backend("torch_cpu")
+    fmt = WeightFormat(8)
+    weight = PackedWeight(fmt, 64, in_features, quantize(_weight(64, in_features, seed=7), fmt))
+    runtime = backend.prepare(weight, torch.float32)
+    assert "int8pack" not in runtime.kernel
+    x = torch.randn(3, in_features, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    reference = x.float() @ dequantize(fmt, weight.tensors, torch.float32).t()
+    assert torch.allclose(runtime.matmul(x).float(), reference, atol=2e-2 * reference.abs().max(), rtol=0)
+
+
 @pytest.mark.parametrize("fmt", [WeightFormat(16), WeightFormat(8), WeightFormat(6, 32), WeightFormat(4, 64)],
                          ids=lambda f: f.name)
 def test_quant_embedding_lookup_and_tied_projection(fmt):

@@ -14,8 +14,9 @@ loading, and the runtime form computes  y = x @ W^T  for activations x [M, K]:
                W = W_hi + W_lo exactly, each an int4 weight (scales 4s and s): two int4 kernel calls
                (8 bits a weight in memory at run time, 6 on disk)
         16     bfloat16 F.linear
-        The int4 kernel needs N % 16 == 0 and a group size of 32/64/128/256; other shapes fall back to a
-        bfloat16 weight dequantized at load.
+        The int4 kernel needs N % 16 == 0 and a group size of 32/64/128/256, the int8 kernel K % 16 == 0 (in
+        torch 2.13 it reads past the rows' ends otherwise: wrong sums or a segfault); other shapes fall back
+        to a bfloat16 weight dequantized at load.
     The weight-only kernels decode the weight again for every few activation rows (on 2 cores, SmolLM2's layers:
     int4 4.4 ms a step at 1 row, 28 at 16, 117 at 64; a bfloat16 F.linear 21-26 ms at 16-64 rows). So from
     DENSE_MIN_ROWS rows on (batched decode, prefill) a quantized weight runs as F.linear on a bfloat16 copy of
@@ -155,10 +156,10 @@ class CPUPackedMatmul:
         fmt, tensors = weight.fmt, weight.tensors
         if fmt.bits == 16:
             return DenseWeight(tensors["weight"].to(COMPUTE_DTYPE).contiguous())
+        if not (int8_kernel_fits(weight) if fmt.bits == 8 else int4_kernel_fits(weight)):
+            return DenseWeight(dequantize(fmt, tensors, COMPUTE_DTYPE).contiguous())
         if fmt.bits == 8:
             runtime = Int8Weight(tensors["qweight"], tensors["scales"])
-        elif not int4_kernel_fits(weight):
-            return DenseWeight(dequantize(fmt, tensors, COMPUTE_DTYPE).contiguous())
         else:
             runtime = _grouped_runtime(weight)
         runtime.source = weight
@@ -179,6 +180,10 @@ def _available_memory() -> int:
     except OSError:
         pass
     return 0
+
+
+def int8_kernel_fits(weight: PackedWeight) -> bool:
+    return weight.in_features % 16 == 0
 
 
 def int4_kernel_fits(weight: PackedWeight) -> bool:
