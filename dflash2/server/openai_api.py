@@ -69,6 +69,12 @@ async def create_completion(http_request: HTTPRequest, body: CompletionRequest, 
     echo = [model.decode(p["prompt_token_ids"]) if p["prompt"] is None else p["prompt"] for p in prompts] \
         if body.echo else None
     formatter = _CompletionFormat(model, generation, body.logprobs, echo, body.prompt_logprobs is not None)
+    return await respond(http_request, body, state, generation, formatter, params, headers)
+
+
+async def respond(http_request: HTTPRequest, body: CompletionRequest | ChatCompletionRequest, state: ServerState,
+                  generation: Generation, formatter: Any, params: Any, headers: dict | None) -> Response:
+    """The stream of events (body.stream) or the whole response once every sample has finished."""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(state, generation, formatter, include_usage),
@@ -261,12 +267,7 @@ async def create_chat_completion(http_request: HTTPRequest, body: ChatCompletion
 
         formatter = ToolChatFormat(model, generation, body.num_logprobs, body.prompt_logprobs is not None, tools,
                                    choose_parser(state.config.tool_call_parser, model.chat_template))
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(stream_events(state, generation, formatter, include_usage),
-                                 media_type="text/event-stream", headers=headers)
-    finals = await collect(http_request, generation)
-    return JSONResponse(await whole(formatter, finals, params), headers=headers)
+    return await respond(http_request, body, state, generation, formatter, params, headers)
 
 
 class _ChatFormat(_CompletionFormat):
