@@ -234,13 +234,18 @@ def _write_gguf(
     writer.add_token_list([f"t{i}" for i in range(VOCAB)])  # no {arch}.vocab_size: the loader counts these
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    write_tensors_and_close(writer, tensors)
+    return str(path)
+
+
+def write_tensors_and_close(writer: gguf.GGUFWriter, tensors: dict[str, tuple[np.ndarray, QType]]) -> None:
+    """Add the tensors (F32 / F16 as numpy arrays, quantized ones as their raw bytes) and write the file."""
     for name, (data, qtype) in tensors.items():
         writer.add_tensor(name, data, raw_dtype=None if qtype in (QType.F32, QType.F16) else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return str(path)
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -23,7 +23,7 @@ from dflash2.layers.quant_linear import QuantLinear
 from dflash2.loading.gguf_loader import GGUFCheckpoint
 from dflash2.loading.hf_loader import iter_safetensors, read_hf_config
 from tests.tiny_models import MOE_ARCHS, build_tiny_model, random_prompts
-from tests.unit.test_gguf_loader import _llama_cpp_permute
+from tests.unit.test_gguf_loader import _llama_cpp_permute, write_tensors_and_close
 
 GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -101,12 +101,7 @@ def _write_gguf(path: Path, arch: str, config, tensors: dict[str, tuple[np.ndarr
     writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
-    for name, (data, qtype) in tensors.items():
-        writer.add_tensor(name, data, raw_dtype=None if qtype in (QType.F32, QType.F16) else qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors_and_close(writer, tensors)
     return str(path)
 
 
