@@ -21,6 +21,10 @@
 #           W2 bf16 and W1 bf16, each on the tree and beside .bench/cur (the tree before the fold: `git archive
 #           8537db1 | tar x -C .bench/cur`), each part only while END (s, default 480) leaves it time; then
 #           gemv_bench.py --sweep-fold on qwen3-30b-a3b's shapes; $OUT/part8.tar.gz
+#   PART=9: issue 44 on an H200: W7 offline, W3 (Poisson, --synthetic 1600) on the tree and beside .bench/base
+#           (`git archive 0ed3f7b dflash2 benchmarks | tar x -C .bench/base`), then the fold's GPU tests while END
+#           (default 560) leaves time; $OUT/part9.tar.gz
+#   PART=auto: 9 on an H200, 8 on any other card
 # Carry [".bench", ".whl"]. Prepare them here first:
 #   .whl: the wheels gpu_w3.sh lists, plus xxhash==3.6.0 gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 #         (same pip download flags; add --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64)
@@ -55,7 +59,10 @@ w7_http() {  # DIR: W7 over HTTP (dflash2 serve, dflash2 bench at 1000 in flight
   echo "== W7 over HTTP exit $?"; tail -c 700 $1/w7_http.log
 }
 
-case "${PART:-1}" in
+PART=${PART:-1}
+[ "$PART" = auto ] && { case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in *H200*) PART=9;; *) PART=8;; esac; }
+echo "PART=$PART"
+case "$PART" in
 1)
   timeout 270 python3 -m pytest -q -p no:cacheprovider --durations=15 tests/gpu > "$OUT/gpu_tests.log" 2>&1
   echo "== tests/gpu exit $?"; grep -E "passed|failed|error|FAILED|ERROR" "$OUT/gpu_tests.log" | tail -25
@@ -181,4 +188,25 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
     --sweep-fold --sweep-budget-s $((left - 40)) --output /tmp/p8/gemv_fold.json > /tmp/p8/gemv_fold.log 2>&1
   grep '"best"' /tmp/p8/gemv_fold.log | cut -c1-300
   tar czf "$OUT/part8.tar.gz" -C /tmp p8 ;;
+9)
+  mkdir -p /tmp/p9
+  END=${END:-560}
+  timeout 170 python3 benchmarks/w7_throughput.py --data .bench/w7.jsonl > /tmp/p9/w7.json 2> /tmp/p9/w7.err
+  echo "== W7 exit $? at ${SECONDS}s"; grep -E '"out_tok_s|"total_tok_s|roofline|preempt|max_num' /tmp/p9/w7.json | head
+  tar czf "$OUT/part9.tar.gz" -C /tmp p9
+  ln -sfn "$PWD/.whl" .bench/base/.whl
+  for tree in . .bench/base; do
+    left=$((END - SECONDS))
+    [ $left -lt 110 ] && { echo "W3 $tree skipped at ${SECONDS}s"; continue; }
+    o=/tmp/p9/w3_${tree//\//_}; mkdir -p $o
+    (cd $tree && OUT=$o W3_RUNS=poisson W3_TIMEOUT=$((left < 200 ? left - 10 : 190)) W3_ARGS="--synthetic 1600" \
+      bash benchmarks/gpu_w3.sh > $o/run.log 2>&1)
+    echo "== W3 $tree exit $? at ${SECONDS}s"; grep -E '"ratio|"p99' $o/run.log | head -12
+  done
+  tar czf "$OUT/part9.tar.gz" -C /tmp p9
+  left=$((END - SECONDS))
+  [ $left -gt 60 ] && { timeout $((left - 20 < 90 ? left - 20 : 90)) python3 -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_gpu_fused_moe.py tests/gpu/test_gpu_quant_matmul.py tests/gpu/test_gpu.py -k "fold or rotary or qwen3" \
+    > /tmp/p9/tests.log 2>&1; echo "== fold tests exit $? at ${SECONDS}s"; grep -E "passed|failed|FAILED|ERROR" /tmp/p9/tests.log | tail -12; }
+  tar czf "$OUT/part9.tar.gz" -C /tmp p9 ;;
 esac
