@@ -18,7 +18,7 @@
 #           (small_m_tune.py --shapes), W6 decode steps profiled at 1 and 10
 #           rows (W6_TREES: the trees W6 runs on, default ". .bench/prev"; empty: none); $OUT/part7.tar.gz
 #   PART=8: the one-row fold checked (issues 45, 44): its GPU tests, then W6 bf16 (--repeats W6_REPEATS, default 1),
-#           W2 bf16 and W1 bf16, each on the tree and beside .bench/cur (the tree before the fold: `git archive
+#           W2 bf16 and W1 bf16 (P8_RUNS: which and in what order, default "w6 w2 w1"), each on the tree and beside .bench/cur (the tree before the fold: `git archive
 #           8537db1 | tar x -C .bench/cur`), each part only while END (s, default 480) leaves it time; then
 #           gemv_bench.py --sweep-fold on qwen3-30b-a3b's shapes; $OUT/part8.tar.gz
 #   PART=9: issue 44 on an H200: W7 offline, W3 (Poisson, --synthetic 1600) on the tree and beside .bench/base
@@ -175,12 +175,14 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
     echo "== $name $tree exit $? at ${SECONDS}s"
     grep -E '"tok_s|output_tok_s|fraction_of_roofline|"ttft|out_tok_s' /tmp/p8/${name}_${tree//\//_}.log | head -6
   }
-  for tree in . .bench/cur; do
-    run_on w6 110 $tree python3 benchmarks/moe.py --repeats ${W6_REPEATS:-1} --output /tmp/p8/w6_${tree//\//_}.json
-  done
-  for tree in . .bench/cur; do run_on w2 50 $tree python3 benchmarks/latency.py --weights bf16; done
-  for tree in . .bench/cur; do
-    run_on w1 70 $tree python3 benchmarks/throughput.py --data $PWD/.bench/w1_throughput.jsonl
+  for run in ${P8_RUNS:-w6 w2 w1}; do
+    for tree in . .bench/cur; do
+      case $run in
+      w6) run_on w6 110 $tree python3 benchmarks/moe.py --repeats ${W6_REPEATS:-1} --output /tmp/p8/w6_${tree//\//_}.json ;;
+      w2) run_on w2 50 $tree python3 benchmarks/latency.py --weights bf16 ;;
+      w1) run_on w1 70 $tree python3 benchmarks/throughput.py --data $PWD/.bench/w1_throughput.jsonl ;;
+      esac
+    done
   done
   tar czf "$OUT/part8.tar.gz" -C /tmp p8
   left=$((END - SECONDS))
