@@ -59,6 +59,12 @@ w7_http() {  # DIR: W7 over HTTP (dflash2 serve, dflash2 bench at 1000 in flight
   echo "== W7 over HTTP exit $?"; tail -c 700 $1/w7_http.log
 }
 
+fold_tests() {  # DIR BOUND: the one-row fold's GPU tests (issues 45, 44)
+  timeout $2 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fused_moe.py tests/gpu/test_gpu_quant_matmul.py \
+    tests/gpu/test_gpu.py -k "fold or rotary or qwen3" > $1/tests.log 2>&1
+  echo "== fold tests exit $? at ${SECONDS}s"; grep -E "passed|failed|FAILED|ERROR" $1/tests.log | tail -12
+}
+
 PART=${PART:-1}
 [ "$PART" = auto ] && { case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in *H200*) PART=9;; *) PART=8;; esac; }
 echo "PART=$PART"
@@ -165,9 +171,7 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
 8)
   mkdir -p /tmp/p8
   END=${END:-480}
-  timeout ${TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fused_moe.py \
-    tests/gpu/test_gpu_quant_matmul.py tests/gpu/test_gpu.py -k "fold or rotary or qwen3" > /tmp/p8/tests.log 2>&1
-  echo "== fold tests exit $? at ${SECONDS}s"; grep -E "passed|failed|FAILED|ERROR" /tmp/p8/tests.log | tail -12
+  fold_tests /tmp/p8 ${TESTS_S:-90}
   run_on() {  # NAME BOUND TREE COMMAND...: the command in TREE if END leaves BOUND seconds
     local name=$1 bound=$2 tree=$3; shift 3
     [ $((END - SECONDS)) -lt $bound ] && { echo "$name $tree skipped at ${SECONDS}s"; return; }
@@ -207,8 +211,6 @@ print(d['wall_ms_per_step'], d['busy_us_per_step']); [print(k) for k in d['expos
   done
   tar czf "$OUT/part9.tar.gz" -C /tmp p9
   left=$((END - SECONDS))
-  [ $left -gt 60 ] && { timeout $((left - 20 < 90 ? left - 20 : 90)) python3 -m pytest -q -p no:cacheprovider \
-    tests/gpu/test_gpu_fused_moe.py tests/gpu/test_gpu_quant_matmul.py tests/gpu/test_gpu.py -k "fold or rotary or qwen3" \
-    > /tmp/p9/tests.log 2>&1; echo "== fold tests exit $? at ${SECONDS}s"; grep -E "passed|failed|FAILED|ERROR" /tmp/p9/tests.log | tail -12; }
+  [ $left -gt 60 ] && fold_tests /tmp/p9 $((left - 20 < 90 ? left - 20 : 90))
   tar czf "$OUT/part9.tar.gz" -C /tmp p9 ;;
 esac

@@ -15,12 +15,11 @@ import uuid
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from dflash2.request import RequestOutput
 from dflash2.server.generation import Generation
-from dflash2.server.openai_api import (TRUNCATION_HEADER, collect, event_text, logprobs_json, stream_events,
-                                      usage, whole)
+from dflash2.server.openai_api import TRUNCATION_HEADER, event_text, logprobs_json, respond, usage
 from dflash2.server.protocol import GenerateRequest
 from dflash2.server.state import ModelHandle, ServerState
 
@@ -37,11 +36,8 @@ async def generate(http_request: HTTPRequest, body: GenerateRequest, state: Serv
     headers = TRUNCATION_HEADER if truncated else None
     formatter = _GenerateFormat(model, generation, body.priority, body.logprobs is not None,
                                 body.prompt_logprobs is not None)
-    if body.stream:
-        return StreamingResponse(stream_events(state, generation, formatter, include_usage=False),
-                                 media_type="text/event-stream", headers=headers)
-    finals = await collect(http_request, generation)
-    return JSONResponse(await whole(formatter, finals, params), headers=headers)
+    return await respond(http_request, state, generation, formatter, params, headers, body.stream,
+                         include_usage=False)
 
 
 class _GenerateFormat:

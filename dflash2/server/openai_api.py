@@ -69,18 +69,22 @@ async def create_completion(http_request: HTTPRequest, body: CompletionRequest, 
     echo = [model.decode(p["prompt_token_ids"]) if p["prompt"] is None else p["prompt"] for p in prompts] \
         if body.echo else None
     formatter = _CompletionFormat(model, generation, body.logprobs, echo, body.prompt_logprobs is not None)
-    return await respond(http_request, body, state, generation, formatter, params, headers)
+    return await respond(http_request, state, generation, formatter, params, headers, body.stream,
+                         _usage_streamed(body))
 
 
-async def respond(http_request: HTTPRequest, body: CompletionRequest | ChatCompletionRequest, state: ServerState,
-                  generation: Generation, formatter: Any, params: Any, headers: dict | None) -> Response:
-    """The stream of events (body.stream) or the whole response once every sample has finished."""
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+async def respond(http_request: HTTPRequest, state: ServerState, generation: Generation, formatter: Any,
+                  params: Any, headers: dict | None, stream: bool, include_usage: bool) -> Response:
+    """The stream of events or the whole response once every sample has finished (every endpoint's answer)."""
+    if stream:
         return StreamingResponse(stream_events(state, generation, formatter, include_usage),
                                  media_type="text/event-stream", headers=headers)
     finals = await collect(http_request, generation)
     return JSONResponse(await whole(formatter, finals, params), headers=headers)
+
+
+def _usage_streamed(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 def _response_id(prefix: str, request_id: str | None) -> str | None:
@@ -267,7 +271,8 @@ async def create_chat_completion(http_request: HTTPRequest, body: ChatCompletion
 
         formatter = ToolChatFormat(model, generation, body.num_logprobs, body.prompt_logprobs is not None, tools,
                                    choose_parser(state.config.tool_call_parser, model.chat_template))
-    return await respond(http_request, body, state, generation, formatter, params, headers)
+    return await respond(http_request, state, generation, formatter, params, headers, body.stream,
+                         _usage_streamed(body))
 
 
 class _ChatFormat(_CompletionFormat):
